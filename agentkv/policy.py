@@ -1,0 +1,520 @@
+"""The pause decision: keep a paused trajectory's KV on the device, copy it to a tier, or drop it.
+
+Primitives:
+    Action            'retain' | 'offload_host' | 'offload_disk' | 'drop'
+    CostModel         per-engine constants: link and disk bandwidths, prefill rate, model size
+    PolicyParams      the knobs: DRAM/HBM shadow-price ratio, stall tolerance, disk threshold
+    reload_seconds    M / B
+    round_trip_seconds  2M / B (out and back over one link)
+    recompute_seconds   (2PS + 4 L S^2 d_model) / R_prefill, or S / (tokens per second)
+    break_even_wait   T* = round_trip / (1 - r(U)) + stall tolerance, r(U) = r_idle * (1 - U)
+    hold_cost         M * T_wait, in byte-seconds
+    Decision          the action, its lease and prefetch time, and every number behind it
+    decide            pure, cheap and never raising: inputs -> Decision
+
+The model is the reference text's "Retain, Evict, Recompute, or Offload". Freeing device memory
+for a wait is only possible when the wait exceeds the round trip 2M/B; beyond that, holding costs
+mu_HBM * M * T and offloading costs the round trip plus mu_DRAM * M * T, which breaks even at
+T* = (2M/B) * mu_HBM / (mu_HBM - mu_DRAM) + stall. The shadow price of device memory rises with
+pool pressure U: mu_HBM(U) = mu_HBM(0) / (1 - U), so with r_idle = mu_DRAM / mu_HBM(0) the ratio is
+r(U) = r_idle * (1 - U) and T* falls to the round trip as the pool fills.
+
+A retained trajectory gets a lease of T* (the ski-rental rule: hold until holding has cost as much
+as the round trip would have, then demote), so more pressure never lengthens a lease. Offload is
+write-back: the tier gets a copy while the device blocks go back, unpinned, to vLLM's prefix cache,
+so a resume is still free when the pool never needed them; the stall reported is the pessimistic
+one (the blocks were evicted). Drop means "leave it to vLLM": no pin, no copy, recompute on a miss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from agentkv.predict import WaitEstimate, prefetch_at
+
+if TYPE_CHECKING:
+    from agentkv.profile import HardwareProfile
+
+Action = Literal["retain", "offload_host", "offload_disk", "drop"]
+ACTIONS: tuple[Action, ...] = ("retain", "offload_host", "offload_disk", "drop")
+
+_INF = math.inf
+
+
+def _positive(value: float | None) -> bool:
+    return value is not None and not math.isnan(value) and value > 0 and not math.isinf(value)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What moving or rebuilding a trajectory's KV costs on this engine.
+
+    Bandwidths are bytes per second; None (or a non-positive number) means the path is unusable.
+    Recompute uses ``prefill_tokens_per_s`` when measured, else ``prefill_flops_per_s`` with
+    ``model_params`` (plus the attention term when ``num_layers`` and ``hidden_size`` are known);
+    with neither, recompute time is unknown and taken as infinite (never drop to save time).
+    """
+
+    host_link_bytes_per_s: float | None
+    """Device <-> host copy rate (the host memcpy rate when the "device" is CPU memory)."""
+    disk_write_bytes_per_s: float | None = None
+    disk_read_bytes_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    prefill_flops_per_s: float | None = None
+    model_params: float | None = None
+    num_layers: int = 0
+    hidden_size: int = 0
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: HardwareProfile,
+        *,
+        model_params: float | None = None,
+        num_layers: int = 0,
+        hidden_size: int = 0,
+    ) -> CostModel:
+        """Cost model from a measured (or default) hardware profile and the served model's size.
+
+        Contract: the host link is the slower of the two host<->device directions when a GPU was
+        measured, else the host copy rate (vLLM on CPU keeps its KV cache in host memory).
+        """
+        directions = [
+            v
+            for v in (profile.host_to_device_bytes_per_s, profile.device_to_host_bytes_per_s)
+            if v is not None and _positive(v)
+        ]
+        link = min(directions) if directions else profile.host_copy_bytes_per_s
+        return cls(
+            host_link_bytes_per_s=link,
+            disk_write_bytes_per_s=profile.disk_write_bytes_per_s,
+            disk_read_bytes_per_s=profile.disk_read_bytes_per_s,
+            prefill_tokens_per_s=profile.prefill_tokens_per_s,
+            model_params=model_params,
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+        )
+
+    def recompute_seconds(self, tokens: float) -> float:
+        """Time to rebuild ``tokens`` tokens of KV by prefill; inf when no prefill rate is known."""
+        if _positive(self.prefill_tokens_per_s):
+            return recompute_seconds(tokens, prefill_tokens_per_s=self.prefill_tokens_per_s)
+        if _positive(self.prefill_flops_per_s) and _positive(self.model_params):
+            return recompute_seconds(
+                tokens,
+                params=self.model_params,
+                prefill_flops_per_s=self.prefill_flops_per_s,
+                num_layers=self.num_layers,
+                hidden_size=self.hidden_size,
+            )
+        return _INF
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    """Knobs of the decision; the defaults suit a GPU node with a host tier and a disk tier."""
+
+    dram_to_hbm_price_ratio: float = 0.25
+    """r_idle = mu_DRAM / mu_HBM with an empty pool (about the $/GB of DDR5 over HBM3e)."""
+    stall_tolerance_s: float = 0.0
+    """Delta T_stall: resume latency the scheduler accepts on top of the round trip."""
+    disk_after_s: float = 300.0
+    """Predicted median waits at least this long (people, hours) go to disk when it has room."""
+    prefetch_margin_s: float = 0.05
+    """Reload finishes this long before the predicted p10 of the wait."""
+    max_lease_s: float = 600.0
+    """Upper bound on any lease, so a bad estimate cannot pin memory for hours."""
+
+
+DEFAULT_POLICY = PolicyParams()
+
+
+def reload_seconds(kv_bytes: float, bytes_per_s: float) -> float:
+    """M / B: one-way transfer time. Contract: inf when the link is unusable (<= 0, NaN)."""
+    return kv_bytes / bytes_per_s if _positive(bytes_per_s) else _INF
+
+
+def round_trip_seconds(kv_bytes: float, bytes_per_s: float) -> float:
+    """2M / B: out and back over one link. Contract: inf when the link is unusable."""
+    return 2.0 * reload_seconds(kv_bytes, bytes_per_s)
+
+
+def recompute_seconds(
+    tokens: float,
+    *,
+    params: float | None = None,
+    prefill_flops_per_s: float | None = None,
+    num_layers: int = 0,
+    hidden_size: int = 0,
+    prefill_tokens_per_s: float | None = None,
+) -> float:
+    """Prefill time to rebuild ``tokens`` tokens of KV.
+
+    Contract: with ``prefill_tokens_per_s`` (a measured rate) returns S / T; otherwise
+    (2*P*S + 4*L*S^2*d_model) / R, the attention term counted only when ``num_layers`` and
+    ``hidden_size`` are given. Returns inf when the needed rate or parameter count is missing,
+    zero or NaN.
+    """
+    if _positive(prefill_tokens_per_s):
+        assert prefill_tokens_per_s is not None
+        return tokens / prefill_tokens_per_s
+    if not (_positive(params) and _positive(prefill_flops_per_s)):
+        return _INF
+    assert params is not None and prefill_flops_per_s is not None
+    flops = 2.0 * params * tokens + 4.0 * num_layers * tokens * tokens * hidden_size
+    return flops / prefill_flops_per_s
+
+
+def shadow_price_ratio(pressure: float, idle_ratio: float) -> float:
+    """r(U) = mu_DRAM / mu_HBM(U) = idle_ratio * (1 - U), U clamped to [0, 1]."""
+    u = min(max(pressure, 0.0), 1.0)
+    return idle_ratio * (1.0 - u)
+
+
+def break_even_wait(
+    round_trip_s: float, pressure: float, params: PolicyParams = DEFAULT_POLICY
+) -> float:
+    """T*: the wait above which freeing device memory beats holding it.
+
+    Contract: T* = round_trip_s / (1 - r(U)) + stall tolerance; equals the round trip plus the
+    tolerance at U = 1, is non-increasing in U and non-decreasing in ``round_trip_s``.
+    """
+    ratio = min(max(shadow_price_ratio(pressure, params.dram_to_hbm_price_ratio), 0.0), 0.99)
+    return round_trip_s / (1.0 - ratio) + max(params.stall_tolerance_s, 0.0)
+
+
+def hold_cost(kv_bytes: float, wait_s: float) -> float:
+    """M * T_wait: device memory withheld from the pool, in byte-seconds."""
+    return kv_bytes * wait_s
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one paused trajectory, and the numbers that decided it.
+
+    Times are seconds after the pause. ``reload_s`` and ``round_trip_s`` are those of the tier the
+    action uses (offload) or, for retain and drop, of the fastest tier considered. Infinite values
+    mean "impossible" (no usable link, unknown prefill rate).
+    """
+
+    action: Action
+    lease_s: float
+    """How long the device blocks stay pinned (retain only; 0 otherwise)."""
+    prefetch_at_s: float | None
+    """When to start reloading from the tier (offload only)."""
+    expected_resume_stall_s: float
+    """Resume latency at the median wait if the device copy was evicted meanwhile."""
+    reload_s: float
+    round_trip_s: float
+    recompute_s: float
+    break_even_wait_s: float
+    hold_cost_byte_s: float
+    """M * p50 wait: what retaining for the whole predicted wait would withhold."""
+    kv_bytes: float
+    tokens: int
+    rationale: str
+    wait_p10_s: float = 0.0
+    wait_p50_s: float = 0.0
+    wait_p90_s: float = 0.0
+    wait_source: str = "declared"
+    pressure: float = 0.0
+    recompute_over_reload: float = _INF
+    """How many times faster reloading is than recomputing (the reference's 53.6x, 62x)."""
+    fallbacks: tuple[str, ...] = field(default_factory=tuple)
+    """Inputs that were unusable and what was assumed instead (empty when all were fine)."""
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready mapping of every field; non-finite numbers become None."""
+        raw = asdict(self)
+        raw["fallbacks"] = list(self.fallbacks)
+        return {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in raw.items()
+        }
+
+
+def _fmt_s(value: float) -> str:
+    if math.isinf(value):
+        return "inf"
+    if value < 1.0:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value:.3g} s"
+
+
+def _sanitize_wait(
+    wait: WaitEstimate | float | None, notes: list[str]
+) -> tuple[WaitEstimate | None, str]:
+    if isinstance(wait, WaitEstimate):
+        if wait.is_valid():
+            return wait, wait.source
+        notes.append(f"wait estimate {wait.p10}/{wait.p50}/{wait.p90} is unusable; wait unknown")
+        return None, "unknown"
+    if wait is None:
+        notes.append("no wait estimate; wait unknown")
+        return None, "unknown"
+    try:
+        w = float(wait)
+    except (TypeError, ValueError):
+        notes.append(f"wait {wait!r} is not a number; wait unknown")
+        return None, "unknown"
+    if math.isnan(w) or w < 0:
+        notes.append(f"wait {w} s is negative or NaN; wait unknown")
+        return None, "unknown"
+    return WaitEstimate.point(w), "declared"
+
+
+def _sanitize_fraction(value: float, name: str, default: float, notes: list[str]) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        notes.append(f"{name} {value!r} is not a number; assumed {default}")
+        return default
+    if math.isnan(v):
+        notes.append(f"{name} is NaN; assumed {default}")
+        return default
+    if v < 0.0 or v > 1.0:
+        clamped = min(max(v, 0.0), 1.0)
+        notes.append(f"{name} {v} outside [0, 1]; clamped to {clamped}")
+        return clamped
+    return v
+
+
+def _room(free_bytes: float | None, kv_bytes: float, name: str, notes: list[str]) -> bool:
+    if free_bytes is None:
+        return True
+    try:
+        free = float(free_bytes)
+    except (TypeError, ValueError):
+        notes.append(f"{name} free bytes {free_bytes!r} unusable; tier treated as full")
+        return False
+    if math.isnan(free) or free < 0:
+        notes.append(f"{name} free bytes {free} unusable; tier treated as full")
+        return False
+    return free >= kv_bytes
+
+
+def _bandwidth_ok(value: float | None, name: str, notes: list[str], required: bool) -> bool:
+    if _positive(value):
+        return True
+    if value is not None or required:
+        notes.append(f"{name} bandwidth {value} unusable; that path is off")
+    return False
+
+
+def _safe_drop(tokens: int, kv_bytes: float, notes: list[str], pressure: float) -> Decision:
+    notes_text = "; ".join(notes)
+    return Decision(
+        action="drop",
+        lease_s=0.0,
+        prefetch_at_s=None,
+        expected_resume_stall_s=_INF,
+        reload_s=_INF,
+        round_trip_s=_INF,
+        recompute_s=_INF,
+        break_even_wait_s=0.0,
+        hold_cost_byte_s=0.0,
+        kv_bytes=kv_bytes,
+        tokens=tokens,
+        rationale=f"drop (leave the blocks to vLLM, no pin, no copy): {notes_text}",
+        pressure=pressure,
+        fallbacks=tuple(notes),
+    )
+
+
+def decide(
+    *,
+    tokens: int,
+    kv_bytes: float,
+    wait: WaitEstimate | float | None,
+    costs: CostModel,
+    pressure: float,
+    host_free_bytes: float | None = None,
+    disk_free_bytes: float | None = None,
+    params: PolicyParams = DEFAULT_POLICY,
+) -> Decision:
+    """Decide what to do with a trajectory paused at ``tokens`` tokens holding ``kv_bytes``.
+
+    Contract: pure, allocation-light (a few microseconds) and never raises. ``pressure`` is the
+    device pool's use U_KV in [0, 1]; ``host_free_bytes`` / ``disk_free_bytes`` are the tiers' free
+    space (None: unlimited; 0: tier absent or full). Rules, in order:
+      1. retain, with lease T*, when the predicted median wait is below T* (the smallest
+         break-even wait over the usable options: host, disk, or drop whose "round trip" is the
+         recompute time);
+      2. offload_disk when the median wait is at least ``params.disk_after_s`` and disk has room
+         and reloads faster than recompute;
+      3. offload_host when host has room and reloads no slower than recompute;
+      4. offload_disk when disk has room and reloads no slower than recompute;
+      5. drop otherwise.
+    Unusable inputs never raise: a NaN/negative wait counts as unknown (no retain; offload if
+    possible, since write-back costs nothing when the pool keeps the blocks), NaN pressure counts
+    as 1, an unusable bandwidth or free-space figure turns that tier off, and unusable token or
+    byte counts give a drop (vLLM's own behaviour). Every such fallback is named in ``fallbacks``
+    and in ``rationale``.
+    """
+    try:
+        return _decide(
+            tokens=tokens,
+            kv_bytes=kv_bytes,
+            wait=wait,
+            costs=costs,
+            pressure=pressure,
+            host_free_bytes=host_free_bytes,
+            disk_free_bytes=disk_free_bytes,
+            params=params,
+        )
+    except Exception as exc:  # the engine's hot path must never see an exception from here
+        return _safe_drop(0, 0.0, [f"internal error {type(exc).__name__}: {exc}"], 1.0)
+
+
+def _decide(
+    *,
+    tokens: int,
+    kv_bytes: float,
+    wait: WaitEstimate | float | None,
+    costs: CostModel,
+    pressure: float,
+    host_free_bytes: float | None,
+    disk_free_bytes: float | None,
+    params: PolicyParams,
+) -> Decision:
+    notes: list[str] = []
+    u = _sanitize_fraction(pressure, "pressure", 1.0, notes)
+    m = float(kv_bytes)
+    s = float(tokens)
+    if math.isnan(m) or math.isinf(m) or m < 0 or math.isnan(s) or math.isinf(s) or s < 0:
+        notes.append(f"tokens {tokens} / kv_bytes {kv_bytes} unusable")
+        return _safe_drop(0, 0.0, notes, u)
+    n_tokens = int(s)
+    estimate, source = _sanitize_wait(wait, notes)
+    p50 = estimate.p50 if estimate is not None else math.nan
+
+    host_ok = _bandwidth_ok(costs.host_link_bytes_per_s, "host link", notes, required=True)
+    disk_ok = _bandwidth_ok(
+        costs.disk_write_bytes_per_s, "disk write", notes, required=False
+    ) and _bandwidth_ok(costs.disk_read_bytes_per_s, "disk read", notes, required=False)
+    host_link = costs.host_link_bytes_per_s if host_ok else None
+    host_room = host_ok and _room(host_free_bytes, m, "host", notes)
+    disk_room = disk_ok and _room(disk_free_bytes, m, "disk", notes)
+
+    host_reload = reload_seconds(m, host_link or 0.0)
+    host_rt = 2.0 * host_reload
+    if disk_ok:
+        assert costs.disk_read_bytes_per_s is not None and costs.disk_write_bytes_per_s is not None
+        # Disk sits behind the host: out via host link then disk write, back via read then link.
+        disk_reload = m / costs.disk_read_bytes_per_s + host_reload
+        disk_rt = m / costs.disk_write_bytes_per_s + host_reload + disk_reload
+    else:
+        disk_reload = disk_rt = _INF
+    recompute = costs.recompute_seconds(s)
+    if math.isnan(recompute) or recompute < 0:
+        notes.append(f"recompute time {recompute} unusable; taken as infinite")
+        recompute = _INF
+
+    # Break-even against every usable way of freeing the memory; dropping has no DRAM to pay,
+    # so its break-even is the recompute time itself.
+    t_host = break_even_wait(host_rt, u, params) if host_room else _INF
+    t_disk = break_even_wait(disk_rt, u, params) if disk_room else _INF
+    t_drop = recompute + max(params.stall_tolerance_s, 0.0)
+    t_star = min(t_host, t_disk, t_drop)
+
+    if host_room or not disk_room:
+        ref_reload, ref_rt = host_reload, host_rt
+    else:
+        ref_reload, ref_rt = disk_reload, disk_rt
+    ratio = recompute / ref_reload if ref_reload > 0 and not math.isinf(ref_reload) else _INF
+
+    def build(
+        action: Action,
+        lease: float,
+        prefetch: float | None,
+        stall: float,
+        reload: float,
+        rt: float,
+        why: str,
+    ) -> Decision:
+        wait_text = f"wait p50 {_fmt_s(p50)} ({source})" if estimate is not None else "wait unknown"
+        numbers = (
+            f"{wait_text}, T* {_fmt_s(t_star)}, reload {_fmt_s(reload)}, round trip {_fmt_s(rt)}, "
+            f"recompute {_fmt_s(recompute)}, U {u:.2f}"
+        )
+        text = f"{action}: {why} [{numbers}]"
+        if notes:
+            text += " fallbacks: " + "; ".join(notes)
+        return Decision(
+            action=action,
+            lease_s=lease,
+            prefetch_at_s=prefetch,
+            expected_resume_stall_s=stall,
+            reload_s=reload,
+            round_trip_s=rt,
+            recompute_s=recompute,
+            break_even_wait_s=t_star,
+            hold_cost_byte_s=hold_cost(m, p50) if estimate is not None else math.nan,
+            kv_bytes=m,
+            tokens=n_tokens,
+            rationale=text,
+            wait_p10_s=estimate.p10 if estimate is not None else math.nan,
+            wait_p50_s=p50,
+            wait_p90_s=estimate.p90 if estimate is not None else math.nan,
+            wait_source=source,
+            pressure=u,
+            recompute_over_reload=ratio,
+            fallbacks=tuple(notes),
+        )
+
+    if m == 0:
+        return build("retain", 0.0, None, 0.0, 0.0, 0.0, "nothing to move (0 bytes)")
+
+    if estimate is not None and p50 < t_star:
+        lease = min(t_star, max(params.max_lease_s, 0.0))
+        return build(
+            "retain",
+            lease,
+            None,
+            0.0,
+            ref_reload,
+            ref_rt,
+            f"median wait is below the break-even wait; pinned for a lease of {_fmt_s(lease)}",
+        )
+
+    def offload(action: Action, reload: float, rt: float, why: str) -> Decision:
+        if estimate is None:
+            at = 0.0
+            stall = reload
+        else:
+            at = prefetch_at(estimate, reload, params.prefetch_margin_s)
+            # Pessimistic: the device copy was evicted, so a resume at the median waits for
+            # whatever of the reload has not finished by then.
+            stall = max(0.0, min(reload, at + reload - p50))
+        return build(action, 0.0, at, stall, reload, rt, why)
+
+    long_wait = estimate is not None and p50 >= params.disk_after_s
+    if long_wait and disk_room and disk_reload <= recompute:
+        return offload(
+            "offload_disk",
+            disk_reload,
+            disk_rt,
+            f"median wait is at least {_fmt_s(params.disk_after_s)}; disk holds it for free",
+        )
+    if host_room and host_reload <= recompute:
+        return offload(
+            "offload_host",
+            host_reload,
+            host_rt,
+            "wait exceeds the break-even wait; write-back copy to host, device blocks unpinned",
+        )
+    if disk_room and disk_reload <= recompute:
+        return offload(
+            "offload_disk",
+            disk_reload,
+            disk_rt,
+            "host tier unusable or full; write-back copy to disk",
+        )
+    why = (
+        "recompute beats every reload"
+        if (host_room or disk_room)
+        else "no tier has room or a usable link"
+    )
+    return build("drop", 0.0, None, recompute, ref_reload, ref_rt, why)

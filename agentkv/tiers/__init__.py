@@ -1,0 +1,45 @@
+"""Tiered KV block stores: host RAM arena, disk files (O_DIRECT, checksummed), GDS when present.
+
+Primitives (re-exported here; each lives in its own module):
+    ModelFingerprint, BlockKey, chain_keys     content addresses (keys.py)
+    TieredStore, TransferHandle, BlockResult,
+    BlockStatus, StoreStats, TierUsage         the async two-tier store (store.py)
+    HostArena                                  preallocated fixed-slot host memory (host.py)
+    BlockFiles                                 checksummed block files (disk.py)
+    EvictionOrder                              LRU with pins and leases (eviction.py)
+    gds_available                              GPUDirect Storage probe (gds.py)
+
+Nothing here imports torch, vllm or kvikio at import time.
+"""
+
+from __future__ import annotations
+
+from agentkv.tiers.disk import BlockFiles
+from agentkv.tiers.eviction import EvictionOrder
+from agentkv.tiers.gds import gds_available
+from agentkv.tiers.host import HostArena
+from agentkv.tiers.keys import BlockKey, ModelFingerprint, chain_keys
+from agentkv.tiers.store import (
+    BlockResult,
+    BlockStatus,
+    StoreStats,
+    TieredStore,
+    TierUsage,
+    TransferHandle,
+)
+
+__all__ = [
+    "BlockFiles",
+    "BlockKey",
+    "BlockResult",
+    "BlockStatus",
+    "EvictionOrder",
+    "HostArena",
+    "ModelFingerprint",
+    "StoreStats",
+    "TierUsage",
+    "TieredStore",
+    "TransferHandle",
+    "chain_keys",
+    "gds_available",
+]

@@ -1,0 +1,240 @@
+"""Tier bandwidth next to this machine's own baselines, measured in the same run.
+
+Primitives:
+    Measurement        one operation at one block size: achieved GB/s, the baseline's GB/s, their
+                       ratio and whether it meets the target (None when no target applies).
+    TierBenchReport    every measurement plus the setup (bytes moved, I/O mode, workers).
+    run_tier_bench     host store/load against a large plain memory copy; disk write/read against
+                       sequential I/O of the same size in the same mode (O_DIRECT or buffered).
+
+Targets (issue 5): ratio >= 0.7 for blocks of 1 MiB and up. GB/s means 1e9 bytes per second.
+Blocking and CPU-heavy: run it from a command, never from the engine loop.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from agentkv.tiers.disk import ALIGN, probe_direct_io
+from agentkv.tiers.keys import ModelFingerprint, chain_keys
+from agentkv.tiers.store import TieredStore
+
+TARGET_RATIO = 0.7
+TARGET_MIN_BLOCK_BYTES = 1 << 20
+_SEQUENTIAL_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    operation: str
+    block_bytes: int
+    gbps: float
+    baseline: str
+    baseline_gbps: float
+    ratio: float
+    target: float | None
+    passed: bool | None
+
+
+@dataclass(slots=True)
+class TierBenchReport:
+    total_bytes: int
+    workers: int
+    disk_dir: str | None
+    direct_io: bool | None
+    measurements: list[Measurement] = field(default_factory=list)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / max(seconds, 1e-9) / 1e9
+
+
+def _best(repeats: int, run: Callable[[], float]) -> float:
+    return min(run() for _ in range(max(1, repeats)))
+
+
+def _touched(nbytes: int, fill: int = 0) -> np.ndarray:
+    array = np.empty(nbytes, np.uint8)
+    array.fill(fill)  # fault every page in before timing
+    return array
+
+
+def memory_copy_baseline(total_bytes: int, repeats: int) -> float:
+    """Return GB/s of one large numpy copy between two already-touched buffers (best of repeats)."""
+    source, destination = _touched(total_bytes, 1), _touched(total_bytes)
+
+    def once() -> float:
+        start = time.perf_counter()
+        np.copyto(destination, source)
+        return time.perf_counter() - start
+
+    return _gbps(total_bytes, _best(repeats, once))
+
+
+def sequential_file_baseline(
+    directory: Path, total_bytes: int, direct_io: bool, repeats: int
+) -> tuple[float, float]:
+    """Return (write GB/s, read GB/s) of one file written then read in 8 MiB chunks, same I/O mode."""
+    flags = getattr(os, "O_DIRECT", 0) if direct_io else 0
+    chunk = mmap.mmap(-1, _SEQUENTIAL_CHUNK)
+    chunk.write(os.urandom(_SEQUENTIAL_CHUNK))
+    view = memoryview(chunk)
+    size = -(-total_bytes // _SEQUENTIAL_CHUNK) * _SEQUENTIAL_CHUNK
+    path = directory / f".baseline-{uuid.uuid4().hex}"
+
+    def write_once() -> float:
+        start = time.perf_counter()
+        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | flags, 0o600)
+        try:
+            for offset in range(0, size, _SEQUENTIAL_CHUNK):
+                os.pwrite(fd, view, offset)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - start
+
+    def read_once() -> float:
+        start = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            for offset in range(0, size, _SEQUENTIAL_CHUNK):
+                os.preadv(fd, [view], offset)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - start
+
+    try:
+        write_s = _best(repeats, write_once)
+        read_s = _best(repeats, read_once)
+    finally:
+        path.unlink(missing_ok=True)
+        view.release()
+        chunk.close()
+    return _gbps(size, write_s), _gbps(size, read_s)
+
+
+def _measure_store(
+    store: TieredStore, block_bytes: int, total_bytes: int, tier: str, repeats: int, salt: str
+) -> tuple[float, float]:
+    count = max(1, total_bytes // block_bytes)
+    keys = chain_keys(ModelFingerprint("bench", "uint8", 16, 1), salt, range(count))
+    source = _touched(count * block_bytes, 7).reshape(count, block_bytes)
+    destination = _touched(count * block_bytes).reshape(count, block_bytes)
+    nbytes = count * block_bytes
+
+    def store_once() -> float:
+        store.drop(keys)  # stores of present keys are skipped, so start empty each time
+        start = time.perf_counter()
+        results = store.submit_store(keys, list(source), tier=tier).result()  # type: ignore[arg-type]
+        elapsed = time.perf_counter() - start
+        if not all(result.ok for result in results):
+            raise RuntimeError(f"bench store failed: {next(r for r in results if not r.ok)}")
+        return elapsed
+
+    def load_once() -> float:
+        start = time.perf_counter()
+        results = store.submit_load(keys, list(destination)).result()
+        elapsed = time.perf_counter() - start
+        if not all(result.ok for result in results):
+            raise RuntimeError(f"bench load failed: {next(r for r in results if not r.ok)}")
+        return elapsed
+
+    store_s = _best(repeats, store_once)
+    load_s = _best(repeats, load_once)
+    if not np.array_equal(source, destination):
+        raise RuntimeError("bench round trip was not bit-exact")
+    store.drop(keys)
+    return _gbps(nbytes, store_s), _gbps(nbytes, load_s)
+
+
+def _measurement(
+    operation: str, block_bytes: int, gbps: float, baseline: str, baseline_gbps: float
+) -> Measurement:
+    ratio = gbps / baseline_gbps if baseline_gbps > 0 else 0.0
+    target = TARGET_RATIO if block_bytes >= TARGET_MIN_BLOCK_BYTES else None
+    return Measurement(
+        operation,
+        block_bytes,
+        gbps,
+        baseline,
+        baseline_gbps,
+        ratio,
+        target,
+        None if target is None else ratio >= target,
+    )
+
+
+def run_tier_bench(
+    block_sizes: Sequence[int],
+    total_bytes: int,
+    disk_dir: Path | None,
+    *,
+    workers: int = 4,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> TierBenchReport:
+    """Measure every tier at every block size; ``disk_dir=None`` skips the disk tier.
+
+    Blocks for seconds. Creates and removes a private subdirectory of ``disk_dir``.
+    Raises OSError when ``disk_dir`` is not writable and RuntimeError when a transfer fails.
+    """
+    step = progress or (lambda _label: None)
+    report = TierBenchReport(total_bytes, workers, str(disk_dir) if disk_dir else None, None)
+    step("memory copy baseline")
+    copy_gbps = memory_copy_baseline(total_bytes, repeats)
+    for block_bytes in block_sizes:
+        step(f"host tier, {block_bytes >> 10} KiB blocks")
+        count = max(1, total_bytes // block_bytes)
+        with TieredStore(count * block_bytes, None, 0, block_bytes, workers=workers) as store:
+            stored, loaded = _measure_store(
+                store, block_bytes, total_bytes, "host", repeats, "host"
+            )
+        report.measurements.append(
+            _measurement("host store", block_bytes, stored, "memory copy", copy_gbps)
+        )
+        report.measurements.append(
+            _measurement("host load", block_bytes, loaded, "memory copy", copy_gbps)
+        )
+    if disk_dir is None:
+        return report
+    disk_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="agentkv-bench-", dir=disk_dir))
+    try:
+        direct_io = probe_direct_io(work)
+        report.direct_io = direct_io
+        for block_bytes in block_sizes:
+            # The baseline is re-measured next to each tier run: shared disks drift within seconds.
+            step(f"sequential file baseline ({block_bytes >> 10} KiB run)")
+            seq_write, seq_read = sequential_file_baseline(work, total_bytes, direct_io, repeats)
+            step(f"disk tier, {block_bytes >> 10} KiB blocks")
+            count = max(1, total_bytes // block_bytes)
+            file_bytes = ALIGN + -(-block_bytes // ALIGN) * ALIGN
+            with TieredStore(
+                0,
+                work / "tier",
+                count * file_bytes,
+                block_bytes,
+                workers=workers,
+                direct_io=direct_io,
+            ) as store:
+                wrote, read = _measure_store(
+                    store, block_bytes, total_bytes, "disk", repeats, "disk"
+                )
+            report.measurements.append(
+                _measurement("disk write", block_bytes, wrote, "sequential write", seq_write)
+            )
+            report.measurements.append(
+                _measurement("disk read", block_bytes, read, "sequential read", seq_read)
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return report

@@ -1,0 +1,717 @@
+"""The tiered block store: host arena first, disk files second, transfers on a small thread pool.
+
+Primitives:
+    TieredStore.submit_store   copy blocks in (to 'host' or 'disk'); returns a TransferHandle at
+                               once. The caller keeps its buffers unchanged until the handle is done.
+    TieredStore.submit_load    copy blocks out (from host, else disk) into the caller's buffers.
+    TieredStore.promote        disk -> host (prefetch before a tool returns).
+    TieredStore.demote         host -> disk (a long pause; frees host slots).
+    TransferHandle             ``done()`` polls without blocking; ``result()`` waits and returns one
+                               BlockResult per key, in order.
+    BlockResult                ok / miss / error for one block, the tier involved, and the error.
+    lookup_prefix, tier_of     residency queries: cheap, never wait on I/O.
+    set_lease, drop, drop_owner, stats, close.
+
+Invariants:
+    - A block in flight is pinned in the tier it is read from, so eviction never frees it mid-copy;
+      a block dropped while pinned keeps its slot until the last pin goes.
+    - A block becomes visible (lookup_prefix, tier_of, loads) only after all its bytes are in a tier.
+    - A load reports ok only for a buffer it fully wrote; a missing file is a miss, a corrupt one an
+      error carrying CorruptBlockError (the file is deleted; the caller recomputes).
+    - Host full: evict LRU, blocks with a live lease last; the victim is demoted to disk when a disk
+      tier exists and it is not there yet, else dropped. Disk full: the same order, then
+      TierFullError in that block's result.
+    - Owners (trajectory ids) reference-count a block: ``drop_owner`` frees a block only when no
+      other owner holds it. A block stored without an owner is freed by ``drop`` or eviction.
+    - Metadata lives under one lock that is never held across a copy or a file read/write.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+from agentkv.errors import ConfigError, CorruptBlockError, TierError, TierFullError
+from agentkv.tiers.buffers import BlockBuffer, ByteArray, as_segments, gather_into, scatter_from
+from agentkv.tiers.disk import BlockFiles
+from agentkv.tiers.eviction import EvictionOrder
+from agentkv.tiers.host import HostArena
+from agentkv.tiers.keys import BlockKey
+
+log = logging.getLogger(__name__)
+
+TierName = Literal["host", "disk"]
+
+
+class BlockStatus(enum.Enum):
+    OK = "ok"
+    MISS = "miss"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockResult:
+    """The outcome for one block of a transfer."""
+
+    key: BlockKey
+    status: BlockStatus
+    tier: TierName | None = None
+    error: TierError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is BlockStatus.OK
+
+
+class TransferHandle:
+    """Completion of one submitted transfer; safe to poll from the engine loop."""
+
+    def __init__(self, keys: Sequence[BlockKey]) -> None:
+        self.keys = list(keys)
+        self._results: list[BlockResult | None] = [None] * len(self.keys)
+        self._remaining = len(self.keys)
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        if not self.keys:
+            self._finished.set()
+
+    def done(self) -> bool:
+        """Return True when every block has a result. Must not block."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or ``timeout`` seconds pass; returns done()."""
+        return self._finished.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> list[BlockResult]:
+        """Return one BlockResult per key, in submit order; blocks until done.
+
+        Raises TimeoutError when ``timeout`` passes first.
+        """
+        if not self._finished.wait(timeout):
+            raise TimeoutError("transfer not finished")
+        return [result for result in self._results if result is not None]
+
+    def ok_prefix(self) -> int:
+        """Return how many leading blocks succeeded (0 while not done). Must not block."""
+        if not self.done():
+            return 0
+        count = 0
+        for result in self._results:
+            if result is None or not result.ok:
+                break
+            count += 1
+        return count
+
+    def _set(self, index: int, result: BlockResult) -> None:
+        with self._lock:
+            if self._results[index] is None:
+                self._remaining -= 1
+            self._results[index] = result
+            if self._remaining == 0:
+                self._finished.set()
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Bytes and blocks one tier holds now."""
+
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """A snapshot of the store: per-tier use and counters since start."""
+
+    host: TierUsage
+    disk: TierUsage | None
+    block_bytes: int
+    pinned_memory: bool
+    direct_io: bool | None
+    counters: dict[str, int]
+
+
+@dataclass(eq=False, slots=True)
+class _Block:
+    # eq=False: blocks are identity-hashed, so a dropped block still pinned by a reader and a new
+    # block stored under the same key never collide in the eviction orders.
+    key: BlockKey
+    owners: set[str] = field(default_factory=set)
+    lease_until: float | None = None
+    host_slot: int | None = None
+    on_disk: bool = False
+    dropped: bool = False
+
+
+def _lease_of(block: _Block) -> float | None:
+    return block.lease_until
+
+
+class TieredStore:
+    """Host arena + optional disk directory for fixed-size KV blocks (see module docstring)."""
+
+    def __init__(
+        self,
+        host_capacity_bytes: int,
+        disk_dir: str | os.PathLike[str] | None,
+        disk_capacity_bytes: int,
+        block_bytes: int,
+        *,
+        workers: int = 4,
+        pin_memory: bool | None = None,
+        direct_io: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Allocate the host arena and, with ``disk_dir``, rebuild the disk index from its files.
+
+        ``disk_capacity_bytes`` counts whole files (a 4 KiB header plus the payload rounded up to
+        4 KiB). Raises ConfigError for sizes that cannot hold one block.
+        """
+        if block_bytes <= 0:
+            raise ConfigError("block_bytes must be positive")
+        if workers < 1:
+            raise ConfigError("workers must be at least 1")
+        self.block_bytes = block_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._blocks: dict[BlockKey, _Block] = {}
+        self._owned: dict[str, set[BlockKey]] = {}
+        self._host_order: EvictionOrder[_Block] = EvictionOrder(_lease_of)
+        self._disk_order: EvictionOrder[_Block] = EvictionOrder(_lease_of)
+        self._counters = dict.fromkeys(
+            (
+                "stores",
+                "loads",
+                "hits_host",
+                "hits_disk",
+                "misses",
+                "errors",
+                "corrupt",
+                "evictions_host",
+                "evictions_disk",
+                "demotions",
+                "promotions",
+                "disk_full",
+            ),
+            0,
+        )
+        self._arena = HostArena(host_capacity_bytes, block_bytes, pin_memory=pin_memory)
+        self._files: BlockFiles | None = None
+        self._disk_capacity = 0
+        self._disk_used = 0
+        if disk_dir is not None:
+            self._files = BlockFiles(disk_dir, block_bytes, direct_io=direct_io)
+            self._disk_capacity = disk_capacity_bytes
+            if disk_capacity_bytes < self._files.file_bytes:
+                raise ConfigError(
+                    f"disk capacity {disk_capacity_bytes} B is smaller than one block file ({self._files.file_bytes} B)"
+                )
+            self._rebuild_disk_index()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agentkv-tiers")
+        self._workers = workers
+        self._closed = False
+
+    # ----------------------------------------------------------------- queries (never wait on I/O)
+
+    def lookup_prefix(self, keys: Iterable[BlockKey]) -> int:
+        """Return how many leading ``keys`` are fully present in some tier. Must not block on I/O."""
+        count = 0
+        with self._lock:
+            for key in keys:
+                block = self._blocks.get(key)
+                if block is None or (block.host_slot is None and not block.on_disk):
+                    break
+                count += 1
+        return count
+
+    def tier_of(self, key: BlockKey) -> TierName | None:
+        """Return the fastest tier holding ``key``, or None when no tier does."""
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is None:
+                return None
+            if block.host_slot is not None:
+                return "host"
+            return "disk" if block.on_disk else None
+
+    def stats(self) -> StoreStats:
+        """Return a consistent snapshot of use and counters."""
+        with self._lock:
+            host_blocks = len(self._host_order)
+            disk = (
+                TierUsage(self._disk_used, self._disk_capacity, len(self._disk_order))
+                if self._files is not None
+                else None
+            )
+            return StoreStats(
+                host=TierUsage(
+                    host_blocks * self.block_bytes, self._arena.capacity_bytes, host_blocks
+                ),
+                disk=disk,
+                block_bytes=self.block_bytes,
+                pinned_memory=self._arena.pinned,
+                direct_io=self._files.direct_io if self._files is not None else None,
+                counters=dict(self._counters),
+            )
+
+    # ---------------------------------------------------------------------------- lease and drop
+
+    def set_lease(self, keys: Iterable[BlockKey], until_monotonic: float | None) -> None:
+        """Protect ``keys`` from eviction (they go last) until ``until_monotonic``; None clears."""
+        with self._lock:
+            for key in keys:
+                block = self._blocks.get(key)
+                if block is not None:
+                    block.lease_until = until_monotonic
+
+    def drop(self, keys: Iterable[BlockKey]) -> int:
+        """Remove ``keys`` from every tier whoever owns them; returns how many were present."""
+        doomed: list[BlockKey] = []
+        present = 0
+        with self._lock:
+            for key in keys:
+                block = self._blocks.get(key)
+                if block is None:
+                    continue
+                present += 1
+                if self._forget(block):
+                    doomed.append(key)
+        self._unlink(doomed)
+        return present
+
+    def drop_owner(self, owner: str) -> int:
+        """Release everything ``owner`` holds; blocks another owner still holds stay. Returns blocks freed."""
+        doomed: list[BlockKey] = []
+        freed = 0
+        with self._lock:
+            for key in self._owned.pop(owner, set()):
+                block = self._blocks.get(key)
+                if block is None:
+                    continue
+                block.owners.discard(owner)
+                if not block.owners:
+                    on_disk = self._forget(block)
+                    freed += 1
+                    if on_disk:
+                        doomed.append(key)
+        self._unlink(doomed)
+        return freed
+
+    # --------------------------------------------------------------------------------- transfers
+
+    def submit_store(
+        self,
+        keys: Sequence[BlockKey],
+        buffers: Sequence[BlockBuffer],
+        tier: TierName = "host",
+        lease_until: float | None = None,
+        owner: str | None = None,
+    ) -> TransferHandle:
+        """Start copying ``buffers`` (one per key; a block may be a list of segments) into ``tier``.
+
+        Returns at once. Raises ValueError right away for mismatched counts or sizes, and
+        ConfigError for tier='disk' without a disk tier. Keys already present in that tier are not
+        copied again (content addressed); they gain the owner and lease.
+        """
+        if tier not in ("host", "disk"):
+            raise ConfigError(f"unknown tier {tier!r}")
+        if tier == "disk" and self._files is None:
+            raise ConfigError("this store has no disk tier")
+        if tier == "host" and self._arena.num_slots == 0:
+            if self._files is None:
+                raise ConfigError("this store has neither host capacity nor a disk tier")
+            tier = "disk"
+        segments = self._segments(keys, buffers, writable=False)
+        handle = TransferHandle(keys)
+
+        def store_one(index: int) -> BlockResult:
+            return self._store_one(keys[index], segments[index], tier, lease_until, owner)
+
+        self._run(handle, store_one)
+        return handle
+
+    def submit_load(
+        self, keys: Sequence[BlockKey], out_buffers: Sequence[BlockBuffer]
+    ) -> TransferHandle:
+        """Start copying ``keys`` into ``out_buffers`` (writable), from host else disk. Returns at once.
+
+        Raises ValueError right away for mismatched counts, sizes or read-only buffers.
+        """
+        segments = self._segments(keys, out_buffers, writable=True)
+        handle = TransferHandle(keys)
+        self._run(handle, lambda index: self._load_one(keys[index], segments[index]))
+        return handle
+
+    def promote(self, keys: Sequence[BlockKey]) -> TransferHandle:
+        """Start copying disk-only ``keys`` into the host tier (blocks already in host are ok)."""
+        handle = TransferHandle(keys)
+        self._run(handle, lambda index: self._promote_one(keys[index]))
+        return handle
+
+    def demote(self, keys: Sequence[BlockKey]) -> TransferHandle:
+        """Start moving host ``keys`` to disk and freeing their host slots (disk-only keys are ok)."""
+        if self._files is None:
+            raise ConfigError("this store has no disk tier")
+        handle = TransferHandle(keys)
+        self._run(handle, lambda index: self._demote_one(keys[index]))
+        return handle
+
+    def close(self) -> None:
+        """Wait for transfers in flight, then stop the workers. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------- internals
+
+    def _segments(
+        self, keys: Sequence[BlockKey], buffers: Sequence[BlockBuffer], *, writable: bool
+    ) -> list[list[ByteArray]]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        return [as_segments(buffer, self.block_bytes, writable=writable) for buffer in buffers]
+
+    def _run(self, handle: TransferHandle, one: Callable[[int], BlockResult]) -> None:
+        if self._closed:
+            raise TierError("the store is closed")
+        count = len(handle.keys)
+        if count == 0:
+            return
+        # Contiguous chunks, one per worker: a pool task per block would cost more than a 1 MiB copy.
+        chunks = min(count, self._workers)
+        bounds = [count * i // chunks for i in range(chunks + 1)]
+
+        def run_chunk(start: int, stop: int) -> None:
+            for index in range(start, stop):
+                try:
+                    result = one(index)
+                except TierError as exc:
+                    result = self._failed(handle.keys[index], exc)
+                except Exception as exc:  # a bug must still complete the handle, never hang it
+                    log.exception("tier transfer failed")
+                    result = self._failed(handle.keys[index], TierError(f"internal error: {exc!r}"))
+                handle._set(index, result)
+
+        for start, stop in itertools.pairwise(bounds):
+            self._pool.submit(run_chunk, start, stop)
+
+    def _failed(self, key: BlockKey, error: TierError) -> BlockResult:
+        with self._lock:
+            self._counters["errors"] += 1
+        return BlockResult(key, BlockStatus.ERROR, None, error)
+
+    def _adopt(self, block: _Block, lease_until: float | None, owner: str | None) -> None:
+        if owner is not None and owner not in block.owners:
+            block.owners.add(owner)
+            self._owned.setdefault(owner, set()).add(block.key)
+        if lease_until is not None:
+            block.lease_until = max(block.lease_until or 0.0, lease_until)
+
+    def _publish(self, key: BlockKey) -> _Block:
+        block = self._blocks.get(key)
+        if block is None:
+            block = _Block(key)
+            self._blocks[key] = block
+        return block
+
+    def _store_one(
+        self,
+        key: BlockKey,
+        segments: list[ByteArray],
+        tier: TierName,
+        lease_until: float | None,
+        owner: str | None,
+    ) -> BlockResult:
+        with self._lock:
+            self._counters["stores"] += 1
+            block = self._blocks.get(key)
+            if block is not None and (
+                block.host_slot is not None if tier == "host" else block.on_disk
+            ):
+                self._adopt(block, lease_until, owner)
+                (self._host_order if tier == "host" else self._disk_order).touch(block)
+                return BlockResult(key, BlockStatus.OK, tier)
+        if tier == "disk":
+            self._write_disk(key, segments)
+            with self._lock:
+                block = self._publish(key)
+                self._adopt(block, lease_until, owner)
+                if block.on_disk:  # a concurrent store of the same key won the race
+                    self._release_disk_bytes()
+                else:
+                    block.on_disk = True
+                    self._disk_order.add(block)
+            return BlockResult(key, BlockStatus.OK, "disk")
+        slot = self._reserve_host_slot()
+        gather_into(self._arena.slot(slot), segments)
+        with self._lock:
+            block = self._publish(key)
+            self._adopt(block, lease_until, owner)
+            if block.host_slot is not None:
+                self._arena.free(slot)
+            else:
+                block.host_slot = slot
+                self._host_order.add(block)
+        return BlockResult(key, BlockStatus.OK, "host")
+
+    def _load_one(self, key: BlockKey, segments: list[ByteArray]) -> BlockResult:
+        with self._lock:
+            self._counters["loads"] += 1
+            block = self._blocks.get(key)
+            source: TierName | None = None
+            if block is not None and block.host_slot is not None:
+                source = "host"
+                self._host_order.pin(block)
+            elif block is not None and block.on_disk:
+                source = "disk"
+                self._disk_order.pin(block)
+            if block is None or source is None:
+                self._counters["misses"] += 1
+                return BlockResult(key, BlockStatus.MISS)
+        if source == "host":
+            try:
+                scatter_from(self._arena.slot(block.host_slot), segments)  # type: ignore[arg-type]
+            finally:
+                with self._lock:
+                    self._unpin_host(block)
+                    self._host_order.touch(block)
+                    self._counters["hits_host"] += 1
+            return BlockResult(key, BlockStatus.OK, "host")
+        return self._read_disk(block, segments)
+
+    def _read_disk(self, block: _Block, segments: list[ByteArray]) -> BlockResult:
+        assert self._files is not None
+        error: TierError | None = None
+        found = False
+        try:
+            found = self._files.read_into(block.key, segments)
+        except TierError as exc:
+            error = exc
+        with self._lock:
+            self._disk_order.unpin(block)
+            if found:
+                self._disk_order.touch(block)
+                self._counters["hits_disk"] += 1
+                return BlockResult(block.key, BlockStatus.OK, "disk")
+            # Absent or corrupt: the file is gone (read_into deleted a corrupt one); fix the index.
+            if block.on_disk:
+                block.on_disk = False
+                self._disk_order.remove(block)
+                self._release_disk_bytes()
+                if block.host_slot is None:
+                    self._remove_block(block)
+            if error is None:
+                self._counters["misses"] += 1
+                return BlockResult(block.key, BlockStatus.MISS)
+            self._counters["corrupt" if isinstance(error, CorruptBlockError) else "errors"] += 1
+            return BlockResult(block.key, BlockStatus.ERROR, "disk", error)
+
+    def _promote_one(self, key: BlockKey) -> BlockResult:
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None and block.host_slot is not None:
+                self._host_order.touch(block)
+                return BlockResult(key, BlockStatus.OK, "host")
+            if block is None or not block.on_disk:
+                self._counters["misses"] += 1
+                return BlockResult(key, BlockStatus.MISS)
+            self._disk_order.pin(block)
+        try:
+            slot = self._reserve_host_slot()
+        except TierError:
+            with self._lock:
+                self._disk_order.unpin(block)
+            raise
+        result = self._read_disk(block, [self._arena.slot(slot)])
+        with self._lock:
+            if not result.ok or block.dropped or block.host_slot is not None:
+                self._arena.free(slot)
+            else:
+                block.host_slot = slot
+                self._host_order.add(block)
+                self._counters["promotions"] += 1
+        return BlockResult(key, result.status, "host" if result.ok else result.tier, result.error)
+
+    def _demote_one(self, key: BlockKey) -> BlockResult:
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is None or (block.host_slot is None and not block.on_disk):
+                self._counters["misses"] += 1
+                return BlockResult(key, BlockStatus.MISS)
+            if block.host_slot is None:
+                return BlockResult(key, BlockStatus.OK, "disk")
+            self._host_order.pin(block)
+        written = False
+        try:
+            written = self._copy_host_to_disk(block)
+        finally:
+            with self._lock:
+                self._unpin_host(block)
+                if written and block.host_slot is not None and not self._host_order.pinned(block):
+                    self._release_host(block)
+        if not written:
+            return BlockResult(key, BlockStatus.MISS)
+        return BlockResult(key, BlockStatus.OK, "disk")
+
+    def _copy_host_to_disk(self, block: _Block) -> bool:
+        """Write a pinned host block to disk unless it is there; False when dropped meanwhile."""
+        with self._lock:
+            if block.on_disk:
+                return True
+        assert block.host_slot is not None
+        self._write_disk(block.key, [self._arena.slot(block.host_slot)])
+        with self._lock:
+            if block.dropped:
+                self._release_disk_bytes()
+                dropped = True
+            else:
+                dropped = False
+                if block.on_disk:
+                    self._release_disk_bytes()
+                else:
+                    block.on_disk = True
+                    self._disk_order.add(block)
+                    self._counters["demotions"] += 1
+        if dropped:
+            assert self._files is not None
+            self._files.remove(block.key)
+            return False
+        return True
+
+    def _write_disk(self, key: BlockKey, segments: Sequence[ByteArray]) -> None:
+        """Reserve room (evicting), then write; releases the reservation when the write fails."""
+        assert self._files is not None
+        self._reserve_disk_bytes()
+        try:
+            self._files.write(key, segments)
+        except TierError as exc:
+            with self._lock:
+                self._release_disk_bytes()
+                if isinstance(exc, TierFullError):
+                    self._counters["disk_full"] += 1
+            raise
+
+    def _reserve_disk_bytes(self) -> None:
+        assert self._files is not None
+        doomed: list[BlockKey] = []
+        try:
+            with self._lock:
+                while self._disk_used + self._files.file_bytes > self._disk_capacity:
+                    victim = self._disk_order.victim(self._clock())
+                    if victim is None:
+                        self._counters["disk_full"] += 1
+                        raise TierFullError("disk tier full: every block is in flight")
+                    victim.on_disk = False
+                    self._disk_order.remove(victim)
+                    self._release_disk_bytes()
+                    self._counters["evictions_disk"] += 1
+                    if victim.host_slot is None:
+                        self._remove_block(victim)
+                    doomed.append(victim.key)
+                self._disk_used += self._files.file_bytes
+        finally:
+            self._unlink(doomed)
+
+    def _release_disk_bytes(self) -> None:
+        assert self._files is not None
+        self._disk_used -= self._files.file_bytes
+
+    def _reserve_host_slot(self) -> int:
+        """Return a free slot, evicting (and demoting to disk) as needed. Raises TierFullError."""
+        while True:
+            with self._lock:
+                slot = self._arena.alloc()
+                if slot is not None:
+                    return slot
+                victim = self._host_order.victim(self._clock())
+                if victim is None:
+                    raise TierFullError("host tier full: every block is in flight")
+                if self._files is None or victim.on_disk:
+                    self._counters["evictions_host"] += 1
+                    self._release_host(victim)
+                    continue
+                self._host_order.pin(victim)
+            try:
+                self._copy_host_to_disk(victim)
+            except TierError as exc:
+                log.info("demotion of an evicted block failed (%s); dropping it", exc)
+            with self._lock:
+                self._unpin_host(victim)
+                if victim.host_slot is not None and not self._host_order.pinned(victim):
+                    self._counters["evictions_host"] += 1
+                    self._release_host(victim)
+
+    def _release_host(self, block: _Block) -> None:
+        """Free ``block``'s host slot (caller holds the lock and checked it is unpinned)."""
+        if block.host_slot is not None:
+            self._arena.free(block.host_slot)
+            block.host_slot = None
+        self._host_order.remove(block)
+        if not block.on_disk and not block.dropped:
+            self._remove_block(block)
+
+    def _unpin_host(self, block: _Block) -> None:
+        self._host_order.unpin(block)
+        if block.dropped and not self._host_order.pinned(block):
+            self._release_host(block)
+
+    def _remove_block(self, block: _Block) -> None:
+        if self._blocks.get(block.key) is block:
+            del self._blocks[block.key]
+        for owner in block.owners:
+            owned = self._owned.get(owner)
+            if owned is not None:
+                owned.discard(block.key)
+                if not owned:
+                    del self._owned[owner]
+
+    def _forget(self, block: _Block) -> bool:
+        """Drop ``block`` from the index (lock held); returns True when its file must be unlinked."""
+        self._remove_block(block)
+        block.dropped = True
+        on_disk = block.on_disk
+        if on_disk:
+            block.on_disk = False
+            self._disk_order.remove(block)
+            self._release_disk_bytes()
+        if block.host_slot is not None and not self._host_order.pinned(block):
+            self._release_host(block)
+        return on_disk
+
+    def _unlink(self, keys: list[BlockKey]) -> None:
+        if self._files is not None:
+            for key in keys:
+                self._files.remove(key)
+
+    def _rebuild_disk_index(self) -> None:
+        assert self._files is not None
+        infos = self._files.scan()
+        # Oldest first: past capacity (a smaller limit than last run), the oldest files go.
+        excess = max(0, len(infos) * self._files.file_bytes - self._disk_capacity)
+        while excess > 0 and infos:
+            stale = infos.pop(0)
+            self._files.remove(stale.key)
+            excess -= self._files.file_bytes
+        for info in infos:
+            block = self._publish(info.key)
+            block.on_disk = True
+            self._disk_order.add(block)
+            self._disk_used += self._files.file_bytes
+        if infos:
+            log.info("disk tier: %d blocks found in %s", len(infos), self._files.directory)

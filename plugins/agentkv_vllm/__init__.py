@@ -1,0 +1,13 @@
+"""agentkv's vLLM plugin: the only package of agentkv that imports vllm.
+
+Modules:
+  plugin        ``vllm.general_plugins`` entry point: registers AgentKVConnector (idempotent)
+  connector     AgentKVConnector(KVConnectorBase_V1): dispatches to the scheduler or worker side
+  scheduler_side  trajectory table, pins, pause decisions, tier index, load/store job planning
+  worker_side   executes store/load jobs between vLLM's KV cache and the tier store
+  block_copy    the one device-specific piece: byte views of whole engine blocks
+  params        the request contract (``kv_transfer_params.agentkv``), validated with pydantic
+  settings      ``kv_connector_extra_config``, validated with pydantic
+  control       the local ZMQ channel between the HTTP routes and the scheduler-side connector
+  routes        ``vllm.endpoint_plugins`` entry point: /agentkv/v1/... routes
+"""

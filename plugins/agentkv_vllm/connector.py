@@ -1,0 +1,173 @@
+"""AgentKVConnector: vLLM's KVConnectorBase_V1 for agent trajectories.
+
+vLLM creates one instance per role: SCHEDULER (in the engine core) delegates to
+``SchedulerSide``; WORKER (in each worker process) delegates to ``WorkerSide``. Requests without
+``kv_transfer_params.agentkv`` pass through untouched, so the engine behaves exactly like vanilla
+vLLM for them. No hook lets an agentkv fault escape into the engine: a failure is logged and
+the request is served by recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from agentkv_vllm.metadata import AgentKVStepMetadata
+from agentkv_vllm.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from agentkv_vllm.scheduler_side import SchedulerSide
+    from agentkv_vllm.worker_side import WorkerSide
+
+log = logging.getLogger("agentkv.connector")
+
+
+class AgentKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = ConnectorSettings.model_validate(extra)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._control: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            from agentkv_vllm.control import ControlServer
+            from agentkv_vllm.scheduler_side import SchedulerSide
+
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.settings)
+            endpoint = self.settings.control_endpoint()
+            try:
+                self._control = ControlServer(endpoint, self._scheduler.handle)
+                log.info("agentkv: control channel on %s", endpoint)
+            except Exception as exc:
+                log.warning("agentkv: control channel %s unavailable (%s); routes will answer 503", endpoint, exc)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from agentkv_vllm.worker_side import WorkerSide
+
+            try:
+                rank = get_tensor_model_parallel_rank()
+            except Exception:
+                rank = 0
+            self._worker = WorkerSide(
+                settings=self.settings,
+                model_id=str(vllm_config.model_config.model),
+                tp_rank=rank,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
+            )
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        if not self._worker.num_blocks:
+            first = next(iter(kv_caches.values()))
+            self._worker.num_blocks = int(first.shape[0])
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, AgentKVStepMetadata):
+            try:
+                self._worker.start_step(connector_metadata)
+            except Exception:
+                log.exception("agentkv: worker step failed; affected requests recompute")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Loads were submitted at bind time; requests that load wait in WAITING_FOR_REMOTE_KVS
+        # until get_finished reports them, so nothing here has to block.
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # Stores happen on finished (paused) trajectories from their pinned blocks, not per layer.
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        try:
+            recving = self._worker.poll()
+        except Exception:
+            log.exception("agentkv: polling transfers failed")
+            recving = set()
+        return None, (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_error_block_ids() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_report() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._control is not None:
+            self._control.close()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.block_pool = gpu_block_pool
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.lookup(request, num_computed_tokens)
+        except Exception:
+            log.exception("agentkv: lookup failed for %s; serving by recompute", request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        try:
+            self._scheduler.plan_load(request, blocks, num_external_tokens)
+        except Exception:
+            log.exception("agentkv: load planning failed for %s", request.request_id)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.build_step()
+        except Exception:
+            log.exception("agentkv: building step metadata failed")
+            return AgentKVStepMetadata()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is None:
+            return
+        try:
+            self._scheduler.on_worker_report(connector_output)
+        except Exception:
+            log.exception("agentkv: processing worker report failed")
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.finish(request, block_ids)
+        except Exception:
+            log.exception("agentkv: request_finished failed for %s", request.request_id)
+            return False, None
+
+    def has_pending_push_work(self) -> bool:
+        if self._scheduler is None:
+            return False
+        try:
+            return self._scheduler.has_pending_work()
+        except Exception:
+            return False

@@ -1,0 +1,103 @@
+"""The local control channel between the HTTP routes (API server process) and the
+scheduler-side connector (engine core process).
+
+Primitives:
+  ControlServer(endpoint, handler)   a ZMQ REP socket served by one daemon thread; each request is
+                                     a JSON object ``{"op": ..., ...}``, each reply a JSON object
+                                     ``{"status": int, "body": {...}}``; a handler exception becomes
+                                     a 500 reply, never a dead engine
+  ControlClient(endpoint)            async REQ client used by the routes; raises
+                                     ControlUnavailable when the engine does not answer in time
+
+JSON, not pickle: the socket is local, but nothing it carries should be able to run code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger("agentkv.control")
+
+Handler = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
+
+
+class ControlUnavailable(RuntimeError):
+    """The engine-side control channel did not answer."""
+
+
+def _prepare_ipc(endpoint: str) -> None:
+    if endpoint.startswith("ipc://"):
+        path = Path(endpoint.removeprefix("ipc://"))
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if path.exists():
+            path.unlink()
+
+
+class ControlServer:
+    def __init__(self, endpoint: str, handler: Handler) -> None:
+        self.endpoint = endpoint
+        self._handler = handler
+        self._ctx = zmq.Context.instance()
+        self._stop = threading.Event()
+        _prepare_ipc(endpoint)
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        if endpoint.startswith("ipc://"):
+            os.chmod(endpoint.removeprefix("ipc://"), 0o600)
+        self._thread = threading.Thread(target=self._serve, name="agentkv-control", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not dict(poller.poll(200)):
+                continue
+            raw = self._sock.recv()
+            try:
+                request = json.loads(raw)
+                if not isinstance(request, dict):
+                    raise ValueError("request must be a JSON object")
+                status, body = self._handler(request)
+            except Exception as exc:
+                log.exception("agentkv control request failed")
+                status, body = 500, {"detail": f"{type(exc).__name__}: {exc}"}
+            self._sock.send(json.dumps({"status": status, "body": body}, default=str).encode())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(0)
+
+
+class ControlClient:
+    """One REQ socket per call: REQ sockets are strict send/recv pairs, and a timed-out call must
+    not poison the next one."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = int(timeout_s * 1000)
+        self._ctx = zmq.asyncio.Context.instance()
+
+    async def call(self, op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        try:
+            await sock.send(json.dumps({"op": op, **fields}).encode())
+            if not await sock.poll(self.timeout_ms, zmq.POLLIN):
+                raise ControlUnavailable(f"agentkv engine control channel {self.endpoint} did not answer")
+            reply = json.loads(await sock.recv())
+            return int(reply["status"]), dict(reply["body"])
+        finally:
+            sock.close(0)

@@ -1,0 +1,86 @@
+"""What crosses between the scheduler-side and worker-side connectors each step.
+
+Primitives:
+  BlockTransfer          one block: its logical key and the engine block id
+  StoreJob / LoadJob     a batch of blocks to copy device -> tier / tier -> device
+  AgentKVStepMetadata    scheduler -> workers: the jobs and key drops of one step
+  AgentKVWorkerReport    workers -> scheduler: finished stores (counted per rank, so a hold is
+                         released only when every TP rank reported), failed blocks, tier moves
+
+Plain dataclasses of builtins: the multiprocessing executor pickles them between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    key: bytes
+    block_id: int
+
+
+@dataclass
+class StoreJob:
+    job_id: int
+    tier: str  # "host" | "disk"
+    blocks: list[BlockTransfer]
+    owner: str
+    lease_until_s: float | None = None  # seconds from now; monotonic clocks differ per process
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    blocks: list[BlockTransfer]
+
+
+@dataclass
+class AgentKVStepMetadata(KVConnectorMetadata):
+    stores: list[StoreJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    drop_keys: list[bytes] = field(default_factory=list)
+    promote_keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class AgentKVWorkerReport(KVConnectorWorkerMetadata):
+    # job_id -> number of ranks that finished it; ok=False if any rank failed
+    stores_done: dict[int, int] = field(default_factory=dict)
+    stores_failed: set[int] = field(default_factory=set)
+    # keys a rank could not serve (evicted, corrupt): the scheduler forgets them
+    missing_keys: set[bytes] = field(default_factory=set)
+    # key -> tier after a worker-side move (eviction demoted host -> disk, or dropped)
+    tier_moves: dict[bytes, str] = field(default_factory=dict)
+    # keys a rank found on disk at start (restart rebuilds the index)
+    recovered_keys: dict[bytes, str] = field(default_factory=dict)
+    # rank -> pid of the worker process, sent once (shows the plugin loaded in every worker)
+    hello: dict[int, int] = field(default_factory=dict)
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, AgentKVWorkerReport)
+        out = AgentKVWorkerReport(
+            stores_done=dict(self.stores_done),
+            stores_failed=self.stores_failed | other.stores_failed,
+            missing_keys=self.missing_keys | other.missing_keys,
+            tier_moves={**self.tier_moves, **other.tier_moves},
+            recovered_keys={**self.recovered_keys, **other.recovered_keys},
+            hello={**self.hello, **other.hello},
+            load_bytes=self.load_bytes + other.load_bytes,
+            load_seconds=max(self.load_seconds, other.load_seconds),
+            store_bytes=self.store_bytes + other.store_bytes,
+            store_seconds=max(self.store_seconds, other.store_seconds),
+        )
+        for job, n in other.stores_done.items():
+            out.stores_done[job] = out.stores_done.get(job, 0) + n
+        return out

@@ -1,0 +1,145 @@
+"""``vllm.endpoint_plugins`` entry point: the agentkv control routes on vLLM's OpenAI server.
+
+Routes (same host, port and API key as the OpenAI API):
+  POST   /agentkv/v1/trajectories/{id}/pause    {tool, expected_wait_s?, branch?} -> the decision
+  POST   /agentkv/v1/trajectories/{id}/resume   {branch?}                          -> state
+  DELETE /agentkv/v1/trajectories/{id}          release everything it holds, in every tier
+  GET    /agentkv/v1/trajectories/{id}          state, tier residency, per-turn prefix stats
+  GET    /agentkv/v1/status                     pool use, tiers, decisions, prefetch outcomes
+
+vLLM's auth middleware only guards ``/v1``-style prefixes, so these routes check ``--api-key``
+(or ``VLLM_API_KEY``) themselves. They reach the scheduler-side connector over the connector's
+local control channel, never through engine internals; after a change they nudge the engine
+with a public, cheap engine-client call so queued transfers start even when it is idle.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from argparse import Namespace
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentkv_vllm.control import ControlClient, ControlUnavailable
+from agentkv_vllm.settings import ConnectorSettings
+
+log = logging.getLogger("agentkv.routes")
+ID_PATTERN = r"^[A-Za-z0-9._:@/-]{1,256}$"
+
+
+class PauseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tool: str = Field(min_length=1, max_length=128, description="Tool name; waits are learned per tool.")
+    expected_wait_s: float | None = Field(default=None, ge=0, le=30 * 86400, allow_inf_nan=False, description="The harness's own estimate of the wait.")
+    branch: str = Field(default="main", pattern=ID_PATTERN)
+
+
+class ResumeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    branch: str = Field(default="main", pattern=ID_PATTERN)
+
+
+class _State:
+    client: ControlClient | None = None
+    api_keys: list[str] = []
+    engine_client: Any = None
+
+
+def _settings_from_args(args: Namespace) -> ConnectorSettings:
+    raw = getattr(args, "kv_transfer_config", None)
+    extra: dict[str, Any] = {}
+    if raw is not None:
+        cfg = json.loads(raw) if isinstance(raw, str) else raw
+        extra = dict((cfg.get("kv_connector_extra_config") if isinstance(cfg, dict) else getattr(cfg, "kv_connector_extra_config", None)) or {})
+    return ConnectorSettings.model_validate(extra)
+
+
+def _check_api_key(request: Request) -> None:
+    keys = _State.api_keys
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not any(secrets.compare_digest(token, k) for k in keys):
+        raise HTTPException(status_code=401, detail="missing or wrong API key")
+
+
+router = APIRouter(prefix="/agentkv/v1", tags=["agentkv"], dependencies=[Depends(_check_api_key)])
+TrajectoryId = Path(pattern=ID_PATTERN, description="Trajectory id, as sent in kv_transfer_params.agentkv.trajectory_id")
+
+
+async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
+    if _State.client is None:
+        raise HTTPException(status_code=503, detail="agentkv connector is not enabled on this server (--kv-transfer-config)")
+    try:
+        status, body = await _State.client.call(op, **fields)
+    except ControlUnavailable as exc:
+        raise HTTPException(status_code=503, detail=str(exc)) from None
+    if nudge and status < 400 and _State.engine_client is not None:
+        try:
+            # Any utility call wakes an idle engine loop, which then runs the queued transfers.
+            await _State.engine_client.is_sleeping()
+        except Exception as exc:
+            log.debug("agentkv: engine nudge failed: %s", exc)
+    return JSONResponse(status_code=status, content=body)
+
+
+@router.post("/trajectories/{trajectory_id}/pause", summary="Pause a trajectory for a tool wait")
+async def pause(body: PauseBody, trajectory_id: str = TrajectoryId) -> JSONResponse:
+    return await _call("pause", nudge=True, trajectory_id=trajectory_id, **body.model_dump())
+
+
+@router.post("/trajectories/{trajectory_id}/resume", summary="Tell the engine a trajectory's tool returned")
+async def resume(body: ResumeBody | None = None, trajectory_id: str = TrajectoryId) -> JSONResponse:
+    return await _call("resume", nudge=True, trajectory_id=trajectory_id, **(body or ResumeBody()).model_dump())
+
+
+@router.delete("/trajectories/{trajectory_id}", summary="End a trajectory and release all it holds")
+async def end(trajectory_id: str = TrajectoryId) -> JSONResponse:
+    return await _call("end", nudge=True, trajectory_id=trajectory_id)
+
+
+@router.get("/trajectories/{trajectory_id}", summary="State, tier residency and prefix stats of a trajectory")
+async def get(trajectory_id: str = TrajectoryId) -> JSONResponse:
+    return await _call("get", trajectory_id=trajectory_id)
+
+
+@router.get("/status", summary="Pool use, tiers, decisions and prefetch outcomes")
+async def status() -> JSONResponse:
+    return await _call("status")
+
+
+class AgentKVRoutes:
+    name = "agentkv_routes"
+    required_tasks = None
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        keys = list(getattr(args, "api_key", None) or [])
+        if isinstance(getattr(args, "api_key", None), str):
+            keys = [args.api_key]
+        if env_key := os.environ.get("VLLM_API_KEY"):
+            keys.append(env_key)
+        _State.api_keys = keys
+        _State.engine_client = engine_client
+        if getattr(args, "kv_transfer_config", None) is None:
+            _State.client = None
+            return
+        try:
+            settings = _settings_from_args(args)
+        except Exception as exc:
+            log.warning("agentkv routes: cannot read kv_connector_extra_config (%s)", exc)
+            return
+        _State.client = ControlClient(settings.control_endpoint())
+
+
+def register_routes() -> AgentKVRoutes:
+    return AgentKVRoutes()

@@ -1,0 +1,200 @@
+"""Worker side of AgentKVConnector: moves whole blocks between vLLM's KV cache and the tiers.
+
+Primitives:
+  WorkerSide.register_kv_caches(kv_caches)   find the block layout, open this rank's TieredStore
+  WorkerSide.start_step(meta)                submit the step's stores/loads/drops; must not block
+  WorkerSide.poll(finished_req_ids)          (finished_sending, finished_recving) request ids
+  WorkerSide.take_report()                   AgentKVWorkerReport for the scheduler, or None
+  WorkerSide.load_error_block_ids()          engine block ids whose load failed -> recompute
+
+Each TP rank keeps its own store under ``<disk_dir>/rank<r>`` with keys salted by its rank
+fingerprint, so shards never mix. Loads of a request are reported finished only when every block
+has a result; a failed block is also reported through ``load_error_block_ids`` so vLLM recomputes
+it instead of reading garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentkv.tiers import TieredStore, TransferHandle
+from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
+
+from agentkv_vllm.block_copy import BlockViews
+from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport, LoadJob, StoreJob
+from agentkv_vllm.settings import ConnectorSettings
+
+log = logging.getLogger("agentkv.worker")
+GiB = 1 << 30
+
+
+@dataclass
+class _Pending:
+    handle: TransferHandle
+    started: float
+    nbytes: int
+    job: StoreJob | None = None
+    load: LoadJob | None = None
+
+
+@dataclass
+class WorkerSide:
+    settings: ConnectorSettings
+    model_id: str
+    tp_rank: int
+    tp_size: int
+    num_blocks: int
+    views: BlockViews | None = None
+    store: TieredStore | None = None
+    fingerprint: ModelFingerprint | None = None
+    _stores: list[_Pending] = field(default_factory=list)
+    _loads: list[_Pending] = field(default_factory=list)
+    _recving_done: set[str] = field(default_factory=set)
+    _load_errors: set[int] = field(default_factory=set)
+    _report: AgentKVWorkerReport = field(default_factory=AgentKVWorkerReport)
+    _report_dirty: bool = False
+    _key_cache: dict[bytes, BlockKey] = field(default_factory=dict)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.views = BlockViews(kv_caches, self.num_blocks)
+        self.fingerprint = ModelFingerprint(
+            model_id=self.model_id,
+            dtype=self.views.dtype,
+            block_size=0,
+            num_layers=len(self.views.layer_names),
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            layout=self.views.layout,
+        )
+        disk_dir = None
+        if self.settings.disk_dir:
+            disk_dir = Path(self.settings.disk_dir) / f"rank{self.tp_rank}"
+            disk_dir.mkdir(parents=True, exist_ok=True)
+        self.store = TieredStore(
+            host_capacity_bytes=int(self.settings.host_capacity_gib * GiB),
+            disk_dir=disk_dir,
+            disk_capacity_bytes=int(self.settings.disk_capacity_gib * GiB),
+            block_bytes=self.views.block_bytes,
+            workers=self.settings.io_threads,
+        )
+        import os
+
+        self._report.hello[self.tp_rank] = os.getpid()
+        self._report_dirty = True
+        log.info(
+            "agentkv worker rank %d: %d layers, block %d B, host tier %.1f GiB, disk %s",
+            self.tp_rank, len(self.views.layer_names), self.views.block_bytes,
+            self.settings.host_capacity_gib, disk_dir or "off",
+        )
+
+    # Logical keys are rank-agnostic (the scheduler computes them); each rank salts them with its
+    # own fingerprint so a block can only ever come back to the rank, layout and model it left.
+    def rank_key(self, logical: bytes) -> BlockKey:
+        key = self._key_cache.get(logical)
+        if key is None:
+            assert self.fingerprint is not None
+            fp = self.fingerprint.digest()
+            digest = hashlib.blake2b(logical + fp, digest_size=KEY_BYTES, person=b"agentkv-rank-v1").digest()
+            key = BlockKey(digest, fp)
+            if len(self._key_cache) > 1_000_000:
+                self._key_cache.clear()
+            self._key_cache[logical] = key
+        return key
+
+    def start_step(self, meta: AgentKVStepMetadata) -> None:
+        """Submit this step's transfers to the store's thread pool. Must not block."""
+        if self.store is None or self.views is None:
+            return
+        if meta.drop_keys:
+            self.store.drop([self.rank_key(k) for k in meta.drop_keys])
+        if meta.promote_keys:
+            self.store.promote([self.rank_key(k) for k in meta.promote_keys])
+        now = time.monotonic()
+        for job in meta.stores:
+            keys = [self.rank_key(b.key) for b in job.blocks]
+            buffers = [self.views.segments(b.block_id) for b in job.blocks]
+            lease = now + job.lease_until_s if job.lease_until_s else None
+            try:
+                handle = self.store.submit_store(keys, buffers, tier=job.tier, lease_until=lease, owner=job.owner)
+            except Exception as exc:  # a tier fault must never take the engine down
+                log.warning("agentkv: store job %d failed to start: %s", job.job_id, exc)
+                self._report.stores_failed.add(job.job_id)
+                self._report.stores_done[job.job_id] = 1
+                self._report_dirty = True
+                continue
+            self._stores.append(_Pending(handle, now, len(keys) * self.views.block_bytes, job=job))
+        for load in meta.loads:
+            keys = [self.rank_key(b.key) for b in load.blocks]
+            buffers = [self.views.segments(b.block_id) for b in load.blocks]
+            try:
+                handle = self.store.submit_load(keys, buffers)
+            except Exception as exc:
+                log.warning("agentkv: load for %s failed to start: %s", load.req_id, exc)
+                self._load_errors.update(b.block_id for b in load.blocks)
+                self._recving_done.add(load.req_id)
+                continue
+            self._loads.append(_Pending(handle, now, len(keys) * self.views.block_bytes, load=load))
+
+    def poll(self) -> set[str]:
+        """Collect finished transfers; returns request ids whose loads are complete."""
+        now = time.monotonic()
+        still: list[_Pending] = []
+        for p in self._stores:
+            if not p.handle.done():
+                still.append(p)
+                continue
+            assert p.job is not None
+            results = p.handle.result()
+            ok = all(r.ok for r in results)
+            if not ok:
+                self._report.stores_failed.add(p.job.job_id)
+                errors = [str(r.error) for r in results if not r.ok][:1]
+                log.warning("agentkv: store job %d: %d/%d blocks failed (%s)", p.job.job_id,
+                            sum(not r.ok for r in results), len(results), errors)
+            self._report.stores_done[p.job.job_id] = self._report.stores_done.get(p.job.job_id, 0) + 1
+            self._report.store_bytes += p.nbytes
+            self._report.store_seconds = max(self._report.store_seconds, now - p.started)
+            self._report_dirty = True
+        self._stores = still
+        still = []
+        for p in self._loads:
+            if not p.handle.done():
+                still.append(p)
+                continue
+            assert p.load is not None
+            results = p.handle.result()
+            for r, b in zip(results, p.load.blocks, strict=True):
+                if not r.ok:
+                    self._load_errors.add(b.block_id)
+                    self._report.missing_keys.add(b.key)
+            self._report.load_bytes += p.nbytes
+            self._report.load_seconds = max(self._report.load_seconds, now - p.started)
+            self._report_dirty = True
+            self._recving_done.add(p.load.req_id)
+        self._loads = still
+        done, self._recving_done = self._recving_done, set()
+        return done
+
+    def load_error_block_ids(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def take_report(self) -> AgentKVWorkerReport | None:
+        if not self._report_dirty:
+            return None
+        report, self._report = self._report, AgentKVWorkerReport()
+        self._report_dirty = False
+        return report
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._stores or self._loads)
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            self.store.close()

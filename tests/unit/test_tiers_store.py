@@ -1,0 +1,339 @@
+"""TieredStore: round trips through every tier, eviction and leases, restart, corruption,
+owners, concurrency, capacity and disk-full behaviour."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agentkv.errors import CorruptBlockError, TierFullError
+from agentkv.tiers import disk, store
+from agentkv.tiers.disk import HEADER_BYTES
+from agentkv.tiers.keys import BlockKey, ModelFingerprint, chain_keys
+from agentkv.tiers.store import BlockStatus, TieredStore
+
+BLOCK = 64 * 1024
+FILE = HEADER_BYTES + BLOCK
+FP = ModelFingerprint("tiny", "bfloat16", 16, 4)
+
+
+def keys(n: int, salt: str = "s") -> list[BlockKey]:
+    return chain_keys(FP, salt, range(n))
+
+
+def content(key: BlockKey) -> np.ndarray:
+    """Bytes derived from the key, so a mixed-up block is detected."""
+    return np.random.default_rng(int.from_bytes(key.digest[:8], "little")).integers(
+        0, 256, BLOCK, dtype=np.uint8
+    )
+
+
+def load(s: TieredStore, ks: list[BlockKey]) -> tuple[list[BlockStatus], list[np.ndarray]]:
+    out = [np.zeros(BLOCK, np.uint8) for _ in ks]
+    results = s.submit_load(ks, out).result(timeout=10)
+    return [r.status for r in results], out
+
+
+def store_all(s: TieredStore, ks: list[BlockKey], **kw: object) -> list[BlockStatus]:
+    return [r.status for r in s.submit_store(ks, [content(k) for k in ks], **kw).result(timeout=10)]  # type: ignore[arg-type]
+
+
+def assert_exact(ks: list[BlockKey], out: list[np.ndarray]) -> None:
+    for key, buffer in zip(ks, out, strict=True):
+        assert np.array_equal(buffer, content(key))
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[object]:
+    opened: list[TieredStore] = []
+
+    def factory(host_blocks: int, disk_blocks: int | None, **kw: object) -> TieredStore:
+        s = TieredStore(
+            host_blocks * BLOCK,
+            tmp_path / "kv" if disk_blocks is not None else None,
+            (disk_blocks or 0) * FILE,
+            BLOCK,
+            **kw,  # type: ignore[arg-type]
+        )
+        opened.append(s)
+        return s
+
+    yield factory
+    for s in opened:
+        s.close()
+
+
+OK = BlockStatus.OK
+
+
+def test_host_round_trip_bit_exact_with_segments(make) -> None:  # type: ignore[no-untyped-def]
+    s = make(8, None)
+    ks = keys(4)
+    layers = [np.array_split(content(k), 4) for k in ks]  # one segment per layer
+    assert all(r.ok and r.tier == "host" for r in s.submit_store(ks, layers).result(10))
+    out = [[np.zeros(BLOCK // 4, np.uint8) for _ in range(4)] for _ in ks]
+    assert all(r.ok for r in s.submit_load(ks, out).result(10))
+    assert_exact(ks, [np.concatenate(parts) for parts in out])
+    assert [s.tier_of(k) for k in ks] == ["host"] * 4
+    assert s.lookup_prefix([*ks, keys(1, "other")[0], ks[0]]) == 4
+
+
+def test_disk_round_trip_and_promote_demote(make) -> None:  # type: ignore[no-untyped-def]
+    s = make(4, 8)
+    ks = keys(3)
+    assert store_all(s, ks, tier="disk") == [OK] * 3
+    assert [s.tier_of(k) for k in ks] == ["disk"] * 3
+    statuses, out = load(s, ks)
+    assert statuses == [OK] * 3
+    assert_exact(ks, out)
+    assert all(r.ok for r in s.promote(ks).result(10))
+    assert [s.tier_of(k) for k in ks] == ["host"] * 3
+    assert s.stats().host.blocks == 3
+    assert all(r.ok for r in s.demote(ks).result(10))
+    assert [s.tier_of(k) for k in ks] == ["disk"] * 3
+    assert s.stats().host.used_bytes == 0
+    statuses, out = load(s, ks)
+    assert statuses == [OK] * 3
+    assert_exact(ks, out)
+
+
+def test_wrong_sizes_and_read_only_destinations_raise_at_submit(make) -> None:  # type: ignore[no-untyped-def]
+    s = make(2, None)
+    with pytest.raises(ValueError, match="expected"):
+        s.submit_store(keys(1), [np.zeros(BLOCK - 1, np.uint8)])
+    with pytest.raises(ValueError, match="writable"):
+        s.submit_load(keys(1), [bytes(BLOCK)])
+    with pytest.raises(ValueError, match="buffers"):
+        s.submit_store(keys(2), [np.zeros(BLOCK, np.uint8)])
+
+
+def test_host_full_without_disk_evicts_lru_and_misses(make) -> None:  # type: ignore[no-untyped-def]
+    s = make(2, None, workers=1)
+    a, b, c = keys(3)
+    store_all(s, [a])
+    store_all(s, [b])
+    load(s, [a])  # a is now more recent than b
+    store_all(s, [c])
+    assert [s.tier_of(k) for k in (a, b, c)] == ["host", None, "host"]
+    statuses, _ = load(s, [b])
+    assert statuses == [BlockStatus.MISS]
+
+
+def test_live_leases_are_evicted_last_and_expired_ones_normally(make) -> None:  # type: ignore[no-untyped-def]
+    now = [100.0]
+    s = make(2, None, workers=1, clock=lambda: now[0])
+    a, b, c, d = keys(4)
+    store_all(s, [a], lease_until=200.0)
+    store_all(s, [b])
+    store_all(s, [c])  # a is the LRU block but leased: b goes
+    assert [s.tier_of(k) for k in (a, b, c)] == ["host", None, "host"]
+    now[0] = 300.0  # lease expired: a is LRU again
+    store_all(s, [d])
+    assert [s.tier_of(k) for k in (a, c, d)] == [None, "host", "host"]
+
+
+def test_host_eviction_demotes_to_disk_then_disk_evicts_lru(make) -> None:  # type: ignore[no-untyped-def]
+    s = make(2, 2, workers=1)
+    ks = keys(5)
+    for key in ks:
+        store_all(s, [key])
+    assert [s.tier_of(k) for k in ks] == [None, "disk", "disk", "host", "host"]
+    statuses, out = load(s, ks[1:])
+    assert statuses == [OK] * 4
+    assert_exact(ks[1:], out)
+    counters = s.stats().counters
+    assert counters["demotions"] == 3 and counters["evictions_disk"] == 1
+
+
+def test_restart_rebuilds_index_from_files(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    s = make(4, 8)
+    ks = keys(5)
+    assert store_all(s, ks, tier="disk") == [OK] * 5
+    s.close()
+    again = make(4, 8)
+    assert again.lookup_prefix(ks) == 5
+    assert again.stats().disk.used_bytes == 5 * FILE
+    statuses, out = load(again, ks)
+    assert statuses == [OK] * 5
+    assert_exact(ks, out)
+    again.close()
+    smaller = make(4, 3)  # a smaller limit than last run: the oldest files go
+    assert smaller.stats().disk.blocks == 3
+    assert len(list((tmp_path / "kv").rglob("*.kvb"))) == 3
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_file_is_an_error_never_data_and_then_a_miss(make, damage: str) -> None:  # type: ignore[no-untyped-def]
+    s = make(4, 4)
+    (key,) = keys(1)
+    store_all(s, [key], tier="disk")
+    path = s._files.path_for(key)
+    if damage == "flip":
+        raw = bytearray(path.read_bytes())
+        raw[HEADER_BYTES + 777] ^= 0x80
+        path.write_bytes(raw)
+    else:
+        os.truncate(path, HEADER_BYTES + 10)
+    out = np.zeros(BLOCK, np.uint8)
+    (result,) = s.submit_load([key], [out]).result(10)
+    assert result.status is BlockStatus.ERROR and isinstance(result.error, CorruptBlockError)
+    assert not out.any()
+    assert s.tier_of(key) is None and s.lookup_prefix([key]) == 0
+    assert not path.exists() and s.stats().disk.used_bytes == 0
+    assert load(s, [key])[0] == [BlockStatus.MISS]
+
+
+def test_drop_owner_keeps_blocks_another_owner_holds(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    s = make(8, 8)
+    shared = keys(2)
+    fork_a = chain_keys(FP, "s", [0, 1, 10])[2:]
+    fork_b = chain_keys(FP, "s", [0, 1, 20])[2:]
+    store_all(s, shared + fork_a, owner="a")
+    store_all(s, shared + fork_b, owner="b", tier="disk")
+    assert s.drop_owner("a") == 1
+    assert s.tier_of(fork_a[0]) is None
+    assert s.lookup_prefix(shared + fork_b) == 3
+    assert s.drop_owner("b") == 3
+    assert s.lookup_prefix(shared) == 0
+    assert list((tmp_path / "kv").rglob("*.kvb")) == []
+    assert s.stats().host.blocks == 0 and s.stats().disk.used_bytes == 0
+    assert s.drop_owner("a") == 0
+
+
+def test_drop_removes_from_every_tier(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    s = make(4, 4)
+    ks = keys(2)
+    store_all(s, ks, tier="disk")
+    s.promote(ks).result(10)
+    assert s.drop(ks) == 2
+    assert s.lookup_prefix(ks) == 0 and list((tmp_path / "kv").rglob("*.kvb")) == []
+
+
+def test_block_in_flight_is_pinned_and_handle_polls(make, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    s = make(1, None)
+    a, b = keys(2)
+    store_all(s, [a])
+    release, started = threading.Event(), threading.Event()
+    real = store.scatter_from
+
+    def slow(source, segments):  # type: ignore[no-untyped-def]
+        started.set()
+        assert release.wait(10)
+        real(source, segments)
+
+    monkeypatch.setattr(store, "scatter_from", slow)
+    out = np.zeros(BLOCK, np.uint8)
+    handle = s.submit_load([a], [out])
+    assert started.wait(10)
+    assert not handle.done() and handle.ok_prefix() == 0
+    (stored,) = s.submit_store([b], [content(b)]).result(10)
+    assert stored.status is BlockStatus.ERROR and isinstance(stored.error, TierFullError)
+    assert s.drop([a]) == 1  # dropped while pinned: the slot stays until the copy ends
+    release.set()
+    assert handle.wait(10) and handle.ok_prefix() == 1
+    assert np.array_equal(out, content(a))
+    assert store_all(s, [b]) == [OK]  # the slot came back after the last pin
+
+
+def test_concurrent_stores_and_loads_lose_or_mix_nothing(make) -> None:  # type: ignore[no-untyped-def]
+    s = make(6, 64, workers=3)
+    failures: list[str] = []
+
+    def worker(thread: int) -> None:
+        own = keys(6, salt=f"t{thread}")
+        shared = keys(3, salt="shared")
+        for round_ in range(4):
+            batch = own + shared
+            results = s.submit_store(batch, [content(k) for k in batch], owner=f"t{thread}").result(
+                10
+            )
+            if not all(r.ok for r in results):
+                failures.append(f"store {thread}/{round_}: {results}")
+            out = [np.zeros(BLOCK, np.uint8) for _ in batch]
+            for key, buffer, result in zip(
+                batch, out, s.submit_load(batch, out).result(10), strict=True
+            ):
+                if result.ok and not np.array_equal(buffer, content(key)):
+                    failures.append(f"mixed block {key.hex()} via {result.tier}")
+                if not result.ok:
+                    failures.append(f"lost block {key.hex()}: {result}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert failures == []
+    stats = s.stats()
+    assert stats.host.used_bytes <= stats.host.capacity_bytes
+    assert stats.disk.used_bytes <= stats.disk.capacity_bytes
+    assert stats.counters["demotions"] > 0
+
+
+def test_memory_and_disk_stay_within_capacity(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    s = make(3, 5)
+    for i in range(6):
+        store_all(s, keys(4, salt=str(i)))
+    stats = s.stats()
+    assert stats.host.blocks == 3 and stats.host.capacity_bytes == 3 * BLOCK
+    assert s._arena._memory.nbytes <= 3 * BLOCK
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*") if p.is_file())
+    assert on_disk <= 5 * FILE and stats.disk.used_bytes == on_disk
+
+
+def test_disk_full_store_fails_cleanly_and_caller_can_fall_back(
+    make, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    s = make(1, 8, workers=1)
+    a, b, c = keys(3)
+
+    def full(fd: int, data: memoryview, offset: int) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk, "_pwrite", full)
+    (result,) = s.submit_store([a], [content(a)], tier="disk").result(10)
+    assert result.status is BlockStatus.ERROR and isinstance(result.error, TierFullError)
+    assert s.tier_of(a) is None and load(s, [a])[0] == [BlockStatus.MISS]
+    # Host eviction cannot demote either: the victim is dropped, the new block still lands.
+    assert store_all(s, [b]) == [OK]
+    assert store_all(s, [c]) == [OK]
+    assert s.tier_of(b) is None and s.tier_of(c) == "host"
+    assert [p for p in (tmp_path / "kv").rglob("*") if p.is_file()] == []
+    assert s.stats().disk.used_bytes == 0 and s.stats().counters["disk_full"] == 2
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a tmpfs")
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_real_enospc_on_tiny_tmpfs(tmp_path: Path) -> None:
+    with tiny_tmpfs(tmp_path / "mnt", "256k") as mount:
+        ks = keys(8)
+        with TieredStore(0, mount / "kv", 100 * FILE, BLOCK) as s:
+            results = s.submit_store(ks, [content(k) for k in ks], tier="disk").result(10)
+            assert any(r.ok for r in results)
+            failed = [r for r in results if not r.ok]
+            assert failed and all(isinstance(r.error, TierFullError) for r in failed)
+            present = {p.name for p in (mount / "kv").rglob("*") if p.is_file()}
+            assert present == {f"{r.key.hex()}.kvb" for r in results if r.ok}
+            statuses, _ = load(s, [r.key for r in results if r.ok])
+            assert set(statuses) == {OK}
