@@ -66,6 +66,8 @@ def build_server_command(
     kv_transfer_config = {
         "kv_connector": CONNECTOR_NAME,
         "kv_role": "kv_both",
+        # A tier fault (missing or corrupt block) must cost a recompute, never the request.
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": dict(opts.connector_config),
     }
     argv = [

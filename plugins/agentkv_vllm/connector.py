@@ -37,6 +37,12 @@ class AgentKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._control: Any = None
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning(
+                "agentkv: kv_load_failure_policy is %r; set it to \"recompute\" in --kv-transfer-config "
+                "so a tier fault costs a recompute instead of failing the request",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
         if role == KVConnectorRole.SCHEDULER:
             from agentkv_vllm.control import ControlServer
             from agentkv_vllm.scheduler_side import SchedulerSide

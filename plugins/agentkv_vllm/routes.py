@@ -107,12 +107,12 @@ async def end(trajectory_id: str = TrajectoryId) -> JSONResponse:
 
 @router.get("/trajectories/{trajectory_id}", summary="State, tier residency and prefix stats of a trajectory")
 async def get(trajectory_id: str = TrajectoryId) -> JSONResponse:
-    return await _call("get", trajectory_id=trajectory_id)
+    return await _call("get", nudge=True, trajectory_id=trajectory_id)
 
 
 @router.get("/status", summary="Pool use, tiers, decisions and prefetch outcomes")
 async def status() -> JSONResponse:
-    return await _call("status")
+    return await _call("status", nudge=True)
 
 
 class AgentKVRoutes:

@@ -283,7 +283,7 @@ class SchedulerSide:
             pending = branch.decision if branch.decision and branch.decision.get("_pending") else None
             if pending is not None:
                 branch.decision = {k: v for k, v in pending.items() if k != "_pending"}
-                self._apply(traj.trajectory_id, branch, str(pending["action"]), float(pending.get("lease_s") or 0), now)
+                self._apply(traj.trajectory_id, branch, str(pending["action"]), float(pending.get("_lease") or 0), now)
             elif self.settings.grace_s <= 0:
                 self._apply(traj.trajectory_id, branch, self.settings.default_action, 0.0, now)
             stats = info.turn.to_dict()
@@ -546,6 +546,8 @@ class SchedulerSide:
             action = "offload_host"
         body = decision.to_dict()
         body["action"] = action
+        if action == "retain":
+            body["lease_s"] = self._lease_for(decision, estimate)
         branch.tool = tool
         branch.paused_at = now
         p50 = estimate.p50 if math.isfinite(estimate.p50) else 0.0
@@ -556,11 +558,11 @@ class SchedulerSide:
         log.info("agentkv: pause %s/%s tool=%s -> %s (%s)", traj.trajectory_id, branch.name, tool, action, decision.rationale)
         applied = True
         if branch.state is BranchState.ACTIVE:
-            branch.decision = {**body, "_pending": True}
+            branch.decision = {**body, "_pending": True, "_lease": self._lease_for(decision, estimate)}
             applied = False
         elif branch.state in (BranchState.HELD, BranchState.RETAINED):
             branch.decision = body
-            self._apply(traj.trajectory_id, branch, action, float(decision.lease_s), now)
+            self._apply(traj.trajectory_id, branch, action, self._lease_for(decision, estimate), now)
         else:
             branch.decision = body
             applied = False
@@ -572,6 +574,12 @@ class SchedulerSide:
             "decision": body,
             "wait_estimate": estimate.to_dict(),
         }
+
+    def _lease_for(self, decision: Decision, estimate: Any) -> float:
+        """Lease of a retained branch: predicted return plus margin, never past max_lease_s."""
+        p50 = estimate.p50 if math.isfinite(estimate.p50) else 0.0
+        lease = max(float(decision.lease_s), p50 + self.settings.lease_margin_s)
+        return min(lease, self.settings.max_lease_s)
 
     def _op_resume(self, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         traj, branch, err = self._find(req)
@@ -654,6 +662,7 @@ class SchedulerSide:
                 "disk": disk_blocks * self.block_bytes_total,
             },
             "trajectories": len(self.table),
+            "trajectory_ids": [t.trajectory_id for t in self.table][:1000],
             "branches_by_state": self.table.count_by_state(),
             "decisions": dict(self.decisions),
             "prefetch": self.prefetch_outcomes.counts(),

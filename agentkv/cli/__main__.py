@@ -1,0 +1,3 @@
+from agentkv.cli import main
+
+main()

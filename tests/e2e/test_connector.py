@@ -1,0 +1,132 @@
+"""Plugin part 1: KV really leaves vLLM for a tier and comes back bit-identical."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import Server, long_text
+
+pytestmark = pytest.mark.e2e
+
+
+def _tokens_and_logprobs(out: dict[str, Any]) -> list[tuple[str, float]]:
+    return [(c["token"], c["logprob"]) for c in out["choices"][0]["logprobs"]["content"]]
+
+
+def _turns(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    first = [{"role": "system", "content": "You are a coding agent. " + long_text(seed, 500)},
+             {"role": "user", "content": "Fix the failing test."}]
+    second = [*first, {"role": "user", "content": "Observation: " + long_text(seed + 1, 120)}]
+    return first, second
+
+
+@pytest.mark.parametrize(("tier", "wait"), [("host", 30.0), ("disk", 3600.0)])
+def test_turn_from_tier_matches_device_cache_exactly(server: Server, tier: str, wait: float) -> None:
+    seed = 100 if tier == "host" else 200
+    first, second = _turns(seed)
+    tid = f"exact-{tier}"
+    server.chat(first, trajectory=tid)
+    decision = server.pause(tid, "pytest" if tier == "host" else "human-approval", wait)
+    assert decision["decision"]["action"] == f"offload_{tier}"
+    server.wait_state(tid, {"offloaded"})
+    residency = server.trajectory(tid)["branches"]["main"]["residency_blocks"]
+    assert residency.get(tier, 0) > 0
+
+    server.reset_prefix_cache()  # vLLM forgets; only the tier has the blocks now
+    # Reference: the same two turns served from vLLM's own prefix cache (salted: no tier involved).
+    server.chat(first, salt=f"ref-{tier}")
+    ref = server.chat(second, salt=f"ref-{tier}")
+
+    got = server.chat(second, trajectory=tid)
+    stats = got["kv_transfer_params"]["agentkv"]
+    assert stats["tier_hit_tokens"] > 0 and stats["tier"] == tier
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == ref["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert _tokens_and_logprobs(got) == _tokens_and_logprobs(ref)  # bit-identical KV -> identical output
+    server.end(tid)
+
+
+def test_corrupt_tier_falls_back_to_recompute(server: Server) -> None:
+    first, second = _turns(300)
+    tid = "corrupt"
+    server.chat(first, trajectory=tid)
+    server.pause(tid, "human-approval", 7200.0)
+    server.wait_state(tid, {"offloaded"})
+    files = [p for p in Path(server.disk_dir).rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert files, "disk tier wrote nothing"
+    for path in files:  # flip one payload byte in every block file
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    server.reset_prefix_cache()
+    ref = server.chat(second, salt="ref-corrupt")  # full recompute
+    got = server.chat(second, trajectory=tid)
+    assert [t for t, _ in _tokens_and_logprobs(got)] == [t for t, _ in _tokens_and_logprobs(ref)]
+    for (_, a), (_, b) in zip(_tokens_and_logprobs(got), _tokens_and_logprobs(ref), strict=True):
+        assert abs(a - b) < 5e-2
+    server.end(tid)
+
+
+def test_memory_pressure_resume_comes_back_from_tier(server: Server) -> None:
+    """Five paused trajectories, then five more that evict them from vLLM's cache; on resume the
+    agentkv ones come back from the host tier, the same requests without agentkv recompute."""
+
+    def run(prefix: str, use_agentkv: bool) -> list[tuple[int, int]]:
+        contexts = []
+        for i in range(5):
+            msgs = [{"role": "user", "content": long_text(1000 + i + (50 if use_agentkv else 0), 1100)}]
+            out = server.chat(msgs, trajectory=f"{prefix}{i}" if use_agentkv else None, salt=None if use_agentkv else "vanilla")
+            contexts.append((msgs, out))
+            if use_agentkv:
+                server.pause(f"{prefix}{i}", "pytest", 30.0)
+        for i in range(5):  # noise that needs the whole pool
+            server.chat([{"role": "user", "content": long_text(5000 + i + (50 if use_agentkv else 0), 1100)}], salt=f"noise-{prefix}")
+        results = []
+        for i, (msgs, out) in enumerate(contexts):
+            resumed = [*msgs, {"role": "user", "content": "next step"}]
+            got = server.chat(resumed, trajectory=f"{prefix}{i}" if use_agentkv else None, salt=None if use_agentkv else "vanilla")
+            results.append((out["usage"]["prompt_tokens"], got["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        return results
+
+    agentkv = run("press", True)
+    vanilla = run("vanilla", False)
+    for prev, cached in agentkv:
+        assert cached >= 0.9 * (prev - 128), (agentkv, vanilla)
+    assert sum(c for _, c in vanilla) <= 0.1 * sum(p for p, _ in vanilla), vanilla
+    for i in range(5):
+        server.end(f"press{i}")
+
+
+def test_request_without_agentkv_is_vanilla(server: Server) -> None:
+    before = server.status()["trajectories"]
+    server.chat([{"role": "user", "content": "plain request"}])
+    assert server.status()["trajectories"] == before
+
+
+@pytest.mark.parametrize("params", [
+    {"agentkv": {"trajectory_id": 42}},
+    {"agentkv": {"trajectory_id": "x" * 5000}},
+    {"agentkv": "not-an-object"},
+    {"agentkv": {"trajectory_id": "ok", "branch": ["list"]}},
+])
+def test_malformed_params_are_served_as_vanilla(server: Server, params: Any) -> None:
+    out = server.chat([{"role": "user", "content": "malformed"}], extra_params=params)
+    assert out["choices"][0]["message"]["content"] is not None
+    assert "agentkv" not in (out.get("kv_transfer_params") or {})
+    assert server.status()["counters"].get("malformed_params", 0) >= 1
+
+
+def test_non_object_kv_transfer_params_is_a_client_error(server: Server) -> None:
+    # vLLM itself rejects this shape (vanilla behaviour); the engine must stay up.
+    r = server.client.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": ["a"]})
+    assert 400 <= r.status_code < 500
+    assert server.chat([{"role": "user", "content": "after"}])["usage"]["completion_tokens"] == 4
+
+
+def test_engine_still_serving_after_everything(server: Server) -> None:
+    time.sleep(0.1)
+    assert server.chat([{"role": "user", "content": "still alive?"}])["usage"]["completion_tokens"] == 4
