@@ -525,26 +525,6 @@ def _classify_message(
     if _reasoning(ma) and (not _reasoning(mb) or _reasoning(ma) != _reasoning(mb)):
         if _THINK.sub("", ca).strip() == _THINK.sub("", cb).strip():
             return _cause("reasoning_stripped", f"reasoning of message {k} stripped or re-rendered")
-    if ma.get("role") != mb.get("role"):
-        j = _index_of(b_msgs, ma, k + 1)
-        if j > k:
-            return _cause("history_rewritten", f"{j - k} message(s) inserted at message {k}")
-    if ca != cb:
-        if _json_equal(ca, cb) or _ws_equal(ca, cb):
-            return _cause(
-                "serialization", f"message {k} has the same content with other key order/whitespace"
-            )
-        kind = _volatile_kind(ca, cb)
-        if kind:
-            where = "near the head" if zone == "system" or k <= 1 else f"in message {k}"
-            return _cause("volatile_field", f"a {kind} {where} changed")
-    elif _canon(ma.get("tool_calls")) != _canon(mb.get("tool_calls")):
-        calls_a, calls_b = ma.get("tool_calls") or [], mb.get("tool_calls") or []
-        if isinstance(calls_a, list) and isinstance(calls_b, list) and len(calls_a) == len(calls_b):
-            args_a = [str((c.get("function") or {}).get("arguments", "")) for c in calls_a]
-            args_b = [str((c.get("function") or {}).get("arguments", "")) for c in calls_b]
-            if all(_json_equal(x, y) or x == y for x, y in zip(args_a, args_b)):
-                return _cause("serialization", f"tool-call arguments of message {k} re-serialized")
     # History rewritten: which shape?
     j = _index_of(b_msgs, ma, k + 1)
     if j > k:
@@ -561,6 +541,34 @@ def _classify_message(
             "history_rewritten",
             f"summarization: messages {k}..{resumed - 1} replaced by one message",
         )
+    if len(b_msgs) < len(a_msgs) and _index_of(a_msgs, mb, 0) < 0:
+        dropped = len(a_msgs) - len(b_msgs) + 1
+        if mb.get("role") != ma.get("role"):
+            return _cause(
+                "history_rewritten",
+                f"summarization: about {dropped} message(s) from {k} on replaced by a "
+                f"{mb.get('role')} message",
+            )
+        return _cause(
+            "history_rewritten", f"truncation: history shrank from {len(a_msgs)} to "
+            f"{len(b_msgs)} messages at message {k}",
+        )
+    if ca != cb:
+        if _json_equal(ca, cb) or _ws_equal(ca, cb):
+            return _cause(
+                "serialization", f"message {k} has the same content with other key order/whitespace"
+            )
+        kind = _volatile_kind(ca, cb)
+        if kind:
+            where = "near the head" if zone == "system" or k <= 1 else f"in message {k}"
+            return _cause("volatile_field", f"a {kind} {where} changed")
+    elif _canon(ma.get("tool_calls")) != _canon(mb.get("tool_calls")):
+        calls_a, calls_b = ma.get("tool_calls") or [], mb.get("tool_calls") or []
+        if isinstance(calls_a, list) and isinstance(calls_b, list) and len(calls_a) == len(calls_b):
+            args_a = [str((c.get("function") or {}).get("arguments", "")) for c in calls_a]
+            args_b = [str((c.get("function") or {}).get("arguments", "")) for c in calls_b]
+            if all(_json_equal(x, y) or x == y for x, y in zip(args_a, args_b)):
+                return _cause("serialization", f"tool-call arguments of message {k} re-serialized")
     if len(cb) < len(ca):
         return _cause(
             "history_rewritten", f"compaction: message {k} shortened ({len(ca)} -> {len(cb)} chars)"
@@ -641,6 +649,7 @@ class TurnReport:
     model: str
     s_prompt: int
     s_match: int
+    s_reusable: int  # block-aligned tokens this prompt shares with the previous one
     h_turn: float
     h_cumulative: float
     divergence: Divergence | None = None
@@ -735,6 +744,7 @@ def diagnose(
             model=req.model,
             s_prompt=len(ids),
             s_match=result.matched_tokens,
+            s_reusable=0,
             h_turn=round(result.matched_tokens / len(ids), 6) if ids else 0.0,
             h_cumulative=round(sum_match / sum_prompt, 6) if sum_prompt else 0.0,
             engine=req.engine,
@@ -743,9 +753,9 @@ def diagnose(
             p_req, p_r = prev
             reusable = (min(len(p_r.token_ids), len(ids) - 1) // block_size) * block_size
             d = _lcp(p_r.token_ids, ids)
-            switched = p_req.model != req.model
-            if switched:
+            if p_req.model != req.model:
                 d = 0
+            report.s_reusable = (min(d, len(ids) - 1) // block_size) * block_size
             if d < len(p_r.token_ids) and d < len(ids):
                 cause = classify(p_req, req, p_r, rendered, d)
                 c_new = rendered.offsets[d][0]

@@ -44,7 +44,7 @@ class TransportError(HarnessError):
     """The server could not be reached or the connection failed."""
 
 
-class TimeoutError_(TransportError, TimeoutError):  # noqa: N801 - keeps the builtin name free
+class TimeoutError_(TransportError, TimeoutError):
     """The request timed out."""
 
 

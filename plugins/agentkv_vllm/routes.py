@@ -20,11 +20,11 @@ import logging
 import os
 import secrets
 from argparse import Namespace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentkv_vllm.control import ControlClient, ControlUnavailable
 from agentkv_vllm.settings import ConnectorSettings
@@ -90,14 +90,44 @@ async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
     return JSONResponse(status_code=status, content=body)
 
 
-@router.post("/trajectories/{trajectory_id}/pause", summary="Pause a trajectory for a tool wait")
-async def pause(body: PauseBody, trajectory_id: str = TrajectoryId) -> JSONResponse:
+M = TypeVar("M", bound=BaseModel)
+
+
+async def _parse(request: Request, model: type[M], optional: bool = False) -> M | JSONResponse:
+    """Validate the JSON body ourselves: vLLM turns FastAPI's validation errors into 400s, and
+    this API promises 422 with the failing field named."""
+    raw = await request.body()
+    if not raw.strip() and optional:
+        return model()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
+        ]
+        first = errors[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        return JSONResponse(status_code=422, content={"detail": f"invalid {where}: {first['msg']}", "errors": errors})
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+@router.post("/trajectories/{trajectory_id}/pause", summary="Pause a trajectory for a tool wait", openapi_extra=_body_schema(PauseBody))
+async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
+    body = await _parse(request, PauseBody)
+    if isinstance(body, JSONResponse):
+        return body
     return await _call("pause", nudge=True, trajectory_id=trajectory_id, **body.model_dump())
 
 
-@router.post("/trajectories/{trajectory_id}/resume", summary="Tell the engine a trajectory's tool returned")
-async def resume(body: ResumeBody | None = None, trajectory_id: str = TrajectoryId) -> JSONResponse:
-    return await _call("resume", nudge=True, trajectory_id=trajectory_id, **(body or ResumeBody()).model_dump())
+@router.post("/trajectories/{trajectory_id}/resume", summary="Tell the engine a trajectory's tool returned", openapi_extra=_body_schema(ResumeBody))
+async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
+    body = await _parse(request, ResumeBody, optional=True)
+    if isinstance(body, JSONResponse):
+        return body
+    return await _call("resume", nudge=True, trajectory_id=trajectory_id, **body.model_dump())
 
 
 @router.delete("/trajectories/{trajectory_id}", summary="End a trajectory and release all it holds")

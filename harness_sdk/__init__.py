@@ -1,0 +1,97 @@
+"""harness_sdk: the client SDK agent frameworks import to keep an agent's KV cache warm.
+
+Primitives:
+  Trajectory / SyncTrajectory   zoned turns, ``tool()`` waits, ``fork()``/``prune()``/``join()``,
+                                ``close()``; async first, with a blocking twin
+  TurnResult, ToolWait          a turn's reply and cache stats; a tool wait's decision and duration
+  Context, ZONES, canonical_json, freeze_tools, lint_volatile, ZoneChange    the zone layout
+  AgentKVAdapter, OpenAIAdapter, AnthropicAdapter, CacheUsage               provider adapters
+  Telemetry                     OTel spans and metrics (no-op unless an SDK is configured)
+  HarnessError and its tree     see ``harness_sdk.errors``
+
+Never imports vllm. Talks to any OpenAI-compatible server over httpx and uses the agentkv
+routes (pause/resume/close) only when the server has them.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from harness_sdk.adapters import (
+    Adapter,
+    AgentKVAdapter,
+    AnthropicAdapter,
+    CacheUsage,
+    OpenAIAdapter,
+    ParsedTurn,
+)
+from harness_sdk.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ConfigError,
+    DegradedWarning,
+    HarnessError,
+    HarnessWarning,
+    HTTPStatusError,
+    LayoutError,
+    NotFoundError,
+    RateLimitError,
+    ServerError,
+    StableZoneChangedWarning,
+    TimeoutError_,
+    TrajectoryClosedError,
+    TransportError,
+    VolatileContentWarning,
+)
+from harness_sdk.telemetry import Telemetry
+from harness_sdk.trajectory import SyncTrajectory, ToolWait, Trajectory, TurnResult
+from harness_sdk.zones import (
+    STABLE_ZONES,
+    ZONES,
+    Context,
+    LintFinding,
+    RenderedContext,
+    ZoneChange,
+    canonical_json,
+    freeze_tools,
+    lint_volatile,
+)
+
+__all__ = [
+    "STABLE_ZONES",
+    "ZONES",
+    "Adapter",
+    "AgentKVAdapter",
+    "AnthropicAdapter",
+    "AuthenticationError",
+    "BadRequestError",
+    "CacheUsage",
+    "ConfigError",
+    "Context",
+    "DegradedWarning",
+    "HTTPStatusError",
+    "HarnessError",
+    "HarnessWarning",
+    "LayoutError",
+    "LintFinding",
+    "NotFoundError",
+    "OpenAIAdapter",
+    "ParsedTurn",
+    "RateLimitError",
+    "RenderedContext",
+    "ServerError",
+    "StableZoneChangedWarning",
+    "SyncTrajectory",
+    "Telemetry",
+    "TimeoutError_",
+    "ToolWait",
+    "Trajectory",
+    "TrajectoryClosedError",
+    "TransportError",
+    "TurnResult",
+    "VolatileContentWarning",
+    "ZoneChange",
+    "canonical_json",
+    "freeze_tools",
+    "lint_volatile",
+]

@@ -1,0 +1,152 @@
+"""harness_sdk against the real vLLM OpenAI server with the agentkv plugin (``server`` fixture).
+
+Small prompts (~1-2k tokens; the server's blocks hold 128 tokens), max_tokens <= 8, temperature 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from harness_sdk import AuthenticationError, StableZoneChangedWarning, Trajectory, TurnResult
+
+pytestmark = pytest.mark.e2e
+
+TOOLS = [{"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
+                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+
+
+def system_prompt(seed: int, words: int = 300) -> str:
+    """A distinct, deterministic system prompt of roughly 1-2k tokens."""
+    return "You are a careful coding agent. " + " ".join(f"rule{seed}x{i}" for i in range(words))
+
+
+def new_traj(server: Any, seed: int, **kw: Any) -> Trajectory:
+    kw.setdefault("system", system_prompt(seed))
+    return Trajectory(server.base_url, server.model, api_key=server.api_key,
+                      trajectory_id=f"sdk-e2e-{seed}-{uuid.uuid4().hex[:8]}", tools=TOOLS,
+                      max_tokens=8, temperature=0, **kw)
+
+
+def hit_tokens(r: TurnResult) -> int:
+    engine = r.engine or {}
+    return max(r.cached_tokens, int(engine.get("hit_tokens") or 0))
+
+
+def raw_client(server: Any) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    return httpx.AsyncClient(base_url=server.base_url, headers=headers, timeout=60)
+
+
+async def test_three_turns_with_tool_wait_hit_the_cache(server: Any) -> None:
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    async with new_traj(server, 1, tracer_provider=tp) as traj:
+        r1 = await traj.complete("The test test_parse fails. What do you do first?")
+        assert r1.prompt_tokens > 256 and r1.engine is not None and r1.engine["trajectory_id"] == traj.trajectory_id
+        results = [r1]
+        for turn in (2, 3):
+            async with traj.tool("run_tests", expected_s=1.0) as call:
+                await asyncio.sleep(1.0)
+                call.observe(f"run {turn}: 1 failed, 12 passed")
+            assert call.pause_response is not None and call.decision is not None
+            assert call.resume_response is not None
+            assert call.duration_s is not None and call.duration_s >= 1.0
+            results.append(await traj.complete(f"Turn {turn}: continue."))
+        assert traj.routes_available is True
+    for r in results[1:]:
+        assert hit_tokens(r) > 0, r
+        assert r.hit_ratio is not None and r.hit_ratio > 0
+        assert r.zone_changes == [] and r.client_divergence_message is None
+    turn_spans = [s for s in exporter.get_finished_spans() if s.name == f"chat {server.model}"]
+    assert len(turn_spans) == 3
+    last = turn_spans[-1].attributes
+    assert last is not None
+    assert last["gen_ai.operation.name"] == "chat" and last["gen_ai.conversation.id"] == traj.trajectory_id
+    assert last["gen_ai.usage.input_tokens"] == results[-1].prompt_tokens
+    assert last["gen_ai.usage.cache_read.input_tokens"] == results[-1].cached_tokens
+    assert "agentkv.prefix_hit_ratio" in last
+    assert len([s for s in exporter.get_finished_spans() if s.name == "tool_wait run_tests"]) == 2
+
+
+async def test_changed_stable_zone_is_reported(server: Any) -> None:
+    async with new_traj(server, 2) as traj:
+        await traj.complete("First question.")
+        traj.set_system(system_prompt(2) + " Current time: 2025-05-01T10:00:00Z")
+        with pytest.warns(StableZoneChangedWarning, match="system"):
+            r = await traj.complete("Second question.")
+    assert [c.zone for c in r.zone_changes] == ["system"]
+    assert "2025-05-01T10:00:00Z" in r.zone_changes[0].diff
+    assert r.client_divergence_message == 0 and r.client_divergence_zone == "system"
+    assert any(f.kind == "iso_timestamp" for f in r.lint)
+
+
+async def test_tool_that_raises_still_resumes(server: Any) -> None:
+    async with new_traj(server, 3) as traj:
+        await traj.complete("Run the flaky tool.")
+        wait = traj.tool("flaky_tool", expected_s=5)
+        with pytest.raises(RuntimeError, match="tool crashed"):
+            async with wait:
+                await asyncio.sleep(0.3)
+                raise RuntimeError("tool crashed")
+        assert wait.pause_response is not None and wait.resume_response is not None
+        assert wait.resume_response["observed_wait_s"] is not None and wait.resume_response["observed_wait_s"] >= 0.2
+        state = await traj.server_state()
+        assert state is not None and "main" in state["branches"]  # still known, not ended
+        traj.observe("[flaky_tool] crashed")
+        r = await traj.complete("What now?")
+        assert hit_tokens(r) > 0
+
+
+async def test_fork_branches_share_the_prefix(server: Any) -> None:
+    async with new_traj(server, 4) as traj:
+        await traj.complete("Plan the fix.")
+        a, b = traj.fork(2)
+        ra, rb = await asyncio.gather(a.complete("Option A."), b.complete("Option B."))
+        assert ra.branch == "main.1" and rb.branch == "main.2"
+        assert hit_tokens(ra) > 0 and hit_tokens(rb) > 0
+        state = await traj.server_state()
+        assert state is not None and {"main.1", "main.2"} <= set(state["branches"])
+        b.prune()
+        traj.join(a)
+        r = await traj.complete("Go with A.")
+        assert r.turn == 3 and hit_tokens(r) > 0
+
+
+async def test_close_leaves_nothing_held(server: Any) -> None:
+    traj = new_traj(server, 5)
+    await traj.complete("Hello.")
+    async with traj.tool("run_tests", expected_s=30):
+        await asyncio.sleep(0.5)
+    released = await traj.close()
+    assert released is not None and released["trajectory_id"] == traj.trajectory_id
+    async with raw_client(server) as client:
+        r = await client.get(f"/agentkv/v1/trajectories/{traj.trajectory_id}")
+        assert r.status_code == 404
+        deadline = time.monotonic() + 15
+        while True:
+            status = (await client.get("/agentkv/v1/status")).json()
+            if status["trajectories"] != 0:
+                break  # other trajectories of the session still exist: the 404 above is the check
+            held = status["bytes_held"]
+            if held["device_pinned"] == 0 and held["host"] == 0:
+                break
+            assert time.monotonic() < deadline, f"still held after close: {held}"
+            await asyncio.sleep(0.2)
+
+
+async def test_wrong_api_key_raises(server: Any) -> None:
+    if not server.api_key:
+        pytest.skip("server runs without an API key")
+    async with Trajectory(server.base_url, server.model, api_key="wrong-key", system="s", max_tokens=4) as traj:
+        with pytest.raises(AuthenticationError):
+            await traj.complete("hi")
