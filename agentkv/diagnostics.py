@@ -103,7 +103,10 @@ CAUSES: dict[str, str] = {
 }
 
 _VOLATILE = [
-    ("uuid", re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")),
+    (
+        "uuid",
+        re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"),
+    ),
     (
         "timestamp",
         re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?"),
@@ -203,7 +206,9 @@ def load_trajectory(lines: Iterable[str]) -> Trajectory:
             traj.errors.append(LineError(line_no, f"invalid JSON: {exc.msg} (column {exc.colno})"))
             continue
         if not isinstance(obj, dict):
-            traj.errors.append(LineError(line_no, f"expected a JSON object, got {type(obj).__name__}"))
+            traj.errors.append(
+                LineError(line_no, f"expected a JSON object, got {type(obj).__name__}")
+            )
             continue
         engine = None
         if "type" in obj and "messages" not in obj:
@@ -304,6 +309,7 @@ class ZoneSpan:
     message_index: int | None
     start: int
     end: int
+    content_start: int = -1  # where the message content begins (-1: the span start)
 
 
 @dataclass
@@ -319,9 +325,7 @@ def _content_text(message: dict[str, Any]) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content
-        )
+        return "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
     return ""
 
 
@@ -360,13 +364,14 @@ def render_request(tok: ChatTokenizer, request: dict[str, Any]) -> RenderedPromp
     for k, msg in enumerate(messages):
         content = _content_text(msg)
         end = cursor
+        begin = cursor
         if content:
             pos = text.find(content, cursor)
             if tools_span and pos >= tools_span[0] and pos < tools_span[1]:
                 pos = text.find(content, tools_span[1])
             if pos >= 0:
-                end = pos + len(content)
-        spans.append(ZoneSpan(zones[k], k, cursor, end))
+                begin, end = pos, pos + len(content)
+        spans.append(ZoneSpan(zones[k], k, cursor, end, begin))
         cursor = end
     spans.append(ZoneSpan("recent", None, cursor, len(text)))
     if tools_span:
@@ -375,7 +380,7 @@ def render_request(tok: ChatTokenizer, request: dict[str, Any]) -> RenderedPromp
 
 
 def zone_of(rendered: RenderedPrompt, char: int) -> tuple[str, int | None, int]:
-    """(zone, message index, offset inside that span) of character ``char``."""
+    """(zone, message index, offset in the message content or tool list) of character ``char``."""
     for span in rendered.spans:
         if span.zone == "tools" and span.start <= char < span.end:
             return "tools", None, char - span.start
@@ -386,7 +391,8 @@ def zone_of(rendered: RenderedPrompt, char: int) -> tuple[str, int | None, int]:
     while i < len(msg_spans) - 1 and msg_spans[i].end <= msg_spans[i].start:
         i += 1
     span = msg_spans[min(i, len(msg_spans) - 1)]
-    return span.zone, span.message_index, max(0, char - span.start)
+    base = span.content_start if span.content_start >= 0 else span.start
+    return span.zone, span.message_index, max(0, char - base)
 
 
 # ---------------------------------------------------------------------------------- classify
@@ -484,7 +490,7 @@ def _classify_tools(a: list[Any], b: list[Any]) -> Cause:
         return _cause("tools_changed", "tool list changed: " + "; ".join(parts))
     if names_a != names_b:
         return _cause("tools_changed", "tool list reordered: " + ", ".join(names_b))
-    for ta, tb in zip(a, b):
+    for ta, tb in zip(a, b, strict=False):
         if _canon(ta) != _canon(tb):
             kind = _volatile_kind(_canon(ta), _canon(tb))
             if kind:
@@ -522,9 +528,12 @@ def _classify_message(
             )
         return _cause("unknown", f"message {k} is unchanged but renders differently")
     ca, cb = _content_text(ma), _content_text(mb)
-    if _reasoning(ma) and (not _reasoning(mb) or _reasoning(ma) != _reasoning(mb)):
-        if _THINK.sub("", ca).strip() == _THINK.sub("", cb).strip():
-            return _cause("reasoning_stripped", f"reasoning of message {k} stripped or re-rendered")
+    if (
+        _reasoning(ma)
+        and (not _reasoning(mb) or _reasoning(ma) != _reasoning(mb))
+        and _THINK.sub("", ca).strip() == _THINK.sub("", cb).strip()
+    ):
+        return _cause("reasoning_stripped", f"reasoning of message {k} stripped or re-rendered")
     # History rewritten: which shape?
     j = _index_of(b_msgs, ma, k + 1)
     if j > k:
@@ -550,7 +559,8 @@ def _classify_message(
                 f"{mb.get('role')} message",
             )
         return _cause(
-            "history_rewritten", f"truncation: history shrank from {len(a_msgs)} to "
+            "history_rewritten",
+            f"truncation: history shrank from {len(a_msgs)} to "
             f"{len(b_msgs)} messages at message {k}",
         )
     if ca != cb:
@@ -567,7 +577,7 @@ def _classify_message(
         if isinstance(calls_a, list) and isinstance(calls_b, list) and len(calls_a) == len(calls_b):
             args_a = [str((c.get("function") or {}).get("arguments", "")) for c in calls_a]
             args_b = [str((c.get("function") or {}).get("arguments", "")) for c in calls_b]
-            if all(_json_equal(x, y) or x == y for x, y in zip(args_a, args_b)):
+            if all(_json_equal(x, y) or x == y for x, y in zip(args_a, args_b, strict=False)):
                 return _cause("serialization", f"tool-call arguments of message {k} re-serialized")
     if len(cb) < len(ca):
         return _cause(
@@ -617,10 +627,7 @@ def classify(
 
 
 def _tools_first_diff(prev_r: RenderedPrompt, cur_r: RenderedPrompt, c: int) -> bool:
-    for span in prev_r.spans:
-        if span.zone == "tools" and span.start <= c <= span.end:
-            return True
-    return False
+    return any(span.zone == "tools" and span.start <= c <= span.end for span in prev_r.spans)
 
 
 # ---------------------------------------------------------------------------------- replay
@@ -634,7 +641,7 @@ class Divergence:
     zone: str
     message_index: int | None
     char_offset: int  # in the rendered prompt
-    message_char_offset: int  # inside the zone span (message or tool list)
+    message_char_offset: int  # inside the message content (or the tool list)
     prev_token: int | None
     new_token: int | None
     prev_context: tuple[str, str, str]  # before, differing part, after (previous prompt)
@@ -771,8 +778,15 @@ def diagnose(
                     message_char_offset=off,
                     prev_token=p_r.token_ids[d],
                     new_token=ids[d],
-                    prev_context=_context(p_r.text, a_start, max(a_end, min(c + 1, len(p_r.text))), context_chars),
-                    new_context=_context(rendered.text, b_start, max(b_end, min(c + 1, len(rendered.text))), context_chars),
+                    prev_context=_context(
+                        p_r.text, a_start, max(a_end, min(c + 1, len(p_r.text))), context_chars
+                    ),
+                    new_context=_context(
+                        rendered.text,
+                        b_start,
+                        max(b_end, min(c + 1, len(rendered.text))),
+                        context_chars,
+                    ),
                     tokens_lost=max(0, reusable - result.matched_tokens),
                 )
                 report.cause = cause

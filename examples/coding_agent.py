@@ -40,7 +40,7 @@ SCRIPT = [  # (tool, expected wait in s, real wait in s, observation)
 def report(label: str, r: TurnResult) -> None:
     engine = r.engine or {}
     ratio = f"{r.hit_ratio:.0%}" if r.hit_ratio is not None else "n/a"
-    print(f"{label:<22} turn {r.turn:>2}  prompt {r.prompt_tokens:>5}  cached {r.cached_tokens:>5}  "
+    print(f"{label:<26} turn {r.turn:>2}  prompt {r.prompt_tokens:>5}  cached {r.cached_tokens:>5}  "
           f"hit {ratio:>4}  tier {engine.get('tier', '-')}")
 
 

@@ -37,8 +37,13 @@ def _chart_png(report: DiagnoseReport) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 3.2), dpi=100)
     colors = ["#d62728" if t.broken else "#2ca02c" for t in report.turns]
     ax.bar(turns, [t.h_turn for t in report.turns], color=colors, label="H_prefix per turn")
-    ax.plot(turns, [t.h_cumulative for t in report.turns], color="#1f77b4", marker=".",
-            label="H_prefix cumulative")
+    ax.plot(
+        turns,
+        [t.h_cumulative for t in report.turns],
+        color="#1f77b4",
+        marker=".",
+        label="H_prefix cumulative",
+    )
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("turn")
     ax.set_ylabel("prefix hit rate")
@@ -69,8 +74,10 @@ def render_html(report: DiagnoseReport) -> str:
     details = []
     for t in report.breaks:
         assert t.cause is not None
-        block = [f"<h3>Turn {t.turn} (line {t.line_no}): {esc(t.cause.kind)}</h3>",
-                 f"<p>{esc(t.cause.detail)}</p><p><b>Fix:</b> {esc(t.cause.fix)}</p>"]
+        block = [
+            f"<h3>Turn {t.turn} (line {t.line_no}): {esc(t.cause.kind)}</h3>",
+            f"<p>{esc(t.cause.detail)}</p><p><b>Fix:</b> {esc(t.cause.fix)}</p>",
+        ]
         if t.divergence:
             for label, (pre, mid, post), cls in (
                 ("previous", t.divergence.prev_context, "old"),
@@ -110,17 +117,34 @@ def _print_report(report: DiagnoseReport) -> None:
 
     console = Console()
     table = Table(title="Prefix-cache hit rate per turn", show_lines=False)
-    for col in ("turn", "line", "S_prompt", "S_match", "H turn", "H cum.", "diverges at",
-                "zone", "msg", "cause"):
+    for col in (
+        "turn",
+        "line",
+        "S_prompt",
+        "S_match",
+        "H turn",
+        "H cum.",
+        "diverges at",
+        "zone",
+        "msg",
+        "cause",
+    ):
         table.add_column(col, justify="right" if col not in ("zone", "cause") else "left")
     for t in report.turns:
         d = t.divergence
         style = "red" if t.broken else None
         table.add_row(
-            str(t.turn), str(t.line_no), str(t.s_prompt), str(t.s_match), f"{t.h_turn:.3f}",
-            f"{t.h_cumulative:.3f}", str(d.token_index) if d else "",
-            d.zone if d else "", "" if not d or d.message_index is None else str(d.message_index),
-            t.cause.kind if t.cause else "", style=style,
+            str(t.turn),
+            str(t.line_no),
+            str(t.s_prompt),
+            str(t.s_match),
+            f"{t.h_turn:.3f}",
+            f"{t.h_cumulative:.3f}",
+            str(d.token_index) if d else "",
+            d.zone if d else "",
+            "" if not d or d.message_index is None else str(d.message_index),
+            t.cause.kind if t.cause else "",
+            style=style,
         )
     console.print(table)
     for t in report.breaks:
@@ -132,7 +156,7 @@ def _print_report(report: DiagnoseReport) -> None:
             body.append(
                 f"token {d.token_index} ({d.prev_token} -> {d.new_token}), zone {d.zone}, "
                 f"message {d.message_index if d.message_index is not None else '-'}, "
-                f"char {d.char_offset} (offset {d.message_char_offset} in its span); "
+                f"char {d.char_offset} (offset {d.message_char_offset} in the message); "
                 f"{d.tokens_lost} reusable tokens lost\n"
             )
             for label, (pre, mid, post), style in (
@@ -145,17 +169,22 @@ def _print_report(report: DiagnoseReport) -> None:
                 body.append(post.replace("\n", "⏎") + "\n")
         body.append("fix: ", style="bold cyan")
         body.append(t.cause.fix)
-        console.print(Panel(body, title=f"turn {t.turn} (line {t.line_no}): {t.cause.kind}",
-                            border_style="red"))
+        console.print(
+            Panel(
+                body, title=f"turn {t.turn} (line {t.line_no}): {t.cause.kind}", border_style="red"
+            )
+        )
         if t.engine_agrees is False:
-            console.print(f"[yellow]turn {t.turn}: the engine's own statistics disagree: "
-                          f"{json.dumps(t.engine)}[/yellow]")
+            console.print(
+                f"[yellow]turn {t.turn}: the engine's own statistics disagree: "
+                f"{json.dumps(t.engine)}[/yellow]"
+            )
     for e in report.errors:
         console.print(f"[yellow]line {e.line_no} skipped: {e.message}[/yellow]", highlight=False)
     console.print(
         f"H_prefix = {report.h_prefix:.3f} over {len(report.turns)} turns "
         f"(block size {report.block_size}, capacity "
-        f"{report.capacity_tokens or 'unlimited'} tokens), {len(report.breaks)} break(s)"
+        f"{report.capacity_tokens or 'unlimited'}), {len(report.breaks)} break(s)"
     )
 
 
@@ -170,14 +199,18 @@ def register(app: typer.Typer) -> None:
             "tools}), or the SDK trace export ({type: turn, request, response}).",
         ),
         model: Path | None = typer.Option(
-            None, "--model", help="Local model folder whose tokenizer and chat template render "
-            "the prompts (default: the embedded tiny model, built on first use)."
+            None,
+            "--model",
+            help="Local model folder whose tokenizer and chat template render "
+            "the prompts (default: the embedded tiny model, built on first use).",
         ),
         block_size: int = typer.Option(
             128, "--block-size", min=1, help="KV block size in tokens (vLLM CPU default 128)."
         ),
         capacity_tokens: int | None = typer.Option(
-            None, "--capacity-tokens", min=1,
+            None,
+            "--capacity-tokens",
+            min=1,
             help="Simulated cache capacity in tokens (leaf-first LRU eviction); default unlimited.",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON only."),
@@ -188,7 +221,10 @@ def register(app: typer.Typer) -> None:
             60, "--context", min=0, help="Characters of context shown around each divergence."
         ),
         fail_below: float | None = typer.Option(
-            None, "--fail-below", min=0.0, max=1.0,
+            None,
+            "--fail-below",
+            min=0.0,
+            max=1.0,
             help="Exit 1 when the trajectory's H_prefix is below this (for CI).",
         ),
     ) -> None:
@@ -200,7 +236,11 @@ def register(app: typer.Typer) -> None:
         try:
             traj = read_trajectory(trajectory)
             if not traj.requests:
-                first = f" (line {traj.errors[0].line_no}: {traj.errors[0].message})" if traj.errors else ""
+                first = (
+                    f" (line {traj.errors[0].line_no}: {traj.errors[0].message})"
+                    if traj.errors
+                    else ""
+                )
                 fail(f"no valid request in {trajectory}{first}")
             if capacity_tokens is not None and capacity_tokens < block_size:
                 fail(f"--capacity-tokens must hold at least one block ({block_size} tokens)")

@@ -56,7 +56,7 @@ def test_clean_trajectory_keeps_its_prefix(tok: HFChatTokenizer) -> None:
     assert report.breaks == [] and report.errors == []
     first, *rest = report.turns
     assert first.s_match == 0
-    for prev, t in zip(report.turns, rest):
+    for prev, t in zip(report.turns, rest, strict=False):
         # every block the previous prompt filled is served from cache
         assert t.s_match == t.s_reusable == (prev.s_prompt // BS) * BS
         assert t.divergence is None
@@ -98,11 +98,18 @@ def test_sdk_trace_export_and_engine_stats(tok: HFChatTokenizer) -> None:
         stats: dict[str, object] = {"turn": i + 1, "prompt_tokens": len(ids[i])}
         if i:
             n = 0
-            while ids[i - 1][n] == ids[i][n]:
+            while n < len(ids[i - 1]) and ids[i - 1][n] == ids[i][n]:
                 n += 1
             stats["first_divergence_token"] = n if n < len(ids[i - 1]) else None
-        lines.append(json.dumps({"type": "turn", "request": req,
-                                 "response": {"kv_transfer_params": {"agentkv": stats}}}))
+        lines.append(
+            json.dumps(
+                {
+                    "type": "turn",
+                    "request": req,
+                    "response": {"kv_transfer_params": {"agentkv": stats}},
+                }
+            )
+        )
     report = diagnose(load_trajectory(lines), tok, block_size=BS)
     assert [t.line_no for t in report.turns] == [2, 3, 4, 5]
     assert [t.turn for t in report.breaks] == [3]
@@ -118,7 +125,9 @@ def test_sdk_trace_export_and_engine_stats(tok: HFChatTokenizer) -> None:
 
 def test_report_dict_is_json(tok: HFChatTokenizer) -> None:
     inj = inject("tools_added", turn=3, n_turns=4)
-    out = diagnose(load_trajectory(to_jsonl(inj.requests).splitlines()), tok, block_size=BS).to_dict()
+    out = diagnose(
+        load_trajectory(to_jsonl(inj.requests).splitlines()), tok, block_size=BS
+    ).to_dict()
     data = json.loads(json.dumps(out))
     assert data["breaks"] == {"tools_changed": 1}
     assert data["turns"][2]["divergence"]["zone"] == "tools"

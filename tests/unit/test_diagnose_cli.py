@@ -78,6 +78,13 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
 def test_help_documents_every_flag() -> None:
     result = runner.invoke(app, ["diagnose", "--help"], terminal_width=200)
     assert result.exit_code == 0
-    for flag in ("--model", "--block-size", "--capacity-tokens", "--json", "--html", "--context",
-                 "--fail-below"):
+    for flag in (
+        "--model",
+        "--block-size",
+        "--capacity-tokens",
+        "--json",
+        "--html",
+        "--context",
+        "--fail-below",
+    ):
         assert flag in result.stdout

@@ -42,7 +42,7 @@ class FakeServer:
         self.fail_next_chat: int | None = None
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else None
+        body: Any = json.loads(request.content) if request.content else {}
         path = request.url.path
         self.calls.append((request.method, path, body))
         if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
