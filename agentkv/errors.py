@@ -1,12 +1,12 @@
 """The agentkv exception tree: small and categorized, so callers catch what they can handle.
 
-    AgentKVError
-    ├── ConfigError          a config file, CLI option or request parameter is invalid
-    │   └── UnsupportedModelError   a model geometry that cannot be sized (names the missing field)
-    ├── TierError            a block store failed; callers fall back (recompute), never crash
-    │   ├── TierFullError        no room even after eviction
-    │   └── CorruptBlockError    checksum, header or length mismatch: treated as a miss
-    └── EngineUnavailableError   vLLM is not installed or the server cannot be reached
+AgentKVError
+├── ConfigError          a config file, CLI option or request parameter is invalid
+│   └── UnsupportedModelError   a model geometry that cannot be sized (names the missing field)
+├── TierError            a block store failed; callers fall back (recompute), never crash
+│   ├── TierFullError        no room even after eviction
+│   └── CorruptBlockError    checksum, header or length mismatch: treated as a miss
+└── EngineUnavailableError   vLLM is not installed or the server cannot be reached
 """
 
 from __future__ import annotations

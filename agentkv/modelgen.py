@@ -31,7 +31,16 @@ MARKER_FILE = "agentkv-model.json"
 # Bump when the build recipe changes so cached folders built by an older recipe are rebuilt.
 RECIPE_VERSION = 1
 
-SPECIAL_TOKENS = ["<|begin|>", "<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|tools|>"]
+SPECIAL_TOKENS = [
+    "<|begin|>",
+    "<|end|>",
+    "<|pad|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|tools|>",
+]
 
 # Tool definitions are rendered right after the system message so that a tool-list change
 # breaks the prefix exactly where a production chat template would.
@@ -155,7 +164,7 @@ def _write_weights(spec: ModelPreset, out: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    config = LlamaConfig(  # type: ignore[call-arg]  # rope_theta/torch_dtype go through **kwargs
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -175,7 +184,7 @@ def _write_weights(spec: ModelPreset, out: Path) -> None:
     torch.manual_seed(spec.seed)
     with torch.no_grad():
         model = LlamaForCausalLM(config)
-        model = model.to(torch.bfloat16)
+        model = model.to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(str(out), safe_serialization=True)
 
 

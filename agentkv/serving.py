@@ -59,7 +59,10 @@ def build_server_command(
             names.append(name)
     env["VLLM_PLUGINS"] = ",".join(names)
     # One control socket per server: the routes and the engine find it through this variable.
-    env.setdefault("AGENTKV_RUN_DIR", str(Path(tempfile.gettempdir()) / f"agentkv-{os.getuid()}" / f"{opts.host}-{opts.port}"))
+    env.setdefault(
+        "AGENTKV_RUN_DIR",
+        str(Path(tempfile.gettempdir()) / f"agentkv-{os.getuid()}" / f"{opts.host}-{opts.port}"),
+    )
     if opts.kv_space_gib is not None:
         # Only the CPU backend reads this; on CUDA, --gpu-memory-utilization rules.
         env["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_space_gib)
@@ -114,7 +117,9 @@ def preflight(opts: ServeOptions) -> None:
             "`agentkv model build-tiny` or pass a model folder"
         )
     if opts.kv_space_gib is not None and opts.kv_space_gib < 1:
-        raise ConfigError("--kv-space-gib must be a whole number of GiB >= 1 (vLLM's CPU backend reads an integer)")
+        raise ConfigError(
+            "--kv-space-gib must be a whole number of GiB >= 1 (vLLM's CPU backend reads an integer)"
+        )
     if not 0 < opts.port < 65536:
         raise ConfigError(f"port {opts.port} is out of range 1-65535")
     if port_in_use(opts.host, opts.port):

@@ -31,7 +31,15 @@ class BranchState(str, enum.Enum):
     ENDED = "ended"
 
 
-PAUSED_STATES = frozenset({BranchState.HELD, BranchState.RETAINED, BranchState.OFFLOADING, BranchState.OFFLOADED, BranchState.DROPPED})
+PAUSED_STATES = frozenset(
+    {
+        BranchState.HELD,
+        BranchState.RETAINED,
+        BranchState.OFFLOADING,
+        BranchState.OFFLOADED,
+        BranchState.DROPPED,
+    }
+)
 
 
 @dataclass
@@ -60,7 +68,9 @@ class TurnStats:
             "tier_hit_tokens": self.tier_hit_tokens,
             "hit_tokens": self.hit_tokens,
             "tier": self.tier,
-            "hit_ratio": round(self.hit_tokens / self.prompt_tokens, 6) if self.prompt_tokens else 0.0,
+            "hit_ratio": round(self.hit_tokens / self.prompt_tokens, 6)
+            if self.prompt_tokens
+            else 0.0,
             "first_divergence_token": self.first_divergence_token,
             "divergence_zone": self.divergence_zone,
         }
@@ -177,8 +187,14 @@ class TrajectoryTable:
 
     def pressure_victims(self) -> list[tuple[Trajectory, Branch]]:
         """Retained or held branches, farthest predicted return first (demoted first)."""
-        pinned = [(t, b) for t, b in self.branches() if b.state in (BranchState.RETAINED, BranchState.HELD)]
-        return sorted(pinned, key=lambda tb: -(tb[1].predicted_return_at or tb[1].lease_until or 0.0))
+        pinned = [
+            (t, b)
+            for t, b in self.branches()
+            if b.state in (BranchState.RETAINED, BranchState.HELD)
+        ]
+        return sorted(
+            pinned, key=lambda tb: -(tb[1].predicted_return_at or tb[1].lease_until or 0.0)
+        )
 
     def count_by_state(self) -> dict[str, int]:
         counts = {s.value: 0 for s in BranchState}

@@ -25,9 +25,19 @@ SYSTEM = (
     + " ".join(f"guideline-{i}: prefer small, reviewed, reversible steps." for i in range(40))
 )
 TOOLS = [
-    {"type": "function", "function": {"name": name, "description": desc,
-                                      "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}}}}
-    for name, desc in [("read_file", "Read a file"), ("run_tests", "Run pytest"), ("apply_patch", "Apply a diff")]
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": desc,
+            "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}},
+        },
+    }
+    for name, desc in [
+        ("read_file", "Read a file"),
+        ("run_tests", "Run pytest"),
+        ("apply_patch", "Apply a diff"),
+    ]
 ]
 SCRIPT = [  # (tool, expected wait in s, real wait in s, observation)
     ("read_file", 0.5, 0.5, "parser.py: def parse(s): return s.split(',')"),
@@ -40,8 +50,10 @@ SCRIPT = [  # (tool, expected wait in s, real wait in s, observation)
 def report(label: str, r: TurnResult) -> None:
     engine = r.engine or {}
     ratio = f"{r.hit_ratio:.0%}" if r.hit_ratio is not None else "n/a"
-    print(f"{label:<26} turn {r.turn:>2}  prompt {r.prompt_tokens:>5}  cached {r.cached_tokens:>5}  "
-          f"hit {ratio:>4}  tier {engine.get('tier', '-')}")
+    print(
+        f"{label:<26} turn {r.turn:>2}  prompt {r.prompt_tokens:>5}  cached {r.cached_tokens:>5}  "
+        f"hit {ratio:>4}  tier {engine.get('tier', '-')}"
+    )
 
 
 async def default_model(base_url: str, api_key: str | None) -> str:
@@ -54,8 +66,15 @@ async def default_model(base_url: str, api_key: str | None) -> str:
 
 async def run(args: argparse.Namespace) -> None:
     model = args.model or await default_model(args.base_url, args.api_key)
-    async with Trajectory(args.base_url, model, api_key=args.api_key, system=SYSTEM, tools=TOOLS,
-                          max_tokens=8, temperature=0) as agent:
+    async with Trajectory(
+        args.base_url,
+        model,
+        api_key=args.api_key,
+        system=SYSTEM,
+        tools=TOOLS,
+        max_tokens=8,
+        temperature=0,
+    ) as agent:
         print(f"trajectory {agent.trajectory_id} on {model}")
         agent.remember("Repository: a CSV parser. Tests live in tests/; run them with pytest -q.")
         report("task", await agent.complete("Fix the failing test in tests/test_parser.py."))
@@ -68,8 +87,10 @@ async def run(args: argparse.Namespace) -> None:
 
         # Two candidate fixes explored in parallel: both branches reuse the cached prefix.
         a, b = agent.fork(2)
-        ra, rb = await asyncio.gather(a.complete("Candidate A: return [] for empty input."),
-                                      b.complete("Candidate B: filter out empty fields."))
+        ra, rb = await asyncio.gather(
+            a.complete("Candidate A: return [] for empty input."),
+            b.complete("Candidate B: filter out empty fields."),
+        )
         report(f"fork {a.branch}", ra)
         report(f"fork {b.branch}", rb)
         b.prune()
@@ -89,14 +110,18 @@ async def run(args: argparse.Namespace) -> None:
             print(f"server-side prefix hit ratio: {state.get('prefix_hit_ratio')}")
         released = await agent.close()
         if released is not None:
-            print(f"closed: released {released['released_blocks']} device blocks, "
-                  f"dropped {released['dropped_tier_blocks']} tier blocks")
+            print(
+                f"closed: released {released['released_blocks']} device blocks, "
+                f"dropped {released['dropped_tier_blocks']} tier blocks"
+            )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    p.add_argument(
+        "--model", default=None, help="served model name (default: the first of /v1/models)"
+    )
     p.add_argument("--api-key", default=None)
     args = p.parse_args()
     try:

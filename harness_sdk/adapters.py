@@ -75,8 +75,17 @@ class Adapter:
     def headers(self, api_key: str | None) -> dict[str, str]:
         return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def build_request(self, rendered: RenderedContext, *, model: str, trajectory_id: str, branch: str,
-                      max_tokens: int | None, temperature: float | None, extra: dict[str, Any] | None) -> dict[str, Any]:
+    def build_request(
+        self,
+        rendered: RenderedContext,
+        *,
+        model: str,
+        trajectory_id: str,
+        branch: str,
+        max_tokens: int | None,
+        temperature: float | None,
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
     def parse_response(self, body: dict[str, Any]) -> ParsedTurn:
@@ -92,8 +101,17 @@ class OpenAIAdapter(Adapter):
     def __init__(self, *, prompt_cache_key: bool = True) -> None:
         self.prompt_cache_key = prompt_cache_key
 
-    def build_request(self, rendered: RenderedContext, *, model: str, trajectory_id: str, branch: str,
-                      max_tokens: int | None, temperature: float | None, extra: dict[str, Any] | None) -> dict[str, Any]:
+    def build_request(
+        self,
+        rendered: RenderedContext,
+        *,
+        model: str,
+        trajectory_id: str,
+        branch: str,
+        max_tokens: int | None,
+        temperature: float | None,
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "messages": rendered.messages}
         start, end = rendered.boundaries["tools"]
         if rendered.tools and start == end:  # tools_as="param": the template renders them
@@ -122,7 +140,11 @@ class OpenAIAdapter(Adapter):
             output_tokens=_int(usage.get("completion_tokens")),
             cached_tokens=_int(details.get("cached_tokens")) if details else None,
         )
-        reasons = [str(c.get("finish_reason")) for c in choices if isinstance(c, dict) and c.get("finish_reason")]
+        reasons = [
+            str(c.get("finish_reason"))
+            for c in choices
+            if isinstance(c, dict) and c.get("finish_reason")
+        ]
         return ParsedTurn(reply, content, cu, None, body.get("model"), body.get("id"), reasons)
 
 
@@ -136,14 +158,36 @@ class AgentKVAdapter(OpenAIAdapter):
     def __init__(self) -> None:
         super().__init__(prompt_cache_key=False)
 
-    def build_request(self, rendered: RenderedContext, *, model: str, trajectory_id: str, branch: str,
-                      max_tokens: int | None, temperature: float | None, extra: dict[str, Any] | None) -> dict[str, Any]:
+    def build_request(
+        self,
+        rendered: RenderedContext,
+        *,
+        model: str,
+        trajectory_id: str,
+        branch: str,
+        max_tokens: int | None,
+        temperature: float | None,
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         extra = dict(extra or {})
         kv_extra = extra.pop("kv_transfer_params", None) or {}
-        body = super().build_request(rendered, model=model, trajectory_id=trajectory_id, branch=branch,
-                                     max_tokens=max_tokens, temperature=temperature, extra=extra)
-        body["kv_transfer_params"] = {**kv_extra, "agentkv": {"trajectory_id": trajectory_id, "branch": branch,
-                                                              "zones": rendered.zones_param()}}
+        body = super().build_request(
+            rendered,
+            model=model,
+            trajectory_id=trajectory_id,
+            branch=branch,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            extra=extra,
+        )
+        body["kv_transfer_params"] = {
+            **kv_extra,
+            "agentkv": {
+                "trajectory_id": trajectory_id,
+                "branch": branch,
+                "zones": rendered.zones_param(),
+            },
+        }
         return body
 
     def parse_response(self, body: dict[str, Any]) -> ParsedTurn:
@@ -164,8 +208,14 @@ class AnthropicAdapter(Adapter):
     path: ClassVar[str] = "/v1/messages"
     MAX_BREAKPOINTS: ClassVar[int] = 4
 
-    def __init__(self, *, version: str = "2023-06-01", default_max_tokens: int = 1024, ttl: str | None = None,
-                 max_breakpoints: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        version: str = "2023-06-01",
+        default_max_tokens: int = 1024,
+        ttl: str | None = None,
+        max_breakpoints: int = 4,
+    ) -> None:
         self.version = version
         self.default_max_tokens = default_max_tokens
         self.ttl = ttl
@@ -184,12 +234,24 @@ class AnthropicAdapter(Adapter):
     def _tool(t: dict[str, Any]) -> dict[str, Any]:
         fn = t.get("function")
         if isinstance(fn, dict):  # OpenAI shape -> Anthropic shape
-            return {"name": fn["name"], "description": fn.get("description", ""),
-                    "input_schema": fn.get("parameters") or {"type": "object", "properties": {}}}
+            return {
+                "name": fn["name"],
+                "description": fn.get("description", ""),
+                "input_schema": fn.get("parameters") or {"type": "object", "properties": {}},
+            }
         return dict(t)
 
-    def build_request(self, rendered: RenderedContext, *, model: str, trajectory_id: str, branch: str,
-                      max_tokens: int | None, temperature: float | None, extra: dict[str, Any] | None) -> dict[str, Any]:
+    def build_request(
+        self,
+        rendered: RenderedContext,
+        *,
+        model: str,
+        trajectory_id: str,
+        branch: str,
+        max_tokens: int | None,
+        temperature: float | None,
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         marks: list[dict[str, Any]] = []  # blocks that end a zone, in prompt order
         tools = [self._tool(t) for t in rendered.tools]
         if tools:
@@ -199,7 +261,11 @@ class AnthropicAdapter(Adapter):
         zone_last: dict[str, dict[str, Any]] = {}
         for i, m in enumerate(rendered.messages):
             zone = rendered.zone_of_message(i) or "observation"
-            blocks = m["content"] if isinstance(m.get("content"), list) else [{"type": "text", "text": _text(m.get("content"))}]
+            blocks = (
+                m["content"]
+                if isinstance(m.get("content"), list)
+                else [{"type": "text", "text": _text(m.get("content"))}]
+            )
             blocks = [dict(b) for b in blocks]
             if not blocks:
                 continue
@@ -217,9 +283,13 @@ class AnthropicAdapter(Adapter):
             if zone in zone_last:
                 marks.append(zone_last[zone])
         if self.max_breakpoints:
-            for block in marks[-self.max_breakpoints:]:
+            for block in marks[-self.max_breakpoints :]:
                 block["cache_control"] = self._cc()
-        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens or self.default_max_tokens, "messages": msgs}
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": max_tokens or self.default_max_tokens,
+            "messages": msgs,
+        }
         if system_blocks:
             body["system"] = system_blocks
         if tools:
@@ -236,7 +306,19 @@ class AnthropicAdapter(Adapter):
         read = _int(usage.get("cache_read_input_tokens"))
         created = _int(usage.get("cache_creation_input_tokens"))
         total = plain + (read or 0) + (created or 0) if usage else None
-        cu = CacheUsage(input_tokens=total, output_tokens=_int(usage.get("output_tokens")),
-                        cached_tokens=read if read is not None else (0 if usage else None), cache_creation_tokens=created)
+        cu = CacheUsage(
+            input_tokens=total,
+            output_tokens=_int(usage.get("output_tokens")),
+            cached_tokens=read if read is not None else (0 if usage else None),
+            cache_creation_tokens=created,
+        )
         reasons = [str(body["stop_reason"])] if body.get("stop_reason") else []
-        return ParsedTurn({"role": "assistant", "content": content}, content, cu, None, body.get("model"), body.get("id"), reasons)
+        return ParsedTurn(
+            {"role": "assistant", "content": content},
+            content,
+            cu,
+            None,
+            body.get("model"),
+            body.get("id"),
+            reasons,
+        )

@@ -1,22 +1,22 @@
 """The harness_sdk exception tree (httpx style: one base, categorized leaves) and its warnings.
 
-    HarnessError
-    ├── ConfigError            a constructor argument is invalid (also a ValueError)
-    │   └── LayoutError        a zone or context operation is invalid
-    ├── TrajectoryClosedError  the trajectory or branch was closed, pruned or joined
-    ├── TransportError         the server could not be reached (wraps httpx.TransportError)
-    │   └── TimeoutError_      the request timed out (also the builtin TimeoutError)
-    └── HTTPStatusError        the server answered 4xx/5xx; ``.status_code``, ``.body``
-        ├── BadRequestError        400 / 422
-        ├── AuthenticationError    401 / 403
-        ├── NotFoundError          404
-        ├── RateLimitError         429
-        └── ServerError            5xx
+HarnessError
+├── ConfigError            a constructor argument is invalid (also a ValueError)
+│   └── LayoutError        a zone or context operation is invalid
+├── TrajectoryClosedError  the trajectory or branch was closed, pruned or joined
+├── TransportError         the server could not be reached (wraps httpx.TransportError)
+│   └── TimeoutError_      the request timed out (also the builtin TimeoutError)
+└── HTTPStatusError        the server answered 4xx/5xx; ``.status_code``, ``.body``
+    ├── BadRequestError        400 / 422
+    ├── AuthenticationError    401 / 403
+    ├── NotFoundError          404
+    ├── RateLimitError         429
+    └── ServerError            5xx
 
-    HarnessWarning (UserWarning)
-    ├── StableZoneChangedWarning   a stable zone (system, tools, memory) changed between turns
-    ├── VolatileContentWarning     volatile data (timestamp, UUID, request id) in a stable zone
-    └── DegradedWarning            the server lacks the agentkv routes; pause/resume are skipped
+HarnessWarning (UserWarning)
+├── StableZoneChangedWarning   a stable zone (system, tools, memory) changed between turns
+├── VolatileContentWarning     volatile data (timestamp, UUID, request id) in a stable zone
+└── DegradedWarning            the server lacks the agentkv routes; pause/resume are skipped
 """
 
 from __future__ import annotations

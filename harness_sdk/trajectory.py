@@ -102,8 +102,17 @@ class TurnResult:
 class _Shared:
     """State shared by every branch of one trajectory: the HTTP client, routes, closed flag."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None, trajectory_id: str, adapter: Adapter,
-                 client: httpx.AsyncClient | None, timeout: float, telemetry: Telemetry) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None,
+        trajectory_id: str,
+        adapter: Adapter,
+        client: httpx.AsyncClient | None,
+        timeout: float,
+        telemetry: Telemetry,
+    ) -> None:
         self.base_url = base_url
         self.model = model
         self.api_key = api_key
@@ -124,7 +133,9 @@ class _Shared:
         else:
             headers = self.adapter.headers(self.api_key)
         try:
-            return await self.client.request(method, self.base_url + path, json=json, headers=headers)
+            return await self.client.request(
+                method, self.base_url + path, json=json, headers=headers
+            )
         except httpx.TimeoutException as exc:
             raise TimeoutError_(f"{method} {path} timed out: {exc}") from exc
         except httpx.TransportError as exc:
@@ -133,10 +144,16 @@ class _Shared:
     def degrade(self, why: str) -> None:
         if self.routes is not False:
             self.routes = False
-            warnings.warn(f"agentkv routes unavailable ({why}); pause/resume/close are skipped", DegradedWarning, stacklevel=4)
+            warnings.warn(
+                f"agentkv routes unavailable ({why}); pause/resume/close are skipped",
+                DegradedWarning,
+                stacklevel=4,
+            )
             log.warning("harness_sdk: agentkv routes unavailable (%s)", why)
 
-    async def control(self, method: str, path: str, json: Any = None, *, quiet: bool = True) -> dict[str, Any] | None:
+    async def control(
+        self, method: str, path: str, json: Any = None, *, quiet: bool = True
+    ) -> dict[str, Any] | None:
         """Call an agentkv route. None when the routes are absent or the trajectory is unknown.
 
         Raises AuthenticationError always; other failures raise only when ``quiet`` is False.
@@ -155,7 +172,9 @@ class _Shared:
             self.routes = True
             return body if isinstance(body, dict) else {"body": body}
         detail = body.get("detail") if isinstance(body, dict) else None
-        if r.status_code in (405, 501, 503) or (r.status_code == 404 and detail in (None, "Not Found")):
+        if r.status_code in (405, 501, 503) or (
+            r.status_code == 404 and detail in (None, "Not Found")
+        ):
             self.degrade(f"{r.status_code} {detail or r.text[:80]}")
             return None
         err = status_error(r.status_code, body, str(r.request.url))
@@ -227,35 +246,55 @@ class ToolWait:
     async def __aenter__(self) -> ToolWait:
         self.traj._check_open()
         shared = self.traj._shared
-        span = self._stack.enter_context(shared.telemetry.tool_span(
-            tool=self.name, expected_s=self.expected_s, trajectory_id=shared.trajectory_id, branch=self.traj.branch))
+        span = self._stack.enter_context(
+            shared.telemetry.tool_span(
+                tool=self.name,
+                expected_s=self.expected_s,
+                trajectory_id=shared.trajectory_id,
+                branch=self.traj.branch,
+            )
+        )
         self._span = span
         try:
             self.pause_response = await shared.control(
-                "POST", f"/trajectories/{shared.trajectory_id}/pause",
-                {"tool": self.name, "expected_wait_s": self.expected_s, "branch": self.traj.branch})
+                "POST",
+                f"/trajectories/{shared.trajectory_id}/pause",
+                {"tool": self.name, "expected_wait_s": self.expected_s, "branch": self.traj.branch},
+            )
         except BaseException as exc:
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
         if self.decision is not None:
             span.set_attribute(ATTR_PAUSE_ACTION, str(self.decision.get("action")))
-            span.set_attribute(ATTR_PAUSE_APPLIED, bool(self.pause_response and self.pause_response.get("applied")))
+            span.set_attribute(
+                ATTR_PAUSE_APPLIED, bool(self.pause_response and self.pause_response.get("applied"))
+            )
         self._t0 = time.monotonic()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.duration_s = time.monotonic() - self._t0
         self.error = exc
         shared = self.traj._shared
         try:
             if self.pause_response is not None and not shared.closed:
                 self.resume_response = await shared.control(
-                    "POST", f"/trajectories/{shared.trajectory_id}/resume", {"branch": self.traj.branch})
+                    "POST",
+                    f"/trajectories/{shared.trajectory_id}/resume",
+                    {"branch": self.traj.branch},
+                )
         except Exception as resume_exc:  # a failed resume must not hide the tool's own error
             if exc is None:
                 log.warning("harness_sdk: resume after %s failed: %s", self.name, resume_exc)
         finally:
-            shared.telemetry.record_tool_wait(self._span, tool=self.name, duration_s=self.duration_s, error=exc)
+            shared.telemetry.record_tool_wait(
+                self._span, tool=self.name, duration_s=self.duration_s, error=exc
+            )
             self._stack.__exit__(exc_type, exc, tb)
         self.traj.tool_waits.append(self)
 
@@ -263,21 +302,43 @@ class ToolWait:
 class Trajectory:
     """One branch of an agent trajectory against an OpenAI-compatible server (async)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", model: str = "", *, api_key: str | None = None,
-                 trajectory_id: str | None = None, branch: str = "main", system: str | None = None,
-                 tools: Iterable[Mapping[str, Any]] = (), memory: Iterable[Mapping[str, Any]] = (), recent_turns: int = 4,
-                 tools_as: Literal["param", "message"] = "param", adapter: Adapter | None = None,
-                 http_client: httpx.AsyncClient | None = None, timeout: float = 120.0,
-                 max_tokens: int | None = None, temperature: float | None = None,
-                 tracer_provider: Any = None, meter_provider: Any = None) -> None:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        model: str = "",
+        *,
+        api_key: str | None = None,
+        trajectory_id: str | None = None,
+        branch: str = "main",
+        system: str | None = None,
+        tools: Iterable[Mapping[str, Any]] = (),
+        memory: Iterable[Mapping[str, Any]] = (),
+        recent_turns: int = 4,
+        tools_as: Literal["param", "message"] = "param",
+        adapter: Adapter | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        timeout: float = 120.0,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        tracer_provider: Any = None,
+        meter_provider: Any = None,
+    ) -> None:
         tid = trajectory_id or f"traj-{uuid.uuid4().hex[:16]}"
         for what, value in (("trajectory_id", tid), ("branch", branch)):
             if not ID_RE.match(value):
                 raise ConfigError(f"{what} {value!r} must match {ID_RE.pattern}")
         if not model:
             raise ConfigError("model is required")
-        self._shared = _Shared(_normalize_base(base_url), model, api_key, tid, adapter or AgentKVAdapter(), http_client,
-                               timeout, Telemetry(tracer_provider, meter_provider))
+        self._shared = _Shared(
+            _normalize_base(base_url),
+            model,
+            api_key,
+            tid,
+            adapter or AgentKVAdapter(),
+            http_client,
+            timeout,
+            Telemetry(tracer_provider, meter_provider),
+        )
         self.branch = branch
         self.context = Context(system, tools, memory, recent_turns=recent_turns, tools_as=tools_as)
         self.max_tokens = max_tokens
@@ -317,7 +378,9 @@ class Trajectory:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise TrajectoryClosedError(f"{self.trajectory_id}/{self.branch} is {'pruned' if self.pruned else 'closed'}")
+            raise TrajectoryClosedError(
+                f"{self.trajectory_id}/{self.branch} is {'pruned' if self.pruned else 'closed'}"
+            )
 
     # --- zones -------------------------------------------------------------------------------
     def observe(self, content: str, role: str = "user") -> None:
@@ -335,8 +398,14 @@ class Trajectory:
         self.context.set_tools(tools)
 
     # --- turns -------------------------------------------------------------------------------
-    async def complete(self, user: str | None = None, *, max_tokens: int | None = None, temperature: float | None = None,
-                       extra_body: dict[str, Any] | None = None) -> TurnResult:
+    async def complete(
+        self,
+        user: str | None = None,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> TurnResult:
         """Send one turn (``user`` is added to the observation first) and commit the reply."""
         self._check_open()
         if user is not None:
@@ -354,18 +423,37 @@ class Trajectory:
         for finding in lint:
             if finding not in shared.seen_lint:
                 shared.seen_lint.add(finding)
-                warnings.warn(f"volatile data in stable zone {finding}", VolatileContentWarning, stacklevel=2)
+                warnings.warn(
+                    f"volatile data in stable zone {finding}", VolatileContentWarning, stacklevel=2
+                )
         divergence: int | None = None
         if self._last is not None and self._last_reply is not None:
-            divergence = _first_divergence([*self._last.messages, self._last_reply], rendered.messages)
+            divergence = _first_divergence(
+                [*self._last.messages, self._last_reply], rendered.messages
+            )
         div_zone = rendered.zone_of_message(divergence) if divergence is not None else None
         mt = max_tokens if max_tokens is not None else self.max_tokens
         temp = temperature if temperature is not None else self.temperature
-        body = shared.adapter.build_request(rendered, model=shared.model, trajectory_id=shared.trajectory_id,
-                                            branch=self.branch, max_tokens=mt, temperature=temp, extra=extra_body)
+        body = shared.adapter.build_request(
+            rendered,
+            model=shared.model,
+            trajectory_id=shared.trajectory_id,
+            branch=self.branch,
+            max_tokens=mt,
+            temperature=temp,
+            extra=extra_body,
+        )
         tel = shared.telemetry
-        with tel.turn_span(model=shared.model, provider=shared.adapter.provider, trajectory_id=shared.trajectory_id,
-                           branch=self.branch, turn=turn, max_tokens=mt, temperature=temp, server=shared.server) as span:
+        with tel.turn_span(
+            model=shared.model,
+            provider=shared.adapter.provider,
+            trajectory_id=shared.trajectory_id,
+            branch=self.branch,
+            turn=turn,
+            max_tokens=mt,
+            temperature=temp,
+            server=shared.server,
+        ) as span:
             t0 = time.monotonic()
             r = await shared.request("POST", shared.adapter.path, body)
             latency = time.monotonic() - t0
@@ -373,15 +461,41 @@ class Trajectory:
             if r.status_code >= 400:
                 raise status_error(r.status_code, payload, str(r.request.url))
             parsed = shared.adapter.parse_response(payload if isinstance(payload, dict) else {})
-            result = TurnResult(shared.trajectory_id, self.branch, turn, parsed.content, parsed.message, parsed.usage,
-                                parsed.engine, changes, lint, divergence, div_zone, latency, parsed.finish_reasons, payload)
-            tel.record_turn(span, model=shared.model, provider=shared.adapter.provider, trajectory_id=shared.trajectory_id,
-                            branch=self.branch, input_tokens=parsed.usage.input_tokens, output_tokens=parsed.usage.output_tokens,
-                            cached_tokens=parsed.usage.cached_tokens, cache_creation_tokens=parsed.usage.cache_creation_tokens,
-                            hit_ratio=result.hit_ratio, engine=parsed.engine, response_model=parsed.response_model,
-                            response_id=parsed.response_id, finish_reasons=parsed.finish_reasons,
-                            zone_changes=[(c.zone, c.diff) for c in changes], lint=[str(f) for f in lint],
-                            client_divergence_message=divergence)
+            result = TurnResult(
+                shared.trajectory_id,
+                self.branch,
+                turn,
+                parsed.content,
+                parsed.message,
+                parsed.usage,
+                parsed.engine,
+                changes,
+                lint,
+                divergence,
+                div_zone,
+                latency,
+                parsed.finish_reasons,
+                payload,
+            )
+            tel.record_turn(
+                span,
+                model=shared.model,
+                provider=shared.adapter.provider,
+                trajectory_id=shared.trajectory_id,
+                branch=self.branch,
+                input_tokens=parsed.usage.input_tokens,
+                output_tokens=parsed.usage.output_tokens,
+                cached_tokens=parsed.usage.cached_tokens,
+                cache_creation_tokens=parsed.usage.cache_creation_tokens,
+                hit_ratio=result.hit_ratio,
+                engine=parsed.engine,
+                response_model=parsed.response_model,
+                response_id=parsed.response_id,
+                finish_reasons=parsed.finish_reasons,
+                zone_changes=[(c.zone, c.diff) for c in changes],
+                lint=[str(f) for f in lint],
+                client_divergence_message=divergence,
+            )
         self._last, self._last_reply = rendered, parsed.message
         self.context.commit_turn(parsed.message)
         self._turn = turn
@@ -402,12 +516,24 @@ class Trajectory:
         for _ in range(n):
             self._fork_seq += 1
             child = object.__new__(Trajectory)
-            child.__dict__.update({
-                "_shared": self._shared, "branch": f"{self.branch}.{self._fork_seq}", "context": self.context.copy(),
-                "max_tokens": self.max_tokens, "temperature": self.temperature, "results": [], "tool_waits": [],
-                "parent": self, "children": [], "pruned": False, "_turn": self._turn, "_fork_seq": 0,
-                "_last": self._last, "_last_reply": self._last_reply,
-            })
+            child.__dict__.update(
+                {
+                    "_shared": self._shared,
+                    "branch": f"{self.branch}.{self._fork_seq}",
+                    "context": self.context.copy(),
+                    "max_tokens": self.max_tokens,
+                    "temperature": self.temperature,
+                    "results": [],
+                    "tool_waits": [],
+                    "parent": self,
+                    "children": [],
+                    "pruned": False,
+                    "_turn": self._turn,
+                    "_fork_seq": 0,
+                    "_last": self._last,
+                    "_last_reply": self._last_reply,
+                }
+            )
             if not ID_RE.match(child.branch):
                 raise ConfigError(f"branch name {child.branch!r} is too long")
             out.append(child)
@@ -467,14 +593,25 @@ class Trajectory:
     async def __aenter__(self) -> Trajectory:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.close()
 
 
 class SyncTrajectory:
     """Blocking twin of Trajectory on a private event loop (not usable inside a running loop)."""
 
-    def __init__(self, *args: Any, _wrap: Trajectory | None = None, _loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        _wrap: Trajectory | None = None,
+        _loop: asyncio.AbstractEventLoop | None = None,
+        **kwargs: Any,
+    ) -> None:
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop()
             raise ConfigError("SyncTrajectory cannot run inside an event loop; use Trajectory")
@@ -547,7 +684,12 @@ class SyncTrajectory:
     def __enter__(self) -> SyncTrajectory:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
 

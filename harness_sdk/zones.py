@@ -38,7 +38,9 @@ Message = dict[str, Any]
 
 def canonical_json(obj: Any) -> str:
     """Deterministic JSON: keys sorted at every level, ``(",", ":")`` separators, no NaN."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
 
 
 def _sorted_copy(obj: Any) -> Any:
@@ -75,11 +77,24 @@ def freeze_tools(tools: Iterable[Mapping[str, Any]]) -> tuple[dict[str, Any], ..
 # --- lint ---------------------------------------------------------------------------------------
 
 _VOLATILE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("iso_timestamp", re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?\b")),
+    (
+        "iso_timestamp",
+        re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?\b"),
+    ),
     ("date", re.compile(r"\b(19|20)\d{2}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])\b")),
     ("clock_time", re.compile(r"\b([01]\d|2[0-3]):[0-5]\d:[0-5]\d\b")),
-    ("uuid", re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")),
-    ("request_id", re.compile(r"\b(req|request|chatcmpl|msg|run|trace|span)[-_][A-Za-z0-9]{8,}\b", re.IGNORECASE)),
+    (
+        "uuid",
+        re.compile(
+            r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
+        ),
+    ),
+    (
+        "request_id",
+        re.compile(
+            r"\b(req|request|chatcmpl|msg|run|trace|span)[-_][A-Za-z0-9]{8,}\b", re.IGNORECASE
+        ),
+    ),
     ("hex_id", re.compile(r"\b[0-9a-f]{24,}\b")),
     ("unix_epoch", re.compile(r"\b1[5-9]\d{8}(\d{3})?\b")),
 )
@@ -112,6 +127,7 @@ def lint_volatile(text: str, zone: str = "") -> list[LintFinding]:
 
 # --- change detection ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ZoneChange:
     """A stable zone that changed between two turns, with a unified diff of its rendering."""
@@ -130,13 +146,23 @@ def _zone_lines(items: Sequence[Any]) -> list[str]:
 
 def zone_diff(zone: str, old: Sequence[Any], new: Sequence[Any], max_lines: int = 40) -> str:
     """Unified diff of two renderings of a zone (one canonical JSON line per item), truncated."""
-    lines = list(difflib.unified_diff(_zone_lines(old), _zone_lines(new), f"{zone}@previous", f"{zone}@current", lineterm="", n=1))
+    lines = list(
+        difflib.unified_diff(
+            _zone_lines(old),
+            _zone_lines(new),
+            f"{zone}@previous",
+            f"{zone}@current",
+            lineterm="",
+            n=1,
+        )
+    )
     if len(lines) > max_lines:
         lines = [*lines[:max_lines], f"... ({len(lines) - max_lines} more diff lines)"]
     return "\n".join(lines)
 
 
 # --- the zoned context --------------------------------------------------------------------------
+
 
 def _check_message(msg: Mapping[str, Any]) -> Message:
     if not isinstance(msg, Mapping) or "role" not in msg:
@@ -161,7 +187,10 @@ class RenderedContext:
 
     def zones_param(self) -> list[dict[str, Any]]:
         """The ``zones`` list of ``kv_transfer_params.agentkv`` (message indices, end exclusive)."""
-        return [{"name": z, "start_message": s, "end_message": e} for z, (s, e) in self.boundaries.items()]
+        return [
+            {"name": z, "start_message": s, "end_message": e}
+            for z, (s, e) in self.boundaries.items()
+        ]
 
     def zone_of_message(self, index: int) -> str | None:
         """The zone a message index falls into, or None past the end."""
@@ -181,8 +210,15 @@ class Context:
     which keeps the token order unchanged (aging never breaks the prefix).
     """
 
-    def __init__(self, system: str | None = None, tools: Iterable[Mapping[str, Any]] = (), memory: Iterable[Mapping[str, Any]] = (),
-                 *, recent_turns: int = 4, tools_as: Literal["param", "message"] = "param") -> None:
+    def __init__(
+        self,
+        system: str | None = None,
+        tools: Iterable[Mapping[str, Any]] = (),
+        memory: Iterable[Mapping[str, Any]] = (),
+        *,
+        recent_turns: int = 4,
+        tools_as: Literal["param", "message"] = "param",
+    ) -> None:
         if recent_turns < 0:
             raise LayoutError("recent_turns must be >= 0")
         if tools_as not in ("param", "message"):
@@ -190,7 +226,9 @@ class Context:
         self.system = system
         self.tools = freeze_tools(tools)
         self.memory: list[Message] = [_check_message(m) for m in memory]
-        self.turns: list[list[Message]] = []  # completed turns, oldest first (each: observation + reply)
+        self.turns: list[
+            list[Message]
+        ] = []  # completed turns, oldest first (each: observation + reply)
         self.observation: list[Message] = []
         self.recent_turns = recent_turns
         self.tools_as = tools_as
@@ -206,9 +244,19 @@ class Context:
         """Append a long-lived message to memory (breaks the prefix after memory if turns exist)."""
         self.memory.append(_check_message({"role": role, "content": content}))
 
-    def observe(self, content: str | None = None, *, role: str = "user", message: Mapping[str, Any] | None = None) -> None:
+    def observe(
+        self,
+        content: str | None = None,
+        *,
+        role: str = "user",
+        message: Mapping[str, Any] | None = None,
+    ) -> None:
         """Add a message to the observation zone (sent with the next turn)."""
-        self.observation.append(_check_message(message if message is not None else {"role": role, "content": content or ""}))
+        self.observation.append(
+            _check_message(
+                message if message is not None else {"role": role, "content": content or ""}
+            )
+        )
 
     def commit_turn(self, reply: Mapping[str, Any]) -> None:
         """Move the observation and the assistant's reply into the history."""
@@ -224,7 +272,12 @@ class Context:
         bounds["system"] = (start, len(msgs))
         start = len(msgs)
         if self.tools and self.tools_as == "message":
-            msgs.append({"content": "Available tools:\n" + canonical_json(list(self.tools)), "role": "system"})
+            msgs.append(
+                {
+                    "content": "Available tools:\n" + canonical_json(list(self.tools)),
+                    "role": "system",
+                }
+            )
         bounds["tools"] = (start, len(msgs))
         start = len(msgs)
         split = max(0, len(self.turns) - self.recent_turns)
@@ -250,7 +303,9 @@ class Context:
         return RenderedContext(copy.deepcopy(msgs), self.tools, bounds, self.system, items)
 
 
-def check_stability(old: RenderedContext | None, new: RenderedContext, turn: int = 0) -> list[ZoneChange]:
+def check_stability(
+    old: RenderedContext | None, new: RenderedContext, turn: int = 0
+) -> list[ZoneChange]:
     """Stable zones whose rendering changed: system/tools must be equal, memory may only grow."""
     if old is None:
         return []

@@ -18,7 +18,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-bench_app = typer.Typer(help="Benchmarks: tier bandwidth, agent workloads vs vanilla vLLM.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks: tier bandwidth, agent workloads vs vanilla vLLM.", no_args_is_help=True
+)
 app.add_typer(bench_app, name="bench")
 
 model.register(app)

@@ -111,6 +111,7 @@ padding:6px;white-space:pre-wrap}} .old{{background:#fbb}} .new{{background:#bfb
 
 def _print_report(report: DiagnoseReport) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
     from rich.text import Text
@@ -177,10 +178,12 @@ def _print_report(report: DiagnoseReport) -> None:
         if t.engine_agrees is False:
             console.print(
                 f"[yellow]turn {t.turn}: the engine's own statistics disagree: "
-                f"{json.dumps(t.engine)}[/yellow]"
+                f"{escape(json.dumps(t.engine))}[/yellow]"
             )
     for e in report.errors:
-        console.print(f"[yellow]line {e.line_no} skipped: {e.message}[/yellow]", highlight=False)
+        console.print(
+            f"[yellow]line {e.line_no} skipped: {escape(e.message)}[/yellow]", highlight=False
+        )
     console.print(
         f"H_prefix = {report.h_prefix:.3f} over {len(report.turns)} turns "
         f"(block size {report.block_size}, capacity "

@@ -10,14 +10,27 @@ import typer
 
 from agentkv.cli.common import fail
 
-model_app = typer.Typer(help="The embedded random-weight model used by the demo, tests and benchmarks.", no_args_is_help=True)
+model_app = typer.Typer(
+    help="The embedded random-weight model used by the demo, tests and benchmarks.",
+    no_args_is_help=True,
+)
 
 
 @model_app.command("build-tiny")
 def build_tiny(
-    out: Path | None = typer.Option(None, "--out", help="Folder to write the model into. Default: the user cache ($AGENTKV_CACHE_DIR or ~/.cache/agentkv/models/PRESET-rN)."),
-    preset: str = typer.Option("tiny", "--preset", help="'tiny' (~20M params, fast start; tests and demo) or 'small' (~150M params; 8k-token prefill costs seconds on 2 CPU cores, for benchmarks)."),
-    force: bool = typer.Option(False, "--force", help="Rebuild even when a complete build is already there."),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Folder to write the model into. Default: the user cache ($AGENTKV_CACHE_DIR or ~/.cache/agentkv/models/PRESET-rN).",
+    ),
+    preset: str = typer.Option(
+        "tiny",
+        "--preset",
+        help="'tiny' (~20M params, fast start; tests and demo) or 'small' (~150M params; 8k-token prefill costs seconds on 2 CPU cores, for benchmarks).",
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Rebuild even when a complete build is already there."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Build (or reuse) a seeded random-weight Llama model plus an offline-trained byte-level BPE tokenizer with a chat template."""
@@ -46,7 +59,9 @@ def build_tiny(
     if as_json:
         typer.echo(json.dumps(result))
     else:
-        typer.echo(f"{'reused' if reused else 'built'} {preset} model at {target} (weights {result['weights_xxh3_128']}, {result['seconds']} s)")
+        typer.echo(
+            f"{'reused' if reused else 'built'} {preset} model at {target} (weights {result['weights_xxh3_128']}, {result['seconds']} s)"
+        )
 
 
 def register(app: typer.Typer) -> None:

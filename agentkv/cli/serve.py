@@ -13,13 +13,27 @@ from agentkv.cli.common import fail
 
 def serve(
     ctx: typer.Context,
-    model: str | None = typer.Argument(None, help="Model folder or name. Default: the embedded tiny model (built on first use)."),
+    model: str | None = typer.Argument(
+        None, help="Model folder or name. Default: the embedded tiny model (built on first use)."
+    ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
-    kv_space_gib: int | None = typer.Option(None, "--kv-space-gib", help="KV cache size in whole GiB on the CPU backend (VLLM_CPU_KVCACHE_SPACE). Small values create memory pressure."),
-    preset: str = typer.Option("tiny", "--preset", help="Embedded model preset used when MODEL is omitted: tiny or small."),
-    connector_config: str = typer.Option("{}", "--connector-config", help="JSON object passed to the connector as kv_connector_extra_config (e.g. '{\"disk_dir\": \"/var/tmp/agentkv\"}')."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and environment instead of starting the server."),
+    kv_space_gib: int | None = typer.Option(
+        None,
+        "--kv-space-gib",
+        help="KV cache size in whole GiB on the CPU backend (VLLM_CPU_KVCACHE_SPACE). Small values create memory pressure.",
+    ),
+    preset: str = typer.Option(
+        "tiny", "--preset", help="Embedded model preset used when MODEL is omitted: tiny or small."
+    ),
+    connector_config: str = typer.Option(
+        "{}",
+        "--connector-config",
+        help='JSON object passed to the connector as kv_connector_extra_config (e.g. \'{"disk_dir": "/var/tmp/agentkv"}\').',
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the command and environment instead of starting the server."
+    ),
 ) -> None:
     """Start the vLLM OpenAI server with the agentkv connector, routes and metrics enabled.
 
@@ -47,19 +61,41 @@ def serve(
             model = str(modelgen.ensure_model(preset))
         elif Path(model).expanduser().exists():
             model = str(Path(model).expanduser().resolve())
-        opts = ServeOptions(model=model, host=host, port=port, kv_space_gib=kv_space_gib, connector_config=extra, extra_args=extra_args)
+        opts = ServeOptions(
+            model=model,
+            host=host,
+            port=port,
+            kv_space_gib=kv_space_gib,
+            connector_config=extra,
+            extra_args=extra_args,
+        )
         if not dry_run:
             preflight(opts)
     except AgentKVError as exc:
         fail(str(exc))
     argv, env = build_server_command(opts)
     if dry_run:
-        typer.echo(json.dumps({"argv": argv, "env": {k: env[k] for k in ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE") if k in env}}, indent=2))
+        typer.echo(
+            json.dumps(
+                {
+                    "argv": argv,
+                    "env": {
+                        k: env[k] for k in ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE") if k in env
+                    },
+                },
+                indent=2,
+            )
+        )
         return
-    typer.echo(f"agentkv: serving {model} on http://{host}:{port} (plugin: {env['VLLM_PLUGINS']})", err=True)
+    typer.echo(
+        f"agentkv: serving {model} on http://{host}:{port} (plugin: {env['VLLM_PLUGINS']})",
+        err=True,
+    )
     # exec so that signals (Ctrl-C, SIGTERM from a supervisor) reach vLLM directly.
     os.execvpe(argv[0], argv, env)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
+    app.command(
+        "serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+    )(serve)

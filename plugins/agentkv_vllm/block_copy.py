@@ -31,13 +31,17 @@ class BlockViews:
             t = kv_caches[name]
             dims = [d for d, size in enumerate(t.shape) if size == num_blocks]
             if not dims:
-                raise ValueError(f"layer {name}: no dimension of size num_blocks={num_blocks} in {tuple(t.shape)}")
+                raise ValueError(
+                    f"layer {name}: no dimension of size num_blocks={num_blocks} in {tuple(t.shape)}"
+                )
             self._tensors.append(t)
             self._block_dims.append(dims[0])
             seen.add(t.data_ptr())
         self.device = self._tensors[0].device if self._tensors else torch.device("cpu")
         self.dtype = str(self._tensors[0].dtype).removeprefix("torch.") if self._tensors else "none"
-        shapes = ";".join(f"{tuple(t.shape)}@{d}" for t, d in zip(self._tensors, self._block_dims, strict=True))
+        shapes = ";".join(
+            f"{tuple(t.shape)}@{d}" for t, d in zip(self._tensors, self._block_dims, strict=True)
+        )
         self.layout = f"{self.device.type}:{self.dtype}:{shapes}"
         self.block_bytes = sum(self._segment_nbytes(i) for i in range(len(self._tensors)))
 

@@ -30,7 +30,9 @@ log = logging.getLogger("agentkv.connector")
 
 
 class AgentKVConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.settings = ConnectorSettings.model_validate(extra)
@@ -39,7 +41,7 @@ class AgentKVConnector(KVConnectorBase_V1):
         self._control: Any = None
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
-                "agentkv: kv_load_failure_policy is %r; set it to \"recompute\" in --kv-transfer-config "
+                'agentkv: kv_load_failure_policy is %r; set it to "recompute" in --kv-transfer-config '
                 "so a tier fault costs a recompute instead of failing the request",
                 self._kv_transfer_config.kv_load_failure_policy,
             )
@@ -53,7 +55,11 @@ class AgentKVConnector(KVConnectorBase_V1):
                 self._control = ControlServer(endpoint, self._scheduler.handle)
                 log.info("agentkv: control channel on %s", endpoint)
             except Exception as exc:
-                log.warning("agentkv: control channel %s unavailable (%s); routes will answer 503", endpoint, exc)
+                log.warning(
+                    "agentkv: control channel %s unavailable (%s); routes will answer 503",
+                    endpoint,
+                    exc,
+                )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -96,7 +102,9 @@ class AgentKVConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         # Stores happen on finished (paused) trajectories from their pinned blocks, not per layer.
         return
 
@@ -131,7 +139,9 @@ class AgentKVConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.block_pool = gpu_block_pool
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         try:
             return self._scheduler.lookup(request, num_computed_tokens)
@@ -162,7 +172,9 @@ class AgentKVConnector(KVConnectorBase_V1):
         except Exception:
             log.exception("agentkv: processing worker report failed")
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         try:
             return self._scheduler.finish(request, block_ids)

@@ -46,7 +46,7 @@ class ControlServer:
     def __init__(self, endpoint: str, handler: Handler) -> None:
         self.endpoint = endpoint
         self._handler = handler
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._stop = threading.Event()
         _prepare_ipc(endpoint)
         self._sock = self._ctx.socket(zmq.REP)
@@ -95,8 +95,10 @@ class ControlClient:
         sock.connect(self.endpoint)
         try:
             await sock.send(json.dumps({"op": op, **fields}).encode())
-            if not await sock.poll(self.timeout_ms, zmq.POLLIN):
-                raise ControlUnavailable(f"agentkv engine control channel {self.endpoint} did not answer")
+            if not await sock.poll(self.timeout_ms, zmq.POLLIN):  # type: ignore[call-arg]
+                raise ControlUnavailable(
+                    f"agentkv engine control channel {self.endpoint} did not answer"
+                )
             reply = json.loads(await sock.recv())
             return int(reply["status"]), dict(reply["body"])
         finally:

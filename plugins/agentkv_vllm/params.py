@@ -30,7 +30,9 @@ class Zone(BaseModel):
 class AgentKVParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
     trajectory_id: str = Field(min_length=1, max_length=MAX_ID_LEN, pattern=r"^[A-Za-z0-9._:@/-]+$")
-    branch: str = Field(default="main", min_length=1, max_length=MAX_ID_LEN, pattern=r"^[A-Za-z0-9._:@/-]+$")
+    branch: str = Field(
+        default="main", min_length=1, max_length=MAX_ID_LEN, pattern=r"^[A-Za-z0-9._:@/-]+$"
+    )
     zones: list[Zone] = Field(default_factory=list, max_length=32)
     tool: str | None = Field(default=None, max_length=128)
 
@@ -54,7 +56,9 @@ def parse_request_params(raw: Any) -> ParseResult:
     if body is None:
         return ParseResult(None)
     if not isinstance(body, dict):
-        return ParseResult(None, f"kv_transfer_params.agentkv must be an object, got {type(body).__name__}")
+        return ParseResult(
+            None, f"kv_transfer_params.agentkv must be an object, got {type(body).__name__}"
+        )
     try:
         return ParseResult(AgentKVParams.model_validate(body))
     except ValidationError as exc:

@@ -23,5 +23,7 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "agentkv_vllm.connector", "AgentKVConnector")
+        KVConnectorFactory.register_connector(
+            CONNECTOR_NAME, "agentkv_vllm.connector", "AgentKVConnector"
+        )
     _registrations += 1

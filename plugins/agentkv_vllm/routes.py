@@ -35,8 +35,16 @@ ID_PATTERN = r"^[A-Za-z0-9._:@/-]{1,256}$"
 
 class PauseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tool: str = Field(min_length=1, max_length=128, description="Tool name; waits are learned per tool.")
-    expected_wait_s: float | None = Field(default=None, ge=0, le=30 * 86400, allow_inf_nan=False, description="The harness's own estimate of the wait.")
+    tool: str = Field(
+        min_length=1, max_length=128, description="Tool name; waits are learned per tool."
+    )
+    expected_wait_s: float | None = Field(
+        default=None,
+        ge=0,
+        le=30 * 86400,
+        allow_inf_nan=False,
+        description="The harness's own estimate of the wait.",
+    )
     branch: str = Field(default="main", pattern=ID_PATTERN)
 
 
@@ -47,7 +55,7 @@ class ResumeBody(BaseModel):
 
 class _State:
     client: ControlClient | None = None
-    api_keys: list[str] = []
+    api_keys: list[str] = []  # noqa: RUF012 - process-wide route state
     engine_client: Any = None
 
 
@@ -56,7 +64,14 @@ def _settings_from_args(args: Namespace) -> ConnectorSettings:
     extra: dict[str, Any] = {}
     if raw is not None:
         cfg = json.loads(raw) if isinstance(raw, str) else raw
-        extra = dict((cfg.get("kv_connector_extra_config") if isinstance(cfg, dict) else getattr(cfg, "kv_connector_extra_config", None)) or {})
+        extra = dict(
+            (
+                cfg.get("kv_connector_extra_config")
+                if isinstance(cfg, dict)
+                else getattr(cfg, "kv_connector_extra_config", None)
+            )
+            or {}
+        )
     return ConnectorSettings.model_validate(extra)
 
 
@@ -71,12 +86,18 @@ def _check_api_key(request: Request) -> None:
 
 
 router = APIRouter(prefix="/agentkv/v1", tags=["agentkv"], dependencies=[Depends(_check_api_key)])
-TrajectoryId = Path(pattern=ID_PATTERN, description="Trajectory id, as sent in kv_transfer_params.agentkv.trajectory_id")
+TrajectoryId = Path(
+    pattern=ID_PATTERN,
+    description="Trajectory id, as sent in kv_transfer_params.agentkv.trajectory_id",
+)
 
 
 async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
     if _State.client is None:
-        raise HTTPException(status_code=503, detail="agentkv connector is not enabled on this server (--kv-transfer-config)")
+        raise HTTPException(
+            status_code=503,
+            detail="agentkv connector is not enabled on this server (--kv-transfer-config)",
+        )
     try:
         status, body = await _State.client.call(op, **fields)
     except ControlUnavailable as exc:
@@ -103,18 +124,31 @@ async def _parse(request: Request, model: type[M], optional: bool = False) -> M 
         return model.model_validate_json(raw)
     except ValidationError as exc:
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
+            for e in exc.errors()
         ]
         first = errors[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        return JSONResponse(status_code=422, content={"detail": f"invalid {where}: {first['msg']}", "errors": errors})
+        return JSONResponse(
+            status_code=422,
+            content={"detail": f"invalid {where}: {first['msg']}", "errors": errors},
+        )
 
 
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
 
 
-@router.post("/trajectories/{trajectory_id}/pause", summary="Pause a trajectory for a tool wait", openapi_extra=_body_schema(PauseBody))
+@router.post(
+    "/trajectories/{trajectory_id}/pause",
+    summary="Pause a trajectory for a tool wait",
+    openapi_extra=_body_schema(PauseBody),
+)
 async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
     body = await _parse(request, PauseBody)
     if isinstance(body, JSONResponse):
@@ -122,7 +156,11 @@ async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResp
     return await _call("pause", nudge=True, trajectory_id=trajectory_id, **body.model_dump())
 
 
-@router.post("/trajectories/{trajectory_id}/resume", summary="Tell the engine a trajectory's tool returned", openapi_extra=_body_schema(ResumeBody))
+@router.post(
+    "/trajectories/{trajectory_id}/resume",
+    summary="Tell the engine a trajectory's tool returned",
+    openapi_extra=_body_schema(ResumeBody),
+)
 async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
     body = await _parse(request, ResumeBody, optional=True)
     if isinstance(body, JSONResponse):
@@ -135,7 +173,10 @@ async def end(trajectory_id: str = TrajectoryId) -> JSONResponse:
     return await _call("end", nudge=True, trajectory_id=trajectory_id)
 
 
-@router.get("/trajectories/{trajectory_id}", summary="State, tier residency and prefix stats of a trajectory")
+@router.get(
+    "/trajectories/{trajectory_id}",
+    summary="State, tier residency and prefix stats of a trajectory",
+)
 async def get(trajectory_id: str = TrajectoryId) -> JSONResponse:
     return await _call("get", nudge=True, trajectory_id=trajectory_id)
 

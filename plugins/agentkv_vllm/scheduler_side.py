@@ -38,9 +38,14 @@ from agentkv.predict import PrefetchOutcomeCounter, WaitPredictor, classify_pref
 from agentkv.profile import load_profile
 from agentkv.tiers.keys import ModelFingerprint, chain_keys
 from agentkv.trajectories import Branch, BranchState, TrajectoryTable, TurnStats
-
 from agentkv_vllm import plugin
-from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport, BlockTransfer, LoadJob, StoreJob
+from agentkv_vllm.metadata import (
+    AgentKVStepMetadata,
+    AgentKVWorkerReport,
+    BlockTransfer,
+    LoadJob,
+    StoreJob,
+)
 from agentkv_vllm.params import AgentKVParams, parse_request_params
 from agentkv_vllm.settings import ConnectorSettings
 
@@ -105,9 +110,13 @@ class SchedulerSide:
             tp_size=self.tp_size,
             layout="logical-v1",
         )
-        self.host_capacity_blocks = int(settings.host_capacity_gib * GiB) // max(1, self.block_bytes_per_rank)
+        self.host_capacity_blocks = int(settings.host_capacity_gib * GiB) // max(
+            1, self.block_bytes_per_rank
+        )
         self.disk_capacity_blocks = (
-            int(settings.disk_capacity_gib * GiB) // max(1, self.block_bytes_per_rank + 8192) if settings.disk_dir else 0
+            int(settings.disk_capacity_gib * GiB) // max(1, self.block_bytes_per_rank + 8192)
+            if settings.disk_dir
+            else 0
         )
         self.lock = threading.RLock()
         self.table = TrajectoryTable()
@@ -140,7 +149,9 @@ class SchedulerSide:
         except Exception as exc:  # sizing is best effort; decisions fall back safely
             log.info("agentkv: model size unknown (%s); recompute cost from the profile only", exc)
             layers, hidden = 0, 0
-        self.costs = CostModel.from_profile(self.profile, model_params=params, num_layers=layers, hidden_size=hidden)
+        self.costs = CostModel.from_profile(
+            self.profile, model_params=params, num_layers=layers, hidden_size=hidden
+        )
         self.policy = PolicyParams(max_lease_s=settings.max_lease_s)
         self.started_at = time.time()
 
@@ -151,7 +162,9 @@ class SchedulerSide:
             return []
         bs = self.block_size
         arr = np.asarray(token_ids[: n_blocks * bs], dtype=np.int64)
-        digests = [xxhash.xxh3_128_digest(arr[i * bs : (i + 1) * bs].tobytes()) for i in range(n_blocks)]
+        digests = [
+            xxhash.xxh3_128_digest(arr[i * bs : (i + 1) * bs].tobytes()) for i in range(n_blocks)
+        ]
         return [k.digest for k in chain_keys(self.fingerprint, salt, digests)]
 
     def _info(self, request: Any) -> _RequestInfo | None:
@@ -161,15 +174,23 @@ class SchedulerSide:
         result = parse_request_params(getattr(request, "kv_transfer_params", None))
         if result.warning:
             self.counters["malformed_params"] += 1
-            log.warning("agentkv: request %s served as vanilla: %s", request.request_id, result.warning)
+            log.warning(
+                "agentkv: request %s served as vanilla: %s", request.request_id, result.warning
+            )
         if result.params is None:
             return None
-        if getattr(request, "lora_request", None) is not None or getattr(request, "mm_features", None):
+        if getattr(request, "lora_request", None) is not None or getattr(
+            request, "mm_features", None
+        ):
             # Token ids alone do not address such KV; serving it from a tier could be wrong.
             self.counters["unsupported_requests"] += 1
             return None
         traj = self.table.get(result.params.trajectory_id)
-        turn = TurnStats(turn=(len(traj.turns) if traj else 0) + 1, branch=result.params.branch, prompt_tokens=request.num_prompt_tokens)
+        turn = TurnStats(
+            turn=(len(traj.turns) if traj else 0) + 1,
+            branch=result.params.branch,
+            prompt_tokens=request.num_prompt_tokens,
+        )
         info = _RequestInfo(result.params, turn, first_seen=time.monotonic())
         self.requests[request.request_id] = info
         return info
@@ -249,7 +270,10 @@ class SchedulerSide:
                 log.warning("agentkv: load plan mismatch for %s; not loading", request.request_id)
                 return
             self.pending_loads.append(
-                LoadJob(request.request_id, [BlockTransfer(k, b) for k, b in zip(keys, targets, strict=True)])
+                LoadJob(
+                    request.request_id,
+                    [BlockTransfer(k, b) for k, b in zip(keys, targets, strict=True)],
+                )
             )
             info.turn.tier_hit_tokens = n * self.block_size
             info.turn.tier = info.load_tier
@@ -268,7 +292,9 @@ class SchedulerSide:
             branch = traj.branch(info.params.branch)
             branch.running_requests.discard(request.request_id)
             bs = self.block_size
-            computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+            computed = max(
+                0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+            )
             n_full = min(len(block_ids), computed // bs)
             tokens = list(request.all_token_ids)
             branch.token_ids = tokens[: max(computed, 0)]
@@ -280,10 +306,18 @@ class SchedulerSide:
             branch.pinned_block_ids = pinned
             branch.state = BranchState.HELD
             branch.held_until = now + self.settings.grace_s
-            pending = branch.decision if branch.decision and branch.decision.get("_pending") else None
+            pending = (
+                branch.decision if branch.decision and branch.decision.get("_pending") else None
+            )
             if pending is not None:
                 branch.decision = {k: v for k, v in pending.items() if k != "_pending"}
-                self._apply(traj.trajectory_id, branch, str(pending["action"]), float(pending.get("_lease") or 0), now)
+                self._apply(
+                    traj.trajectory_id,
+                    branch,
+                    str(pending["action"]),
+                    float(pending.get("_lease") or 0),
+                    now,
+                )
             elif self.settings.grace_s <= 0:
                 self._apply(traj.trajectory_id, branch, self.settings.default_action, 0.0, now)
             stats = info.turn.to_dict()
@@ -300,7 +334,12 @@ class SchedulerSide:
                 drop_keys=self.pending_drops,
                 promote_keys=self.pending_promotes,
             )
-            self.pending_stores, self.pending_loads, self.pending_drops, self.pending_promotes = [], [], [], []
+            self.pending_stores, self.pending_loads, self.pending_drops, self.pending_promotes = (
+                [],
+                [],
+                [],
+                [],
+            )
             return meta
 
     def on_worker_report(self, output: Any) -> None:
@@ -322,7 +361,9 @@ class SchedulerSide:
                     self._forget(key)
                     self.counters["tier_misses"] += 1
                 if report.store_bytes:
-                    self.transfer_samples.append(("store", report.store_bytes, report.store_seconds))
+                    self.transfer_samples.append(
+                        ("store", report.store_bytes, report.store_seconds)
+                    )
                 if report.load_bytes:
                     self.transfer_samples.append(("load", report.load_bytes, report.load_seconds))
                 del self.transfer_samples[:-256]
@@ -331,7 +372,12 @@ class SchedulerSide:
 
     def has_pending_work(self) -> bool:
         with self.lock:
-            if self.pending_stores or self.pending_loads or self.pending_drops or self.pending_promotes:
+            if (
+                self.pending_stores
+                or self.pending_loads
+                or self.pending_drops
+                or self.pending_promotes
+            ):
                 return True
             if self.pending_unpins or self.jobs:
                 return True
@@ -391,14 +437,20 @@ class SchedulerSide:
                 and branch.prefetched_at is None
                 and now >= branch.prefetch_at
             ):
-                keys = [k for k in branch.keys if (e := self.index.get(k)) is not None and e.tier == "disk"]
+                keys = [
+                    k
+                    for k in branch.keys
+                    if (e := self.index.get(k)) is not None and e.tier == "disk"
+                ]
                 self.pending_promotes.extend(keys)
                 for k in keys:
                     self.index[k].tier = "host"
                 branch.prefetched_at = now
                 self.counters["prefetches"] += 1
 
-    def _apply(self, trajectory_id: str, branch: Branch, action: str, lease_s: float, now: float) -> None:
+    def _apply(
+        self, trajectory_id: str, branch: Branch, action: str, lease_s: float, now: float
+    ) -> None:
         """Carry out a decision for a branch whose blocks are pinned (HELD or RETAINED)."""
         if action == "retain":
             branch.state = BranchState.RETAINED
@@ -411,7 +463,9 @@ class SchedulerSide:
             keys = branch.keys[: len(branch.pinned_block_ids)]
             for key, bid in zip(keys, branch.pinned_block_ids, strict=False):
                 entry = self.index.get(key)
-                if key in self.inflight or (entry is not None and (entry.tier == tier or tier == "host")):
+                if key in self.inflight or (
+                    entry is not None and (entry.tier == tier or tier == "host")
+                ):
                     if entry is not None:
                         entry.owners.add(owner)
                         self.owner_keys.setdefault(owner, set()).add(key)
@@ -427,7 +481,9 @@ class SchedulerSide:
             job_id = self._next_job
             self._next_job += 1
             job = StoreJob(job_id, tier, transfers, owner=owner)
-            self.jobs[job_id] = _Job(job, trajectory_id, branch.name, [t.block_id for t in transfers])
+            self.jobs[job_id] = _Job(
+                job, trajectory_id, branch.name, [t.block_id for t in transfers]
+            )
             for t in transfers:
                 self.inflight[t.key] = job_id
             self.pending_stores.append(job)
@@ -510,7 +566,9 @@ class SchedulerSide:
                 return 200, self._trajectory_view(traj)
         return 400, {"detail": f"unknown op {op!r}"}
 
-    def _find(self, req: dict[str, Any]) -> tuple[Any, Branch | None, tuple[int, dict[str, Any]] | None]:
+    def _find(
+        self, req: dict[str, Any]
+    ) -> tuple[Any, Branch | None, tuple[int, dict[str, Any]] | None]:
         tid = str(req.get("trajectory_id"))
         traj = self.table.get(tid)
         if traj is None:
@@ -552,17 +610,32 @@ class SchedulerSide:
         branch.paused_at = now
         p50 = estimate.p50 if math.isfinite(estimate.p50) else 0.0
         branch.predicted_return_at = now + p50
-        branch.prefetch_at = now + prefetch_at(estimate, decision.reload_s if math.isfinite(decision.reload_s) else 0.0)
+        branch.prefetch_at = now + prefetch_at(
+            estimate, decision.reload_s if math.isfinite(decision.reload_s) else 0.0
+        )
         branch.prefetched_at = None
         self.decisions[action] += 1
-        log.info("agentkv: pause %s/%s tool=%s -> %s (%s)", traj.trajectory_id, branch.name, tool, action, decision.rationale)
+        log.info(
+            "agentkv: pause %s/%s tool=%s -> %s (%s)",
+            traj.trajectory_id,
+            branch.name,
+            tool,
+            action,
+            decision.rationale,
+        )
         applied = True
         if branch.state is BranchState.ACTIVE:
-            branch.decision = {**body, "_pending": True, "_lease": self._lease_for(decision, estimate)}
+            branch.decision = {
+                **body,
+                "_pending": True,
+                "_lease": self._lease_for(decision, estimate),
+            }
             applied = False
         elif branch.state in (BranchState.HELD, BranchState.RETAINED):
             branch.decision = body
-            self._apply(traj.trajectory_id, branch, action, self._lease_for(decision, estimate), now)
+            self._apply(
+                traj.trajectory_id, branch, action, self._lease_for(decision, estimate), now
+            )
         else:
             branch.decision = body
             applied = False
@@ -588,14 +661,25 @@ class SchedulerSide:
         assert branch is not None
         now = time.monotonic()
         observed = now - branch.paused_at if branch.paused_at is not None else None
-        if branch.state is BranchState.OFFLOADED and branch.tier == "disk" and branch.prefetched_at is None:
-            keys = [k for k in branch.keys if (e := self.index.get(k)) is not None and e.tier == "disk"]
+        if (
+            branch.state is BranchState.OFFLOADED
+            and branch.tier == "disk"
+            and branch.prefetched_at is None
+        ):
+            keys = [
+                k for k in branch.keys if (e := self.index.get(k)) is not None and e.tier == "disk"
+            ]
             self.pending_promotes.extend(keys)
             for k in keys:
                 self.index[k].tier = "host"
             branch.prefetched_at = now
         self._note_resume(branch, now)
-        return 200, {"trajectory_id": traj.trajectory_id, "branch": branch.name, "state": branch.state.value, "observed_wait_s": observed}
+        return 200, {
+            "trajectory_id": traj.trajectory_id,
+            "branch": branch.name,
+            "state": branch.state.value,
+            "observed_wait_s": observed,
+        }
 
     def _op_end(self, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         tid = str(req.get("trajectory_id"))
@@ -618,7 +702,11 @@ class SchedulerSide:
                 del self.index[key]
                 self.pending_drops.append(key)
                 dropped += 1
-        return 200, {"trajectory_id": tid, "released_blocks": released, "dropped_tier_blocks": dropped}
+        return 200, {
+            "trajectory_id": tid,
+            "released_blocks": released,
+            "dropped_tier_blocks": dropped,
+        }
 
     def _trajectory_view(self, traj: Any) -> dict[str, Any]:
         view = traj.to_dict(time.monotonic())
@@ -626,7 +714,9 @@ class SchedulerSide:
             residency: Counter[str] = Counter()
             for key in branch.keys:
                 entry = self.index.get(key)
-                residency[entry.tier if entry else ("in_flight" if key in self.inflight else "none")] += 1
+                residency[
+                    entry.tier if entry else ("in_flight" if key in self.inflight else "none")
+                ] += 1
             residency["device_pinned"] = len(branch.pinned_block_ids)
             view["branches"][name]["residency_blocks"] = dict(residency)
         return view
@@ -634,7 +724,9 @@ class SchedulerSide:
     def status(self) -> dict[str, Any]:
         host_blocks = sum(1 for e in self.index.values() if e.tier == "host")
         disk_blocks = sum(1 for e in self.index.values() if e.tier == "disk")
-        pinned = sum(len(b.pinned_block_ids) for _, b in self.table.branches()) + sum(len(j.block_ids) for j in self.jobs.values())
+        pinned = sum(len(b.pinned_block_ids) for _, b in self.table.branches()) + sum(
+            len(j.block_ids) for j in self.jobs.values()
+        )
         total_blocks = (self.block_pool.num_gpu_blocks - 1) if self.block_pool is not None else 0
         return {
             "engine": {
@@ -652,8 +744,17 @@ class SchedulerSide:
                 "block_bytes": self.block_bytes_total,
             },
             "tiers": {
-                "host": {"blocks": host_blocks, "bytes": host_blocks * self.block_bytes_total, "capacity_bytes": self.host_capacity_blocks * self.block_bytes_total},
-                "disk": {"blocks": disk_blocks, "bytes": disk_blocks * self.block_bytes_total, "capacity_bytes": self.disk_capacity_blocks * self.block_bytes_total, "enabled": bool(self.settings.disk_dir)},
+                "host": {
+                    "blocks": host_blocks,
+                    "bytes": host_blocks * self.block_bytes_total,
+                    "capacity_bytes": self.host_capacity_blocks * self.block_bytes_total,
+                },
+                "disk": {
+                    "blocks": disk_blocks,
+                    "bytes": disk_blocks * self.block_bytes_total,
+                    "capacity_bytes": self.disk_capacity_blocks * self.block_bytes_total,
+                    "enabled": bool(self.settings.disk_dir),
+                },
                 "in_flight_blocks": len(self.inflight),
             },
             "bytes_held": {
@@ -674,6 +775,10 @@ class SchedulerSide:
 
 def _zone_at(params: AgentKVParams, token: int) -> str | None:
     for zone in params.zones:
-        if zone.start_token is not None and zone.end_token is not None and zone.start_token <= token < zone.end_token:
+        if (
+            zone.start_token is not None
+            and zone.end_token is not None
+            and zone.start_token <= token < zone.end_token
+        ):
             return zone.name
     return None

@@ -14,24 +14,45 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 def _default_run_dir() -> str:
-    return os.environ.get("AGENTKV_RUN_DIR") or str(Path(tempfile.gettempdir()) / f"agentkv-{os.getuid()}")
+    return os.environ.get("AGENTKV_RUN_DIR") or str(
+        Path(tempfile.gettempdir()) / f"agentkv-{os.getuid()}"
+    )
 
 
 class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    host_capacity_gib: float = Field(default=4.0, gt=0, description="Host RAM tier size per worker.")
-    disk_dir: str | None = Field(default=None, description="Disk tier directory; None disables the disk tier.")
+    host_capacity_gib: float = Field(
+        default=4.0, gt=0, description="Host RAM tier size per worker."
+    )
+    disk_dir: str | None = Field(
+        default=None, description="Disk tier directory; None disables the disk tier."
+    )
     disk_capacity_gib: float = Field(default=32.0, gt=0)
-    grace_s: float = Field(default=0.5, ge=0, description="How long finished blocks stay pinned waiting for a pause decision.")
-    default_action: str = Field(default="offload_host", pattern="^(offload_host|offload_disk|drop|retain)$")
-    high_water: float = Field(default=0.88, gt=0, le=1, description="Pool use above which retained trajectories are demoted.")
+    grace_s: float = Field(
+        default=0.5,
+        ge=0,
+        description="How long finished blocks stay pinned waiting for a pause decision.",
+    )
+    default_action: str = Field(
+        default="offload_host", pattern="^(offload_host|offload_disk|drop|retain)$"
+    )
+    high_water: float = Field(
+        default=0.88,
+        gt=0,
+        le=1,
+        description="Pool use above which retained trajectories are demoted.",
+    )
     lease_margin_s: float = Field(default=2.0, ge=0)
     max_lease_s: float = Field(default=600.0, gt=0)
-    admission_wait: bool = Field(default=False, description="Above high water, new trajectories wait instead of evicting.")
+    admission_wait: bool = Field(
+        default=False, description="Above high water, new trajectories wait instead of evicting."
+    )
     profile_path: str | None = None
     run_dir: str = Field(default_factory=_default_run_dir)
-    control_socket: str | None = Field(default=None, description="ZMQ endpoint of the control channel (default: ipc in run_dir).")
+    control_socket: str | None = Field(
+        default=None, description="ZMQ endpoint of the control channel (default: ipc in run_dir)."
+    )
     io_threads: int = Field(default=2, ge=1, le=64)
 
     def control_endpoint(self, engine_id: str | None = None) -> str:

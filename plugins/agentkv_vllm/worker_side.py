@@ -24,7 +24,6 @@ from typing import Any
 
 from agentkv.tiers import TieredStore, TransferHandle
 from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
-
 from agentkv_vllm.block_copy import BlockViews
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport, LoadJob, StoreJob
 from agentkv_vllm.settings import ConnectorSettings
@@ -88,8 +87,11 @@ class WorkerSide:
         self._report_dirty = True
         log.info(
             "agentkv worker rank %d: %d layers, block %d B, host tier %.1f GiB, disk %s",
-            self.tp_rank, len(self.views.layer_names), self.views.block_bytes,
-            self.settings.host_capacity_gib, disk_dir or "off",
+            self.tp_rank,
+            len(self.views.layer_names),
+            self.views.block_bytes,
+            self.settings.host_capacity_gib,
+            disk_dir or "off",
         )
 
     # Logical keys are rank-agnostic (the scheduler computes them); each rank salts them with its
@@ -99,7 +101,9 @@ class WorkerSide:
         if key is None:
             assert self.fingerprint is not None
             fp = self.fingerprint.digest()
-            digest = hashlib.blake2b(logical + fp, digest_size=KEY_BYTES, person=b"agentkv-rank-v1").digest()
+            digest = hashlib.blake2b(
+                logical + fp, digest_size=KEY_BYTES, person=b"agentkv-rank-v1"
+            ).digest()
             key = BlockKey(digest, fp)
             if len(self._key_cache) > 1_000_000:
                 self._key_cache.clear()
@@ -120,7 +124,13 @@ class WorkerSide:
             buffers = [self.views.segments(b.block_id) for b in job.blocks]
             lease = now + job.lease_until_s if job.lease_until_s else None
             try:
-                handle = self.store.submit_store(keys, buffers, tier=job.tier, lease_until=lease, owner=job.owner)
+                handle = self.store.submit_store(
+                    keys,
+                    buffers,
+                    tier="disk" if job.tier == "disk" else "host",
+                    lease_until=lease,
+                    owner=job.owner,
+                )
             except Exception as exc:  # a tier fault must never take the engine down
                 log.warning("agentkv: store job %d failed to start: %s", job.job_id, exc)
                 self._report.stores_failed.add(job.job_id)
@@ -154,9 +164,16 @@ class WorkerSide:
             if not ok:
                 self._report.stores_failed.add(p.job.job_id)
                 errors = [str(r.error) for r in results if not r.ok][:1]
-                log.warning("agentkv: store job %d: %d/%d blocks failed (%s)", p.job.job_id,
-                            sum(not r.ok for r in results), len(results), errors)
-            self._report.stores_done[p.job.job_id] = self._report.stores_done.get(p.job.job_id, 0) + 1
+                log.warning(
+                    "agentkv: store job %d: %d/%d blocks failed (%s)",
+                    p.job.job_id,
+                    sum(not r.ok for r in results),
+                    len(results),
+                    errors,
+                )
+            self._report.stores_done[p.job.job_id] = (
+                self._report.stores_done.get(p.job.job_id, 0) + 1
+            )
             self._report.store_bytes += p.nbytes
             self._report.store_seconds = max(self._report.store_seconds, now - p.started)
             self._report_dirty = True

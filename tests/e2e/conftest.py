@@ -8,6 +8,7 @@ pressure), an API key, a disk tier in a temp folder, and dev mode for /reset_pre
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -47,10 +48,26 @@ class Server:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=120)
 
-    def chat(self, messages: list[dict[str, Any]], *, trajectory: str | None = None, branch: str | None = None,
-             salt: str | None = None, max_tokens: int = 4, extra_params: Any = None, **kw: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                                "temperature": 0, "logprobs": True, "ignore_eos": True, **kw}
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        trajectory: str | None = None,
+        branch: str | None = None,
+        salt: str | None = None,
+        max_tokens: int = 4,
+        extra_params: Any = None,
+        **kw: Any,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": True,
+            "ignore_eos": True,
+            **kw,
+        }
         if trajectory is not None:
             params: dict[str, Any] = {"trajectory_id": trajectory}
             if branch:
@@ -74,12 +91,19 @@ class Server:
         r.raise_for_status()
         return dict(r.json())
 
-    def pause(self, tid: str, tool: str, wait: float | None, branch: str = "main") -> dict[str, Any]:
-        r = self.client.post(f"/agentkv/v1/trajectories/{tid}/pause", json={"tool": tool, "expected_wait_s": wait, "branch": branch})
+    def pause(
+        self, tid: str, tool: str, wait: float | None, branch: str = "main"
+    ) -> dict[str, Any]:
+        r = self.client.post(
+            f"/agentkv/v1/trajectories/{tid}/pause",
+            json={"tool": tool, "expected_wait_s": wait, "branch": branch},
+        )
         r.raise_for_status()
         return dict(r.json())
 
-    def wait_state(self, tid: str, states: set[str], branch: str = "main", timeout: float = 20) -> dict[str, Any]:
+    def wait_state(
+        self, tid: str, states: set[str], branch: str = "main", timeout: float = 20
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             b = self.trajectory(tid)["branches"][branch]
@@ -116,25 +140,59 @@ def server() -> Iterator[Server]:
     disk_dir = work / "disk"
     log_path = work / "server.log"
     env = dict(os.environ)
-    env.update({
-        "VLLM_SERVER_DEV_MODE": "1",
-        "AGENTKV_RUN_DIR": str(work / "run"),
-        "AGENTKV_PROFILE": str(work / "no-profile.json"),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    })
-    connector = ('{"disk_dir": "%s", "host_capacity_gib": 0.5, "disk_capacity_gib": 2, "grace_s": 0.3}' % disk_dir)
-    cmd = [sys.executable, "-m", "agentkv.cli", "serve", "--port", str(port), "--kv-space-gib", "1",
-           "--connector-config", connector, "--", "--enforce-eager", "--max-model-len", "8192",
-           "--num-gpu-blocks-override", str(NUM_BLOCKS), "--api-key", API_KEY,
-           "--served-model-name", "tiny"]
+    env.update(
+        {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "AGENTKV_RUN_DIR": str(work / "run"),
+            "AGENTKV_PROFILE": str(work / "no-profile.json"),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        }
+    )
+    connector = json.dumps(
+        {
+            "disk_dir": str(disk_dir),
+            "host_capacity_gib": 0.5,
+            "disk_capacity_gib": 2,
+            "grace_s": 0.3,
+        }
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentkv.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--kv-space-gib",
+        "1",
+        "--connector-config",
+        connector,
+        "--",
+        "--enforce-eager",
+        "--max-model-len",
+        "8192",
+        "--num-gpu-blocks-override",
+        str(NUM_BLOCKS),
+        "--api-key",
+        API_KEY,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "pythonic",
+        "--served-model-name",
+        "tiny",
+    ]
     log = log_path.open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 420
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+                raise RuntimeError(
+                    f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(base + "/health", timeout=2).status_code == 200:
                     break

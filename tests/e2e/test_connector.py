@@ -18,14 +18,18 @@ def _tokens_and_logprobs(out: dict[str, Any]) -> list[tuple[str, float]]:
 
 
 def _turns(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    first = [{"role": "system", "content": "You are a coding agent. " + long_text(seed, 500)},
-             {"role": "user", "content": "Fix the failing test."}]
+    first = [
+        {"role": "system", "content": "You are a coding agent. " + long_text(seed, 500)},
+        {"role": "user", "content": "Fix the failing test."},
+    ]
     second = [*first, {"role": "user", "content": "Observation: " + long_text(seed + 1, 120)}]
     return first, second
 
 
 @pytest.mark.parametrize(("tier", "wait"), [("host", 30.0), ("disk", 3600.0)])
-def test_turn_from_tier_matches_device_cache_exactly(server: Server, tier: str, wait: float) -> None:
+def test_turn_from_tier_matches_device_cache_exactly(
+    server: Server, tier: str, wait: float
+) -> None:
     seed = 100 if tier == "host" else 200
     first, second = _turns(seed)
     tid = f"exact-{tier}"
@@ -44,8 +48,13 @@ def test_turn_from_tier_matches_device_cache_exactly(server: Server, tier: str, 
     got = server.chat(second, trajectory=tid)
     stats = got["kv_transfer_params"]["agentkv"]
     assert stats["tier_hit_tokens"] > 0 and stats["tier"] == tier
-    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == ref["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert _tokens_and_logprobs(got) == _tokens_and_logprobs(ref)  # bit-identical KV -> identical output
+    assert (
+        got["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == ref["usage"]["prompt_tokens_details"]["cached_tokens"]
+    )
+    assert _tokens_and_logprobs(got) == _tokens_and_logprobs(
+        ref
+    )  # bit-identical KV -> identical output
     server.end(tid)
 
 
@@ -55,7 +64,9 @@ def test_corrupt_tier_falls_back_to_recompute(server: Server) -> None:
     server.chat(first, trajectory=tid)
     server.pause(tid, "human-approval", 7200.0)
     server.wait_state(tid, {"offloaded"})
-    files = [p for p in Path(server.disk_dir).rglob("*") if p.is_file() and not p.name.startswith(".")]
+    files = [
+        p for p in Path(server.disk_dir).rglob("*") if p.is_file() and not p.name.startswith(".")
+    ]
     assert files, "disk tier wrote nothing"
     for path in files:  # flip one payload byte in every block file
         data = bytearray(path.read_bytes())
@@ -77,18 +88,41 @@ def test_memory_pressure_resume_comes_back_from_tier(server: Server) -> None:
     def run(prefix: str, use_agentkv: bool) -> list[tuple[int, int]]:
         contexts = []
         for i in range(5):
-            msgs = [{"role": "user", "content": long_text(1000 + i + (50 if use_agentkv else 0), 1100)}]
-            out = server.chat(msgs, trajectory=f"{prefix}{i}" if use_agentkv else None, salt=None if use_agentkv else "vanilla")
+            msgs = [
+                {"role": "user", "content": long_text(1000 + i + (50 if use_agentkv else 0), 1100)}
+            ]
+            out = server.chat(
+                msgs,
+                trajectory=f"{prefix}{i}" if use_agentkv else None,
+                salt=None if use_agentkv else "vanilla",
+            )
             contexts.append((msgs, out))
             if use_agentkv:
                 server.pause(f"{prefix}{i}", "pytest", 30.0)
         for i in range(5):  # noise that needs the whole pool
-            server.chat([{"role": "user", "content": long_text(5000 + i + (50 if use_agentkv else 0), 1100)}], salt=f"noise-{prefix}")
+            server.chat(
+                [
+                    {
+                        "role": "user",
+                        "content": long_text(5000 + i + (50 if use_agentkv else 0), 1100),
+                    }
+                ],
+                salt=f"noise-{prefix}",
+            )
         results = []
         for i, (msgs, out) in enumerate(contexts):
             resumed = [*msgs, {"role": "user", "content": "next step"}]
-            got = server.chat(resumed, trajectory=f"{prefix}{i}" if use_agentkv else None, salt=None if use_agentkv else "vanilla")
-            results.append((out["usage"]["prompt_tokens"], got["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            got = server.chat(
+                resumed,
+                trajectory=f"{prefix}{i}" if use_agentkv else None,
+                salt=None if use_agentkv else "vanilla",
+            )
+            results.append(
+                (
+                    out["usage"]["prompt_tokens"],
+                    got["usage"]["prompt_tokens_details"]["cached_tokens"],
+                )
+            )
         return results
 
     agentkv = run("press", True)
@@ -106,12 +140,15 @@ def test_request_without_agentkv_is_vanilla(server: Server) -> None:
     assert server.status()["trajectories"] == before
 
 
-@pytest.mark.parametrize("params", [
-    {"agentkv": {"trajectory_id": 42}},
-    {"agentkv": {"trajectory_id": "x" * 5000}},
-    {"agentkv": "not-an-object"},
-    {"agentkv": {"trajectory_id": "ok", "branch": ["list"]}},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"agentkv": {"trajectory_id": 42}},
+        {"agentkv": {"trajectory_id": "x" * 5000}},
+        {"agentkv": "not-an-object"},
+        {"agentkv": {"trajectory_id": "ok", "branch": ["list"]}},
+    ],
+)
 def test_malformed_params_are_served_as_vanilla(server: Server, params: Any) -> None:
     out = server.chat([{"role": "user", "content": "malformed"}], extra_params=params)
     assert out["choices"][0]["message"]["content"] is not None
@@ -121,12 +158,22 @@ def test_malformed_params_are_served_as_vanilla(server: Server, params: Any) -> 
 
 def test_non_object_kv_transfer_params_is_a_client_error(server: Server) -> None:
     # vLLM itself rejects this shape (vanilla behaviour); the engine must stay up.
-    r = server.client.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 2,
-                           "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": ["a"]})
+    r = server.client.post(
+        "/v1/chat/completions",
+        json={
+            "model": server.model,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "x"}],
+            "kv_transfer_params": ["a"],
+        },
+    )
     assert 400 <= r.status_code < 500
     assert server.chat([{"role": "user", "content": "after"}])["usage"]["completion_tokens"] == 4
 
 
 def test_engine_still_serving_after_everything(server: Server) -> None:
     time.sleep(0.1)
-    assert server.chat([{"role": "user", "content": "still alive?"}])["usage"]["completion_tokens"] == 4
+    assert (
+        server.chat([{"role": "user", "content": "still alive?"}])["usage"]["completion_tokens"]
+        == 4
+    )

@@ -44,7 +44,10 @@ def test_lease_expiry_demotes(server: Server) -> None:
 
 
 def test_long_and_human_waits_offload_to_host_and_disk(server: Server) -> None:
-    for tid, tool, wait, tier in (("long", "pytest", 45.0, "host"), ("human", "approval", 7200.0, "disk")):
+    for tid, tool, wait, tier in (
+        ("long", "pytest", 45.0, "host"),
+        ("human", "approval", 7200.0, "disk"),
+    ):
         server.chat(_ctx(2200 + len(tid)), trajectory=tid)
         out = server.pause(tid, tool, wait)
         assert out["decision"]["action"] == f"offload_{tier}", out
@@ -75,7 +78,11 @@ def test_branches_share_prefix_and_end_frees_everything(server: Server) -> None:
     server.pause(tid, "pytest", 60.0, branch="a")
     server.wait_state(tid, {"offloaded"}, branch="a")
     # Pausing branch a freed nothing branch b relies on: b's next turn still hits.
-    b2 = server.chat([*base, {"role": "user", "content": "try B"}, {"role": "user", "content": "more"}], trajectory=tid, branch="b")
+    b2 = server.chat(
+        [*base, {"role": "user", "content": "try B"}, {"role": "user", "content": "more"}],
+        trajectory=tid,
+        branch="b",
+    )
     assert b2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     r = server.client.delete(f"/agentkv/v1/trajectories/{tid}")
     assert r.status_code == 200
@@ -95,8 +102,16 @@ def test_delete_releases_every_tier(server: Server) -> None:
     assert server.status()["trajectories"] == 0
 
 
-@pytest.mark.parametrize("body", [{}, {"tool": ""}, {"tool": "x", "expected_wait_s": -1}, {"tool": "x", "bogus": 1},
-                                  {"tool": "x", "expected_wait_s": "soon"}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"tool": ""},
+        {"tool": "x", "expected_wait_s": -1},
+        {"tool": "x", "bogus": 1},
+        {"tool": "x", "expected_wait_s": "soon"},
+    ],
+)
 def test_bad_pause_bodies_are_422(server: Server, body: dict[str, object]) -> None:
     server.chat(_ctx(2500), trajectory="bad-body")
     r = server.client.post("/agentkv/v1/trajectories/bad-body/pause", json=body)
@@ -115,7 +130,12 @@ def test_api_key_is_enforced(server: Server) -> None:
     assert httpx.get(server.base_url + "/agentkv/v1/status").status_code == 401
     bad = {"Authorization": "Bearer wrong"}
     assert httpx.get(server.base_url + "/agentkv/v1/status", headers=bad).status_code == 401
-    assert httpx.post(server.base_url + "/agentkv/v1/trajectories/x/pause", json={"tool": "t"}, headers=bad).status_code == 401
+    assert (
+        httpx.post(
+            server.base_url + "/agentkv/v1/trajectories/x/pause", json={"tool": "t"}, headers=bad
+        ).status_code
+        == 401
+    )
 
 
 def test_routes_are_in_openapi(server: Server) -> None:

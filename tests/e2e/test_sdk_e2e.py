@@ -20,8 +20,16 @@ from harness_sdk import AuthenticationError, StableZoneChangedWarning, Trajector
 
 pytestmark = pytest.mark.e2e
 
-TOOLS = [{"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
-                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the test suite",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
 
 
 def system_prompt(seed: int, words: int = 300) -> str:
@@ -31,9 +39,16 @@ def system_prompt(seed: int, words: int = 300) -> str:
 
 def new_traj(server: Any, seed: int, **kw: Any) -> Trajectory:
     kw.setdefault("system", system_prompt(seed))
-    return Trajectory(server.base_url, server.model, api_key=server.api_key,
-                      trajectory_id=f"sdk-e2e-{seed}-{uuid.uuid4().hex[:8]}", tools=TOOLS,
-                      max_tokens=8, temperature=0, **kw)
+    return Trajectory(
+        server.base_url,
+        server.model,
+        api_key=server.api_key,
+        trajectory_id=f"sdk-e2e-{seed}-{uuid.uuid4().hex[:8]}",
+        tools=TOOLS,
+        max_tokens=8,
+        temperature=0,
+        **kw,
+    )
 
 
 def hit_tokens(r: TurnResult) -> int:
@@ -52,7 +67,11 @@ async def test_three_turns_with_tool_wait_hit_the_cache(server: Any) -> None:
     tp.add_span_processor(SimpleSpanProcessor(exporter))
     async with new_traj(server, 1, tracer_provider=tp) as traj:
         r1 = await traj.complete("The test test_parse fails. What do you do first?")
-        assert r1.prompt_tokens > 256 and r1.engine is not None and r1.engine["trajectory_id"] == traj.trajectory_id
+        assert (
+            r1.prompt_tokens > 256
+            and r1.engine is not None
+            and r1.engine["trajectory_id"] == traj.trajectory_id
+        )
         results = [r1]
         for turn in (2, 3):
             async with traj.tool("run_tests", expected_s=1.0) as call:
@@ -71,7 +90,10 @@ async def test_three_turns_with_tool_wait_hit_the_cache(server: Any) -> None:
     assert len(turn_spans) == 3
     last = turn_spans[-1].attributes
     assert last is not None
-    assert last["gen_ai.operation.name"] == "chat" and last["gen_ai.conversation.id"] == traj.trajectory_id
+    assert (
+        last["gen_ai.operation.name"] == "chat"
+        and last["gen_ai.conversation.id"] == traj.trajectory_id
+    )
     assert last["gen_ai.usage.input_tokens"] == results[-1].prompt_tokens
     assert last["gen_ai.usage.cache_read.input_tokens"] == results[-1].cached_tokens
     assert "agentkv.prefix_hit_ratio" in last
@@ -99,7 +121,10 @@ async def test_tool_that_raises_still_resumes(server: Any) -> None:
                 await asyncio.sleep(0.3)
                 raise RuntimeError("tool crashed")
         assert wait.pause_response is not None and wait.resume_response is not None
-        assert wait.resume_response["observed_wait_s"] is not None and wait.resume_response["observed_wait_s"] >= 0.2
+        assert (
+            wait.resume_response["observed_wait_s"] is not None
+            and wait.resume_response["observed_wait_s"] >= 0.2
+        )
         state = await traj.server_state()
         assert state is not None and "main" in state["branches"]  # still known, not ended
         traj.observe("[flaky_tool] crashed")
@@ -147,6 +172,8 @@ async def test_close_leaves_nothing_held(server: Any) -> None:
 async def test_wrong_api_key_raises(server: Any) -> None:
     if not server.api_key:
         pytest.skip("server runs without an API key")
-    async with Trajectory(server.base_url, server.model, api_key="wrong-key", system="s", max_tokens=4) as traj:
+    async with Trajectory(
+        server.base_url, server.model, api_key="wrong-key", system="s", max_tokens=4
+    ) as traj:
         with pytest.raises(AuthenticationError):
             await traj.complete("hi")

@@ -20,7 +20,9 @@ def test_build_is_deterministic_and_offline(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(a))
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|assistant|>\n") and "<|user|>\nhi<|end|>" in text
     assert modelgen.is_complete(a, modelgen.PRESETS["tiny"])
     # reused, not rebuilt

@@ -56,32 +56,76 @@ class FakeServer:
             turn = self.turns[key] = self.turns.get(key, 0) + 1
             cached = 0 if turn == 1 else prompt // 2
             out: dict[str, Any] = {
-                "id": f"chatcmpl-{turn}", "object": "chat.completion", "model": body["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"reply {turn}"}, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": prompt, "completion_tokens": 4, "total_tokens": prompt + 4,
-                          "prompt_tokens_details": {"cached_tokens": cached}},
+                "id": f"chatcmpl-{turn}",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": f"reply {turn}"},
+                        "finish_reason": "length",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": 4,
+                    "total_tokens": prompt + 4,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                },
             }
             if self.plugin and "kv_transfer_params" in body:
                 p = body["kv_transfer_params"]["agentkv"]
-                out["kv_transfer_params"] = {"agentkv": {
-                    "turn": turn, "branch": p["branch"], "trajectory_id": p["trajectory_id"], "prompt_tokens": prompt,
-                    "device_hit_tokens": cached, "tier_hit_tokens": 0, "hit_tokens": cached, "tier": "device",
-                    "hit_ratio": cached / prompt, "prefix_hit_ratio": cached / prompt,
-                    "first_divergence_token": None if turn == 1 else prompt - 3, "divergence_zone": None if turn == 1 else "observation"}}
+                out["kv_transfer_params"] = {
+                    "agentkv": {
+                        "turn": turn,
+                        "branch": p["branch"],
+                        "trajectory_id": p["trajectory_id"],
+                        "prompt_tokens": prompt,
+                        "device_hit_tokens": cached,
+                        "tier_hit_tokens": 0,
+                        "hit_tokens": cached,
+                        "tier": "device",
+                        "hit_ratio": cached / prompt,
+                        "prefix_hit_ratio": cached / prompt,
+                        "first_divergence_token": None if turn == 1 else prompt - 3,
+                        "divergence_zone": None if turn == 1 else "observation",
+                    }
+                }
             return httpx.Response(200, json=out)
         if not self.plugin or not path.startswith("/agentkv/v1/"):
             return httpx.Response(404, json={"detail": "Not Found"})
         tid = path.split("/")[4] if path.startswith("/agentkv/v1/trajectories/") else None
         if path.endswith("/pause"):
-            return httpx.Response(200, json={"trajectory_id": tid, "branch": body["branch"], "applied": True, "state": "retained",
-                                             "decision": {"action": "retain", "lease_s": 30.0}, "wait_estimate": {"p50": 1.0}})
+            return httpx.Response(
+                200,
+                json={
+                    "trajectory_id": tid,
+                    "branch": body["branch"],
+                    "applied": True,
+                    "state": "retained",
+                    "decision": {"action": "retain", "lease_s": 30.0},
+                    "wait_estimate": {"p50": 1.0},
+                },
+            )
         if path.endswith("/resume"):
-            return httpx.Response(200, json={"trajectory_id": tid, "branch": body["branch"], "state": "active", "observed_wait_s": 0.1})
+            return httpx.Response(
+                200,
+                json={
+                    "trajectory_id": tid,
+                    "branch": body["branch"],
+                    "state": "active",
+                    "observed_wait_s": 0.1,
+                },
+            )
         if request.method == "DELETE":
-            return httpx.Response(200, json={"trajectory_id": tid, "released_blocks": 3, "dropped_tier_blocks": 1})
+            return httpx.Response(
+                200, json={"trajectory_id": tid, "released_blocks": 3, "dropped_tier_blocks": 1}
+            )
         if request.method == "GET" and tid:
             return httpx.Response(404, json={"detail": f"unknown trajectory {tid!r}"})
-        return httpx.Response(200, json={"bytes_held": {"device_pinned": 0, "host": 0, "disk": 0}, "trajectories": 0})
+        return httpx.Response(
+            200, json={"bytes_held": {"device_pinned": 0, "host": 0, "disk": 0}, "trajectories": 0}
+        )
 
     def paths(self, method: str | None = None) -> list[str]:
         return [p for m, p, _ in self.calls if method is None or m == method]
@@ -105,14 +149,30 @@ def make(server: FakeServer, otel: Any = None, api_key: str | None = "k", **kw: 
     if otel is not None:
         extra = {"tracer_provider": otel[0], "meter_provider": otel[2]}
     kw.setdefault("system", "You are a coding agent.")
-    return Trajectory("http://127.0.0.1:8000/v1", "tiny", api_key=api_key, trajectory_id="t-1", http_client=client,
-                      max_tokens=8, temperature=0, **extra, **kw)
+    return Trajectory(
+        "http://127.0.0.1:8000/v1",
+        "tiny",
+        api_key=api_key,
+        trajectory_id="t-1",
+        http_client=client,
+        max_tokens=8,
+        temperature=0,
+        **extra,
+        **kw,
+    )
 
 
 def metric_points(reader: InMemoryMetricReader, name: str) -> list[Any]:
     data = reader.get_metrics_data()
     assert data is not None
-    return [p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics if m.name == name for p in m.data.data_points]
+    return [
+        p
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == name
+        for p in m.data.data_points
+    ]
 
 
 async def test_turns_send_kv_transfer_params_and_report_stats(otel: Any) -> None:
@@ -123,24 +183,39 @@ async def test_turns_send_kv_transfer_params_and_report_stats(otel: Any) -> None
         r2 = await traj.complete("now run the tests")
         assert traj.turn == 2 and len(traj.results) == 2
     assert r1.content == "reply 1" and r1.cached_tokens == 0 and r1.turn == 1
-    assert r2.cached_tokens > 0 and r2.hit_ratio == pytest.approx(r2.cached_tokens / r2.prompt_tokens)
+    assert r2.cached_tokens > 0 and r2.hit_ratio == pytest.approx(
+        r2.cached_tokens / r2.prompt_tokens
+    )
     assert r2.engine is not None and r2.engine["divergence_zone"] == "observation"
     assert r2.client_divergence_message is None  # turn 2 extends turn 1 exactly
     body = server.chats()[1]
     agentkv = body["kv_transfer_params"]["agentkv"]
     assert agentkv["trajectory_id"] == "t-1" and agentkv["branch"] == "main"
     zones = {z["name"]: (z["start_message"], z["end_message"]) for z in agentkv["zones"]}
-    assert zones == {"system": (0, 1), "tools": (1, 1), "memory": (1, 1), "recent": (1, 3), "observation": (3, 4)}
+    assert zones == {
+        "system": (0, 1),
+        "tools": (1, 1),
+        "memory": (1, 1),
+        "recent": (1, 3),
+        "observation": (3, 4),
+    }
     assert body["tools"][0]["function"]["name"] == "pytest"
     assert body["max_tokens"] == 8 and body["temperature"] == 0
-    assert [m["content"] for m in body["messages"]] == ["You are a coding agent.", "fix the bug", "reply 1", "now run the tests"]
+    assert [m["content"] for m in body["messages"]] == [
+        "You are a coding agent.",
+        "fix the bug",
+        "reply 1",
+        "now run the tests",
+    ]
     assert server.paths("DELETE") == ["/agentkv/v1/trajectories/t-1"]
     spans = [s for s in otel[1].get_finished_spans() if s.name == "chat tiny"]
     assert len(spans) == 2
     a = spans[1].attributes
     assert a is not None
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "tiny"
-    assert a["gen_ai.conversation.id"] == "t-1" and a["gen_ai.usage.input_tokens"] == r2.prompt_tokens
+    assert (
+        a["gen_ai.conversation.id"] == "t-1" and a["gen_ai.usage.input_tokens"] == r2.prompt_tokens
+    )
     assert a["gen_ai.usage.cache_read.input_tokens"] == r2.cached_tokens
     assert a["agentkv.prefix_hit_ratio"] == pytest.approx(r2.hit_ratio)
     assert a["agentkv.first_divergence_token"] == r2.engine["first_divergence_token"]
@@ -166,7 +241,10 @@ async def test_tool_wait_pauses_measures_and_resumes(otel: Any) -> None:
     assert traj.context.observation[-1]["content"] == "[pytest] 3 passed"
     span = next(s for s in otel[1].get_finished_spans() if s.name == "tool_wait pytest")
     assert span.attributes is not None
-    assert span.attributes["agentkv.tool.name"] == "pytest" and span.attributes["agentkv.pause.action"] == "retain"
+    assert (
+        span.attributes["agentkv.tool.name"] == "pytest"
+        and span.attributes["agentkv.pause.action"] == "retain"
+    )
     assert span.attributes["agentkv.tool.duration_s"] >= 0.05
     waits = metric_points(otel[3], "agentkv.sdk.tool_wait.duration")
     assert waits[0].count == 1 and waits[0].attributes["agentkv.tool.name"] == "pytest"
@@ -180,7 +258,10 @@ async def test_tool_that_raises_still_resumes_and_reraises(otel: Any) -> None:
     with pytest.raises(RuntimeError, match="tests crashed"):
         async with traj.tool("pytest", expected_s=1):
             raise RuntimeError("tests crashed")
-    assert server.paths()[-2:] == ["/agentkv/v1/trajectories/t-1/pause", "/agentkv/v1/trajectories/t-1/resume"]
+    assert server.paths()[-2:] == [
+        "/agentkv/v1/trajectories/t-1/pause",
+        "/agentkv/v1/trajectories/t-1/resume",
+    ]
     span = next(s for s in otel[1].get_finished_spans() if s.name == "tool_wait pytest")
     assert span.status.status_code is StatusCode.ERROR
     assert any(e.name == "exception" for e in span.events)
@@ -257,7 +338,11 @@ async def test_errors_map_to_the_exception_tree() -> None:
     def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)
 
-    broken = Trajectory("http://127.0.0.1:1", "tiny", http_client=httpx.AsyncClient(transport=httpx.MockTransport(down)))
+    broken = Trajectory(
+        "http://127.0.0.1:1",
+        "tiny",
+        http_client=httpx.AsyncClient(transport=httpx.MockTransport(down)),
+    )
     with pytest.raises(TransportError):
         await broken.complete("hi")
     await broken.close()
@@ -282,7 +367,10 @@ async def test_fork_prune_join() -> None:
     traj = make(server)
     await traj.complete("plan")
     a, b = traj.fork(2)
-    assert (a.branch, b.branch) == ("main.1", "main.2") and a.trajectory_id == b.trajectory_id == "t-1"
+    assert (a.branch, b.branch) == (
+        "main.1",
+        "main.2",
+    ) and a.trajectory_id == b.trajectory_id == "t-1"
     ra, rb = await asyncio.gather(a.complete("try A"), b.complete("try B"))
     assert ra.turn == rb.turn == 2
     bodies = server.chats()[-2:]
@@ -310,8 +398,14 @@ async def test_fork_prune_join() -> None:
 def test_sync_trajectory() -> None:
     server = FakeServer()
     client = httpx.AsyncClient(transport=httpx.MockTransport(server))
-    with SyncTrajectory("http://127.0.0.1:8000", "tiny", api_key="k", trajectory_id="t-s", http_client=client,
-                        system="sys") as traj:
+    with SyncTrajectory(
+        "http://127.0.0.1:8000",
+        "tiny",
+        api_key="k",
+        trajectory_id="t-s",
+        http_client=client,
+        system="sys",
+    ) as traj:
         assert traj.complete("one").turn == 1
         with pytest.raises(ValueError, match="bad"), traj.tool("lint", expected_s=0.5):
             raise ValueError("bad")
@@ -323,11 +417,14 @@ def test_sync_trajectory() -> None:
     assert "/agentkv/v1/trajectories/t-s/resume" in server.paths()
 
 
-@pytest.mark.parametrize("factory", [
-    lambda: Trajectory("ftp://x", "m"),
-    lambda: Trajectory("http://x", ""),
-    lambda: Trajectory("http://x", "m", trajectory_id="bad id"),
-])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: Trajectory("ftp://x", "m"),
+        lambda: Trajectory("http://x", ""),
+        lambda: Trajectory("http://x", "m", trajectory_id="bad id"),
+    ],
+)
 def test_config_errors(factory: Callable[[], Trajectory]) -> None:
     with pytest.raises(ValueError):
         factory()
@@ -338,6 +435,8 @@ def test_import_hygiene() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, harness_sdk; bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch') "
-            "or m.startswith('opentelemetry.sdk')]; assert not bad, bad")
+    code = (
+        "import sys, harness_sdk; bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch') "
+        "or m.startswith('opentelemetry.sdk')]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -15,19 +15,22 @@ from agentkv.serving import ServeOptions, build_server_command, preflight
 
 def test_command_wires_every_plugin_and_the_connector() -> None:
     argv, env = build_server_command(
-        ServeOptions(model="/m", port=9001, kv_space_gib=2, extra_args=["--enforce-eager"]), base_env={"VLLM_PLUGINS": "other"}
+        ServeOptions(model="/m", port=9001, kv_space_gib=2, extra_args=["--enforce-eager"]),
+        base_env={"VLLM_PLUGINS": "other"},
     )
     assert env["VLLM_PLUGINS"].split(",") == ["other", "agentkv", "agentkv_routes"]
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert "--enable-prefix-caching" in argv and "--enable-prompt-tokens-details" in argv
     cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert cfg["kv_connector"] == "AgentKVConnector" and cfg["kv_load_failure_policy"] == "recompute"
+    assert (
+        cfg["kv_connector"] == "AgentKVConnector" and cfg["kv_load_failure_policy"] == "recompute"
+    )
     assert argv[argv.index("--port") + 1] == "9001" and argv[-1] == "--enforce-eager"
     assert env["AGENTKV_RUN_DIR"].endswith("127.0.0.1-9001")
 
 
 def test_preflight_missing_model(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         preflight(ServeOptions(model=str(tmp_path / "nope")))
 
 
@@ -55,7 +58,11 @@ def test_serve_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
 
 def test_serve_dry_run_passes_extra_args_after_double_dash(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    result = CliRunner().invoke(app, ["serve", str(tmp_path), "--port", "8123", "--dry-run", "--", "--enforce-eager"])
+    result = CliRunner().invoke(
+        app, ["serve", str(tmp_path), "--port", "8123", "--dry-run", "--", "--enforce-eager"]
+    )
     assert result.exit_code == 0, result.output
     argv = json.loads(result.output)["argv"]
-    assert argv[argv.index("--model") + 1] == str(tmp_path.resolve()) and argv[-1] == "--enforce-eager"
+    assert (
+        argv[argv.index("--model") + 1] == str(tmp_path.resolve()) and argv[-1] == "--enforce-eager"
+    )
