@@ -26,7 +26,6 @@ class BlockViews:
         self.layer_names = sorted(kv_caches)
         self._tensors: list[torch.Tensor] = []
         self._block_dims: list[int] = []
-        seen: set[int] = set()
         for name in self.layer_names:
             t = kv_caches[name]
             dims = [d for d, size in enumerate(t.shape) if size == num_blocks]
@@ -36,7 +35,6 @@ class BlockViews:
                 )
             self._tensors.append(t)
             self._block_dims.append(dims[0])
-            seen.add(t.data_ptr())
         self.device = self._tensors[0].device if self._tensors else torch.device("cpu")
         self.dtype = str(self._tensors[0].dtype).removeprefix("torch.") if self._tensors else "none"
         shapes = ";".join(

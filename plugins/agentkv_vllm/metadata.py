@@ -5,7 +5,7 @@ Primitives:
   StoreJob / LoadJob     a batch of blocks to copy device -> tier / tier -> device
   AgentKVStepMetadata    scheduler -> workers: the jobs and key drops of one step
   AgentKVWorkerReport    workers -> scheduler: finished stores (counted per rank, so a hold is
-                         released only when every TP rank reported), failed blocks, tier moves
+                         released only when every TP rank reported), and failed blocks
 
 Plain dataclasses of builtins: the multiprocessing executor pickles them between processes.
 """
@@ -56,10 +56,6 @@ class AgentKVWorkerReport(KVConnectorWorkerMetadata):
     stores_failed: set[int] = field(default_factory=set)
     # keys a rank could not serve (evicted, corrupt): the scheduler forgets them
     missing_keys: set[bytes] = field(default_factory=set)
-    # key -> tier after a worker-side move (eviction demoted host -> disk, or dropped)
-    tier_moves: dict[bytes, str] = field(default_factory=dict)
-    # keys a rank found on disk at start (restart rebuilds the index)
-    recovered_keys: dict[bytes, str] = field(default_factory=dict)
     # rank -> pid of the worker process, sent once (shows the plugin loaded in every worker)
     hello: dict[int, int] = field(default_factory=dict)
     load_bytes: int = 0
@@ -73,8 +69,6 @@ class AgentKVWorkerReport(KVConnectorWorkerMetadata):
             stores_done=dict(self.stores_done),
             stores_failed=self.stores_failed | other.stores_failed,
             missing_keys=self.missing_keys | other.missing_keys,
-            tier_moves={**self.tier_moves, **other.tier_moves},
-            recovered_keys={**self.recovered_keys, **other.recovered_keys},
             hello={**self.hello, **other.hello},
             load_bytes=self.load_bytes + other.load_bytes,
             load_seconds=max(self.load_seconds, other.load_seconds),
