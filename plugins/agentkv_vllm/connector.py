@@ -132,6 +132,8 @@ class AgentKVConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._control is not None:
             self._control.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # ------------------------------------------------------------------ scheduler side
 

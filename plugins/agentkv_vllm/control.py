@@ -6,8 +6,10 @@ Primitives:
                                      a JSON object ``{"op": ..., ...}``, each reply a JSON object
                                      ``{"status": int, "body": {...}}``; a handler exception becomes
                                      a 500 reply, never a dead engine
-  ControlClient(endpoint)            async REQ client used by the routes; raises
-                                     ControlUnavailable when the engine does not answer in time
+  ControlClient(endpoint)            REQ client: ``await call(op)`` for the routes,
+                                     ``call_sync(op)`` for the /metrics scrape (prometheus_client
+                                     collects synchronously); both raise ControlUnavailable when
+                                     the engine does not answer in time
 
 JSON, not pickle: the socket is local, but nothing it carries should be able to run code.
 """
@@ -100,6 +102,25 @@ class ControlClient:
                     f"agentkv engine control channel {self.endpoint} did not answer"
                 )
             reply = json.loads(await sock.recv())
+            return int(reply["status"]), dict(reply["body"])
+        finally:
+            sock.close(0)
+
+    def call_sync(
+        self, op: str, timeout_s: float | None = None, **fields: Any
+    ) -> tuple[int, dict[str, Any]]:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        timeout_ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
+        try:
+            sock.send(json.dumps({"op": op, **fields}).encode())
+            if not sock.poll(timeout_ms, zmq.POLLIN):
+                raise ControlUnavailable(
+                    f"agentkv engine control channel {self.endpoint} did not answer"
+                )
+            reply = json.loads(sock.recv())
             return int(reply["status"]), dict(reply["body"])
         finally:
             sock.close(0)

@@ -58,10 +58,8 @@ class AgentKVWorkerReport(KVConnectorWorkerMetadata):
     missing_keys: set[bytes] = field(default_factory=set)
     # rank -> pid of the worker process, sent once (shows the plugin loaded in every worker)
     hello: dict[int, int] = field(default_factory=dict)
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    store_bytes: int = 0
-    store_seconds: float = 0.0
+    # (kind "offload"|"reload", tier, job ref) -> (bytes, seconds) of each finished transfer job
+    transfers: dict[tuple[str, str, str], tuple[int, float]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, AgentKVWorkerReport)
@@ -70,11 +68,12 @@ class AgentKVWorkerReport(KVConnectorWorkerMetadata):
             stores_failed=self.stores_failed | other.stores_failed,
             missing_keys=self.missing_keys | other.missing_keys,
             hello={**self.hello, **other.hello},
-            load_bytes=self.load_bytes + other.load_bytes,
-            load_seconds=max(self.load_seconds, other.load_seconds),
-            store_bytes=self.store_bytes + other.store_bytes,
-            store_seconds=max(self.store_seconds, other.store_seconds),
+            transfers=dict(self.transfers),
         )
         for job, n in other.stores_done.items():
             out.stores_done[job] = out.stores_done.get(job, 0) + n
+        # Ranks move their shards in parallel: bytes add up, the slowest rank sets the time.
+        for ref, (nbytes, seconds) in other.transfers.items():
+            b0, s0 = out.transfers.get(ref, (0, 0.0))
+            out.transfers[ref] = (b0 + nbytes, max(s0, seconds))
         return out

@@ -6,6 +6,8 @@ Routes (same host, port and API key as the OpenAI API):
   DELETE /agentkv/v1/trajectories/{id}          release everything it holds, in every tier
   GET    /agentkv/v1/trajectories/{id}          state, tier residency, per-turn prefix stats
   GET    /agentkv/v1/status                     pool use, tiers, decisions, prefetch outcomes
+Metrics: ``agentkv_*`` families on the server's own ``/metrics`` (a collector that reads the
+engine's snapshot over the same channel at scrape time; see docs/metrics.md).
 
 vLLM's auth middleware only guards ``/v1``-style prefixes, so these routes check ``--api-key``
 (or ``VLLM_API_KEY``) themselves. They reach the scheduler-side connector over the connector's
@@ -210,6 +212,38 @@ class AgentKVRoutes:
             log.warning("agentkv routes: cannot read kv_connector_extra_config (%s)", exc)
             return
         _State.client = ControlClient(settings.control_endpoint())
+        _register_metrics(_State.client)
+
+
+METRICS_TIMEOUT_S = 1.0
+_metrics_registered = False
+
+
+def _register_metrics(client: ControlClient) -> None:
+    """Serve agentkv's metrics on vLLM's /metrics (vLLM serves prometheus_client's REGISTRY)."""
+    global _metrics_registered
+    if _metrics_registered:
+        return
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # vLLM then serves only the files of prometheus_client's multiprocess mode, which a
+        # pull-time collector cannot write to; OTLP export still works.
+        log.warning(
+            "agentkv: agentkv_* metrics are not on /metrics with several API server processes "
+            "(PROMETHEUS_MULTIPROC_DIR); use the OTLP export (OTEL_* variables)"
+        )
+        return
+    from prometheus_client import REGISTRY
+
+    from agentkv.prometheus_export import SnapshotCollector
+
+    def fetch() -> dict[str, Any]:
+        status, body = client.call_sync("metrics", timeout_s=METRICS_TIMEOUT_S)
+        if status != 200:
+            raise ControlUnavailable(f"metrics op answered {status}: {body.get('detail')}")
+        return body
+
+    REGISTRY.register(SnapshotCollector(fetch))
+    _metrics_registered = True
 
 
 def register_routes() -> AgentKVRoutes:

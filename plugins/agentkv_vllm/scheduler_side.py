@@ -9,7 +9,10 @@ Primitives (engine thread, called from vLLM's scheduler hooks):
   on_worker_report(output)             finished stores -> unpin, index; failed loads -> forget
   has_pending_work()                   keep the engine stepping while transfers are pending
 Primitives (control thread, from the HTTP routes): ``handle(op)`` with ops pause, resume, end,
-get, status.
+get, status, metrics (the ``agentkv.metrics`` snapshot the server's /metrics is built from).
+
+Every event also feeds ``self.metrics`` (Prometheus, pulled through the metrics op) and, when the
+standard OTEL_* variables configure it, an OTLP export with one span per pause -> resume cycle.
 
 Both threads share one lock. Only the engine thread touches vLLM's block pool (pin/unpin);
 the control thread changes states and queues work, then the route nudges the engine.
@@ -33,11 +36,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from agentkv import metrics as m
+from agentkv.metrics import MetricSpec, MetricsRecorder, Snapshot
+from agentkv.otel_export import OTelExport
 from agentkv.policy import CostModel, Decision, PolicyParams, decide
 from agentkv.predict import PrefetchOutcomeCounter, WaitPredictor, classify_prefetch, prefetch_at
 from agentkv.profile import load_profile
 from agentkv.tiers.keys import ModelFingerprint, chain_keys
-from agentkv.trajectories import Branch, BranchState, TrajectoryTable, TurnStats
+from agentkv.trajectories import PAUSED_STATES, Branch, BranchState, TrajectoryTable, TurnStats
 from agentkv_vllm import plugin
 from agentkv_vllm.metadata import (
     AgentKVStepMetadata,
@@ -137,7 +143,9 @@ class SchedulerSide:
         self.counters: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.worker_pids: dict[int, int] = {}
-        self.transfer_samples: list[tuple[str, int, float]] = []  # (direction, bytes, seconds)
+        self.metrics = MetricsRecorder()
+        self.otel = OTelExport.from_env(self._gauges)
+        self.metrics.sink = self.otel
         self.profile = load_profile(settings.profile_path)
         params = None
         try:
@@ -216,7 +224,7 @@ class SchedulerSide:
                 return None, False
             traj = self.table.get_or_create(info.params.trajectory_id, now)
             branch = traj.branch(info.params.branch)
-            self._note_resume(branch, now)
+            self._note_resume(traj.trajectory_id, branch, now)
             branch.state = BranchState.ACTIVE
             branch.running_requests.add(request.request_id)
             bs = self.block_size
@@ -320,6 +328,7 @@ class SchedulerSide:
                 )
             elif self.settings.grace_s <= 0:
                 self._apply(traj.trajectory_id, branch, self.settings.default_action, 0.0, now)
+            self._record_turn(info.turn)
             stats = info.turn.to_dict()
             stats["trajectory_id"] = traj.trajectory_id
             stats["prefix_hit_ratio"] = round(traj.prefix_hit_ratio, 6)
@@ -360,13 +369,14 @@ class SchedulerSide:
                 for key in report.missing_keys:
                     self._forget(key)
                     self.counters["tier_misses"] += 1
-                if report.store_bytes:
-                    self.transfer_samples.append(
-                        ("store", report.store_bytes, report.store_seconds)
+                for (kind, tier, _), (nbytes, seconds) in report.transfers.items():
+                    off = kind == "offload"
+                    self.metrics.observe(
+                        m.OFFLOAD_BYTES if off else m.RELOAD_BYTES, float(nbytes), tier=tier
                     )
-                if report.load_bytes:
-                    self.transfer_samples.append(("load", report.load_bytes, report.load_seconds))
-                del self.transfer_samples[:-256]
+                    self.metrics.observe(
+                        m.OFFLOAD_SECONDS if off else m.RELOAD_SECONDS, seconds, tier=tier
+                    )
             if getattr(output, "invalid_block_ids", None):
                 self.counters["load_failed_blocks"] += len(output.invalid_block_ids)
 
@@ -414,9 +424,11 @@ class SchedulerSide:
         for traj, branch in self.table.expired(now):
             if branch.state is BranchState.HELD:
                 self.counters["grace_expired"] += 1
+                self.metrics.add(m.DEMOTIONS, reason="grace_expired")
                 self._apply(traj.trajectory_id, branch, self.settings.default_action, 0.0, now)
             else:
                 self.counters["lease_expired_demotions"] += 1
+                self.metrics.add(m.DEMOTIONS, reason="lease_expired")
                 self._apply(traj.trajectory_id, branch, "offload_host", 0.0, now)
         usage = self._pool_usage()
         if usage > self.settings.high_water and self.block_pool is not None:
@@ -428,6 +440,7 @@ class SchedulerSide:
                     continue
                 usage -= len(branch.pinned_block_ids) / total
                 self.counters["pressure_demotions"] += 1
+                self.metrics.add(m.DEMOTIONS, reason="pressure")
                 self._apply(traj.trajectory_id, branch, "offload_host", 0.0, now)
         for _, branch in self.table.branches():
             if (
@@ -526,14 +539,29 @@ class SchedulerSide:
             for owner in entry.owners:
                 self.owner_keys.get(owner, set()).discard(key)
 
-    def _note_resume(self, branch: Branch, now: float) -> None:
+    def _note_resume(self, trajectory_id: str, branch: Branch, now: float) -> None:
         if branch.paused_at is None:
             return
+        observed = now - branch.paused_at
         if branch.tool:
-            self.predictor.observe(branch.tool, now - branch.paused_at)
+            self.predictor.observe(branch.tool, observed)
+            self.metrics.observe(m.TOOL_WAIT_OBSERVED, observed, tool=branch.tool)
+        outcome = None
         if branch.prefetch_at is not None and branch.tier == "disk":
             outcome = classify_prefetch(branch.prefetched_at, now)
             self.prefetch_outcomes.record(outcome)
+            self.metrics.add(m.PREFETCH_OUTCOMES, outcome=outcome)
+        if self.otel is not None:
+            self.otel.end_pause(
+                (trajectory_id, branch.name),
+                {
+                    "agentkv.outcome": "resumed",
+                    "agentkv.observed_wait_s": round(observed, 6),
+                    "agentkv.resumed_state": branch.state.value,
+                    "agentkv.resumed_tier": branch.tier,
+                    "agentkv.prefetch_outcome": outcome,
+                },
+            )
         branch.paused_at = None
         branch.prefetch_at = None
         branch.prefetched_at = None
@@ -553,6 +581,8 @@ class SchedulerSide:
             self._state_tick(time.monotonic())
             if op == "status":
                 return 200, self.status()
+            if op == "metrics":
+                return 200, self.metrics_snapshot()
             if op == "pause":
                 return self._op_pause(req)
             if op == "resume":
@@ -615,6 +645,24 @@ class SchedulerSide:
         )
         branch.prefetched_at = None
         self.decisions[action] += 1
+        self.metrics.add(m.DECISIONS, action=action)
+        if math.isfinite(estimate.p50):
+            self.metrics.observe(m.TOOL_WAIT_PREDICTED, estimate.p50, tool=tool)
+        if self.otel is not None:
+            self.otel.start_pause(
+                (traj.trajectory_id, branch.name),
+                {
+                    "agentkv.trajectory_id": traj.trajectory_id,
+                    "agentkv.branch": branch.name,
+                    "agentkv.tool": tool,
+                    "agentkv.expected_wait_s": declared,
+                    "agentkv.predicted_wait_s": p50_or_none(estimate.p50),
+                    "agentkv.action": action,
+                    "agentkv.kv_tokens": branch.kv_tokens,
+                    "agentkv.kv_bytes": int(kv_bytes),
+                    "agentkv.rationale": decision.rationale,
+                },
+            )
         log.info(
             "agentkv: pause %s/%s tool=%s -> %s (%s)",
             traj.trajectory_id,
@@ -673,7 +721,7 @@ class SchedulerSide:
             for k in keys:
                 self.index[k].tier = "host"
             branch.prefetched_at = now
-        self._note_resume(branch, now)
+        self._note_resume(traj.trajectory_id, branch, now)
         return 200, {
             "trajectory_id": traj.trajectory_id,
             "branch": branch.name,
@@ -688,6 +736,12 @@ class SchedulerSide:
             return 404, {"detail": f"unknown trajectory {tid!r}"}
         released = 0
         for branch in traj.branches.values():
+            if branch.paused_at is not None and branch.prefetched_at is not None:
+                # Prefetched for a return that never came.
+                self.prefetch_outcomes.record("wasted")
+                self.metrics.add(m.PREFETCH_OUTCOMES, outcome="wasted")
+            if self.otel is not None:
+                self.otel.end_pause((tid, branch.name), {"agentkv.outcome": "ended"})
             released += len(branch.pinned_block_ids)
             self._unpin(branch.pinned_block_ids)
             branch.pinned_block_ids = []
@@ -720,6 +774,53 @@ class SchedulerSide:
             residency["device_pinned"] = len(branch.pinned_block_ids)
             view["branches"][name]["residency_blocks"] = dict(residency)
         return view
+
+    def _record_turn(self, turn: TurnStats) -> None:
+        self.metrics.add(m.PROMPT_TOKENS, float(turn.prompt_tokens))
+        self.metrics.add(m.CACHED_TOKENS, float(turn.device_hit_tokens), source="device")
+        if turn.tier_hit_tokens:
+            self.metrics.add(
+                m.CACHED_TOKENS, float(turn.tier_hit_tokens), source=turn.tier or "host"
+            )
+        if turn.prompt_tokens:
+            self.metrics.observe(m.PREFIX_HIT_RATIO, turn.hit_tokens / turn.prompt_tokens)
+        if turn.first_divergence_token is not None:
+            self.metrics.add(m.DIVERGENCES, zone=turn.divergence_zone or "undeclared")
+
+    def _gauges(self) -> list[tuple[MetricSpec, dict[str, str], float]]:
+        """The gauges of agentkv.metrics, read from the current state (any thread)."""
+        with self.lock:
+            held = self._bytes_held()
+            by_state = self.table.count_by_state()
+            n = len(self.table)
+        out: list[tuple[MetricSpec, dict[str, str], float]] = [
+            (m.BYTES_HELD, {"tier": tier}, float(v)) for tier, v in held.items()
+        ]
+        out += [
+            (m.PAUSED_TRAJECTORIES, {"state": s.value}, float(by_state.get(s.value, 0)))
+            for s in sorted(PAUSED_STATES, key=lambda s: s.value)
+        ]
+        out.append((m.TRAJECTORIES, {}, float(n)))
+        return out
+
+    def metrics_snapshot(self) -> Snapshot:
+        return self.metrics.snapshot(self._gauges())
+
+    def _bytes_held(self) -> dict[str, int]:
+        host_blocks = sum(1 for e in self.index.values() if e.tier == "host")
+        disk_blocks = sum(1 for e in self.index.values() if e.tier == "disk")
+        pinned = sum(len(b.pinned_block_ids) for _, b in self.table.branches()) + sum(
+            len(j.block_ids) for j in self.jobs.values()
+        )
+        return {
+            "device_pinned": pinned * self.block_bytes_total,
+            "host": host_blocks * self.block_bytes_total,
+            "disk": disk_blocks * self.block_bytes_total,
+        }
+
+    def close(self) -> None:
+        if self.otel is not None:
+            self.otel.shutdown()
 
     def status(self) -> dict[str, Any]:
         host_blocks = sum(1 for e in self.index.values() if e.tier == "host")
@@ -771,6 +872,10 @@ class SchedulerSide:
             "predictor": self.predictor.tools(),
             "profile": {"source": getattr(self.profile, "source", "unknown")},
         }
+
+
+def p50_or_none(p50: float) -> float | None:
+    return round(p50, 6) if math.isfinite(p50) else None
 
 
 def _zone_at(params: AgentKVParams, token: int) -> str | None:

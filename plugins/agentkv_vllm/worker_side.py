@@ -174,8 +174,10 @@ class WorkerSide:
             self._report.stores_done[p.job.job_id] = (
                 self._report.stores_done.get(p.job.job_id, 0) + 1
             )
-            self._report.store_bytes += p.nbytes
-            self._report.store_seconds = max(self._report.store_seconds, now - p.started)
+            self._report.transfers[("offload", p.job.tier, f"job-{p.job.job_id}")] = (
+                p.nbytes,
+                now - p.started,
+            )
             self._report_dirty = True
         self._stores = still
         still = []
@@ -189,8 +191,11 @@ class WorkerSide:
                 if not r.ok:
                     self._load_errors.add(b.block_id)
                     self._report.missing_keys.add(b.key)
-            self._report.load_bytes += p.nbytes
-            self._report.load_seconds = max(self._report.load_seconds, now - p.started)
+            tier = "disk" if any(r.tier == "disk" for r in results) else "host"
+            self._report.transfers[("reload", tier, f"req-{p.load.req_id}")] = (
+                p.nbytes,
+                now - p.started,
+            )
             self._report_dirty = True
             self._recving_done.add(p.load.req_id)
         self._loads = still

@@ -3,6 +3,8 @@
 Started through ``agentkv serve`` (the operator's path) on 127.0.0.1 with the embedded tiny
 model, enforce_eager (fast start), a capped block count (so a few trajectories create memory
 pressure), an API key, a disk tier in a temp folder, and dev mode for /reset_prefix_cache.
+Its OpenTelemetry export goes to a real OTLP/HTTP receiver process (``otlp_receiver.py``) through
+the standard OTEL_* variables.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Server:
     disk_dir: Path
     log_path: Path
     proc: subprocess.Popen[bytes]
+    otlp_out: Path
     client: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +130,20 @@ class Server:
     def end(self, tid: str) -> None:
         self.client.delete(f"/agentkv/v1/trajectories/{tid}")
 
+    def metrics_text(self) -> str:
+        r = self.client.get("/metrics")
+        r.raise_for_status()
+        return r.text
+
+    def otlp_records(self, signal: str) -> list[dict[str, Any]]:
+        """What the OTLP receiver got so far for ``signal`` ("metrics" or "traces")."""
+        out = []
+        for line in self.otlp_out.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["signal"] == signal:
+                out.append(rec["body"])
+        return out
+
 
 def long_text(seed: int, words: int) -> str:
     """Distinct, deterministic filler: every seed gives another token sequence."""
@@ -139,6 +156,18 @@ def server() -> Iterator[Server]:
     work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-"))
     disk_dir = work / "disk"
     log_path = work / "server.log"
+    otlp_port, otlp_out = _free_port(), work / "otlp.jsonl"
+    receiver = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("otlp_receiver.py")),
+            "--port",
+            str(otlp_port),
+            "--out",
+            str(otlp_out),
+        ],
+        start_new_session=True,
+    )
     env = dict(os.environ)
     env.update(
         {
@@ -146,6 +175,10 @@ def server() -> Iterator[Server]:
             "AGENTKV_RUN_DIR": str(work / "run"),
             "AGENTKV_PROFILE": str(work / "no-profile.json"),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+            "OTEL_SERVICE_NAME": "agentkv-e2e",
+            "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
         }
     )
     connector = json.dumps(
@@ -199,8 +232,9 @@ def server() -> Iterator[Server]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start in time:\n{log_path.read_text()[-4000:]}")
             time.sleep(1)
-        yield Server(base, "tiny", API_KEY, disk_dir, log_path, proc)
+        yield Server(base, "tiny", API_KEY, disk_dir, log_path, proc, otlp_out)
     finally:
+        receiver.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
