@@ -3,7 +3,7 @@
 Primitives:
   Trajectory(base_url, model, ...)     async; ``async with``; one branch of one trajectory
     .observe(text) / .remember(text) / .set_system(text) / .set_tools(tools)   edit the zones
-    await .complete(user?, max_tokens=, temperature=) -> TurnResult             one turn
+    await .complete(user?, max_tokens=, temperature=, stream=) -> TurnResult     one turn
     async with .tool(name, expected_s=) as call: ...   pause, measure, resume (even on error)
     .fork(n) -> [Trajectory]  .prune()  .join(branch)  branches sharing the prefix
     await .close()            DELETE on the server (root) or prune (branch)
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json as jsonlib
 import logging
 import re
 import time
@@ -79,6 +80,9 @@ class TurnResult:
     latency_s: float
     finish_reasons: list[str] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Streamed turns only: seconds from sending the request to the first chunk with a choice
+    # (vLLM sends it once the first output token exists, i.e. after prefill). None otherwise.
+    ttft_s: float | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -141,6 +145,61 @@ class _Shared:
         except httpx.TransportError as exc:
             raise TransportError(f"{method} {path} failed: {exc!r}") from exc
 
+    async def stream_chat(
+        self, path: str, json: Any, headers: dict[str, str]
+    ) -> tuple[int, Any, float | None]:
+        """POST a streaming (SSE) chat request; return (status, payload, ttft_s).
+
+        The payload is reassembled into the shape of a non-streamed response (one choice, the
+        concatenated content, the final usage chunk) so adapters parse both alike.
+        """
+        t0 = time.monotonic()
+        ttft: float | None = None
+        content: list[str] = []
+        reasons: dict[int, str] = {}
+        payload: dict[str, Any] = {}
+        role = "assistant"
+        try:
+            async with self.client.stream(
+                "POST", self.base_url + path, json=json, headers=headers
+            ) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    return r.status_code, _json(r), None
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = _loads(data)
+                    if not isinstance(chunk, dict):
+                        continue
+                    for key in ("id", "model", "usage"):
+                        if chunk.get(key) is not None:
+                            payload[key] = chunk[key]
+                    for choice in chunk.get("choices") or []:
+                        if ttft is None:
+                            ttft = time.monotonic() - t0
+                        delta = choice.get("delta") or {}
+                        role = delta.get("role") or role
+                        if delta.get("content"):
+                            content.append(str(delta["content"]))
+                        if choice.get("finish_reason"):
+                            reasons[int(choice.get("index", 0))] = str(choice["finish_reason"])
+        except httpx.TimeoutException as exc:
+            raise TimeoutError_(f"POST {path} timed out: {exc}") from exc
+        except httpx.TransportError as exc:
+            raise TransportError(f"POST {path} failed: {exc!r}") from exc
+        payload["choices"] = [
+            {
+                "index": 0,
+                "message": {"role": role, "content": "".join(content)},
+                "finish_reason": reasons.get(0),
+            }
+        ]
+        return 200, payload, ttft
+
     def degrade(self, why: str) -> None:
         if self.routes is not False:
             self.routes = False
@@ -194,6 +253,13 @@ def _json(r: httpx.Response) -> Any:
         return r.json()
     except ValueError:
         return {"detail": r.text[:500]}
+
+
+def _loads(data: str) -> Any:
+    try:
+        return jsonlib.loads(data)
+    except ValueError:
+        return None
 
 
 def _normalize_base(url: str) -> str:
@@ -405,8 +471,14 @@ class Trajectory:
         max_tokens: int | None = None,
         temperature: float | None = None,
         extra_body: dict[str, Any] | None = None,
+        stream: bool = False,
     ) -> TurnResult:
-        """Send one turn (``user`` is added to the observation first) and commit the reply."""
+        """Send one turn (``user`` is added to the observation first) and commit the reply.
+
+        ``stream=True`` sends an SSE request with ``stream_options.include_usage`` and sets
+        ``TurnResult.ttft_s``. vLLM returns the agentkv per-turn stats only in non-streamed
+        responses, so a streamed turn has ``engine`` None (``server_state()`` still has them).
+        """
         self._check_open()
         if user is not None:
             self.observe(user)
@@ -454,12 +526,22 @@ class Trajectory:
             temperature=temp,
             server=shared.server,
         ) as span:
+            ttft: float | None = None
             t0 = time.monotonic()
-            r = await shared.request("POST", shared.adapter.path, body)
-            latency = time.monotonic() - t0
-            payload = _json(r)
-            if r.status_code >= 400:
-                raise status_error(r.status_code, payload, str(r.request.url))
+            if stream:
+                body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+                status, payload, ttft = await shared.stream_chat(
+                    shared.adapter.path, body, shared.adapter.headers(shared.api_key)
+                )
+                latency = time.monotonic() - t0
+                if status >= 400:
+                    raise status_error(status, payload, shared.base_url + shared.adapter.path)
+            else:
+                r = await shared.request("POST", shared.adapter.path, body)
+                latency = time.monotonic() - t0
+                payload = _json(r)
+                if r.status_code >= 400:
+                    raise status_error(r.status_code, payload, str(r.request.url))
             parsed = shared.adapter.parse_response(payload if isinstance(payload, dict) else {})
             result = TurnResult(
                 shared.trajectory_id,
@@ -476,6 +558,7 @@ class Trajectory:
                 latency,
                 parsed.finish_reasons,
                 payload,
+                ttft,
             )
             tel.record_turn(
                 span,

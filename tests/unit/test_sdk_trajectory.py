@@ -440,3 +440,66 @@ def test_import_hygiene() -> None:
         "or m.startswith('opentelemetry.sdk')]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _sse(chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+async def test_streamed_turn_reassembles_reply_usage_and_ttft() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        if request.url.path != "/v1/chat/completions":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        chunks: list[dict[str, Any]] = [
+            {
+                "id": "c1",
+                "model": "tiny",
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+            },
+            {"id": "c1", "model": "tiny", "choices": [{"index": 0, "delta": {"content": "hel"}}]},
+            {
+                "id": "c1",
+                "model": "tiny",
+                "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}],
+            },
+            {
+                "id": "c1",
+                "model": "tiny",
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 300,
+                    "completion_tokens": 2,
+                    "prompt_tokens_details": {"cached_tokens": 256},
+                },
+            },
+        ]
+        return httpx.Response(
+            200, content=_sse(chunks), headers={"content-type": "text/event-stream"}
+        )
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    traj = Trajectory("http://127.0.0.1:8000", "tiny", http_client=client, trajectory_id="s-1")
+    r = await traj.complete("go", max_tokens=2, stream=True)
+    assert seen[0]["stream"] is True and seen[0]["stream_options"] == {"include_usage": True}
+    assert r.content == "hello" and r.finish_reasons == ["length"]
+    assert r.prompt_tokens == 300 and r.cached_tokens == 256 and r.usage.output_tokens == 2
+    assert r.ttft_s is not None and 0 <= r.ttft_s <= r.latency_s
+    assert r.engine is None
+    # The streamed reply is committed like a non-streamed one.
+    assert traj.context.turns[-1][-1] == {"role": "assistant", "content": "hello"}
+    r2 = await traj.complete("again")  # default stays non-streamed
+    assert "stream" not in seen[-1] and r2.ttft_s is None
+
+
+async def test_streamed_turn_error_maps_to_exception_tree() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json={"error": {"message": "model nope does not exist"}})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    traj = Trajectory("http://127.0.0.1:8000", "nope", http_client=client)
+    with pytest.raises(NotFoundError):
+        await traj.complete("go", stream=True)
