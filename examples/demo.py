@@ -1,6 +1,7 @@
 """`make demo`: a real vLLM with the agentkv plugin serving an agent trajectory with tool waits.
 
-Builds the embedded tiny model (offline), starts `agentkv serve` on 127.0.0.1, then runs one
+Builds the embedded tiny model (offline), starts vLLM with the plugin on a free port of 127.0.0.1
+(`agentkv.launch`, the same wiring as `agentkv serve`), then runs one
 trajectory: a short tool wait (the engine retains the KV), a long one (it offloads to host RAM),
 vLLM's cache is flushed (as memory pressure would), and the next turn comes back from the tier.
 Prints the cached tokens of each turn and the decisions with their numbers.
@@ -10,12 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,54 +20,30 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from agentkv import modelgen
+from agentkv.errors import EngineUnavailableError
+from agentkv.launch import LaunchSpec, running_server
+
 console = Console()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(port: int, work: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "AGENTKV_RUN_DIR": str(work / "run")}
-    connector = json.dumps({"disk_dir": str(work / "disk"), "host_capacity_gib": 1, "grace_s": 0.5})
-    cmd = [
-        sys.executable,
-        "-m",
-        "agentkv.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--kv-space-gib",
-        "1",
-        "--connector-config",
-        connector,
-        "--",
-        "--enforce-eager",
-        "--max-model-len",
-        "8192",
-        "--served-model-name",
-        "tiny",
-    ]
-    log = (work / "server.log").open("wb")
-    return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+def server_spec(work: Path) -> LaunchSpec:
+    """vLLM + agentkv on a free port, 1 GiB of KV, a host and a disk tier, dev mode (for
+    /reset_prefix_cache)."""
+    return LaunchSpec(
+        model=str(modelgen.ensure_model("tiny")),
+        connector_config={
+            "disk_dir": str(work / "disk"),
+            "host_capacity_gib": 1,
+            "grace_s": 0.5,
+        },
+        kv_space_gib=1,
+        max_model_len=8192,
+        served_model_name="tiny",
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+        run_dir=work / "run",
+        log_path=work / "server.log",
     )
-
-
-def wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    with console.status("starting vLLM with the agentkv plugin (about 30 s)..."):
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                console.print(log.read_text()[-3000:])
-                raise SystemExit(f"server exited with code {proc.returncode}; log: {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(1)
-    raise SystemExit(f"server did not start; log: {log}")
 
 
 def main() -> None:
@@ -84,26 +55,19 @@ def main() -> None:
         help="use a running `agentkv serve` (with VLLM_SERVER_DEV_MODE=1) instead of starting one",
     )
     args = ap.parse_args()
+    if args.base_url is not None:
+        run(args.base_url)
+        return
     work = Path(tempfile.mkdtemp(prefix="agentkv-demo-"))
-    proc = None
-    base = args.base_url
-    if base is None:
-        with console.status("building the embedded tiny model (offline, seeded)..."):
-            subprocess.run(
-                [sys.executable, "-m", "agentkv.cli", "model", "build-tiny"],
-                check=True,
-                capture_output=True,
-            )
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        proc = start_server(port, work)
-        wait_ready(base, proc, work / "server.log")
-    try:
-        run(base)
-    finally:
-        if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+    with console.status("building the embedded tiny model (offline, seeded)..."):
+        spec = server_spec(work)
+    with contextlib.ExitStack() as stack:
+        with console.status("starting vLLM with the agentkv plugin (about 30 s)..."):
+            try:
+                server = stack.enter_context(running_server(spec))
+            except EngineUnavailableError as exc:
+                raise SystemExit(str(exc)) from None
+        run(server.base_url)
 
 
 def run(base: str) -> None:

@@ -1,9 +1,150 @@
-"""CLI commands: placeholder until its issue lands."""
+"""``agentkv bench agents``: an agent workload with tool waits, vanilla vLLM vs vLLM + agentkv.
+
+Only typer is imported at module level; the benchmark (``agentkv_bench``) and its dependencies
+load inside the command, so ``agentkv --help`` stays fast.
+"""
 
 from __future__ import annotations
 
+import json
+import shlex
+import sys
+from pathlib import Path
+
 import typer
+
+from agentkv.cli.common import fail
+
+
+def agents(
+    preset: str | None = typer.Option(
+        None, "--preset", help="Embedded model: small (default; recompute is expensive) or tiny."
+    ),
+    trajectories: int | None = typer.Option(
+        None, "--trajectories", "-n", min=1, help="Concurrent trajectories (default 6)."
+    ),
+    turns: int | None = typer.Option(
+        None, "--turns", "-t", min=1, help="Turns per trajectory (default 5)."
+    ),
+    time_scale: float | None = typer.Option(
+        None,
+        "--time-scale",
+        min=0.0,
+        help="Multiplies every tool wait (compile ~3 s, test suite ~30 s, human approval ~180 s "
+        "medians) and the start stagger. Default 0.1.",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Workload seed: same seed, same workload."),
+    fork_prob: float | None = typer.Option(
+        None, "--fork-prob", min=0.0, max=1.0, help="Chance that a turn forks into 2 branches."
+    ),
+    num_blocks: int | None = typer.Option(
+        None,
+        "--num-blocks",
+        min=8,
+        help="Device KV blocks (128 tokens each), the same for both configurations; small "
+        "enough that paused trajectories do not all fit (default 128).",
+    ),
+    host_capacity_gib: float = typer.Option(
+        2.0, "--host-capacity-gib", min=0.1, help="agentkv host tier size."
+    ),
+    out: Path = typer.Option(
+        Path("bench-out/agents"), "--out", help="Folder for report.json, report.md, PNGs, logs."
+    ),
+    quick: bool = typer.Option(
+        False,
+        "--quick",
+        help="CI smoke run: tiny model, 3 trajectories x 3 turns, sub-second waits, no "
+        "overhead benchmark. Checks completion and a well-formed report, not the targets.",
+    ),
+    skip_overhead: bool = typer.Option(
+        False, "--skip-overhead", help="Skip the no-pause overhead run (`vllm bench serve`)."
+    ),
+    overhead: bool = typer.Option(
+        False, "--overhead", help="Run the overhead benchmark even with --quick."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the summary and targets as JSON on stdout."
+    ),
+) -> None:
+    """Run the same seeded agent workload against vanilla vLLM (prefix caching) and vLLM with
+    agentkv (same model, same KV blocks), one after the other, and compare them.
+
+    Reports resume TTFT p50/p99 (first turn after a tool wait), TTFT of all turns, job
+    completion time, tokens recomputed, prefix hit rate, decode throughput and KV held over
+    time, with agentkv/vanilla ratios, as report.json, report.md and PNG plots in --out. Also
+    runs `vllm bench serve` on both servers for the overhead without pauses. vLLM's native
+    offloading and LMCache need CUDA and are skipped on CPU.
+    """
+    from agentkv_bench.overhead import OverheadSpec
+    from agentkv_bench.runner import BenchOptions, run_bench
+    from agentkv_bench.workload import WorkloadConfig
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from agentkv.errors import AgentKVError
+
+    base = WorkloadConfig.quick(seed) if quick else WorkloadConfig(seed=seed)
+    try:
+        cfg = base.with_overrides(
+            trajectories=trajectories, turns=turns, time_scale=time_scale, fork_prob=fork_prob
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    opts = BenchOptions(
+        workload=cfg,
+        preset=preset or ("tiny" if quick else "small"),
+        num_blocks=num_blocks or (48 if quick else 128),
+        host_capacity_gib=host_capacity_gib,
+        max_model_len=0,
+        out=out,
+        overhead=None if skip_overhead or (quick and not overhead) else OverheadSpec(),
+        command="agentkv bench agents " + shlex.join(sys.argv[sys.argv.index("agents") + 1 :])
+        if "agents" in sys.argv
+        else "agentkv bench agents",
+    )
+    # vLLM refuses a max length whose KV would not fit in the blocks (it keeps one in reserve).
+    opts.max_model_len = min(4096 if quick else 16384, (opts.num_blocks - 1) * 128)
+    if quick and opts.overhead is not None:
+        opts.overhead = OverheadSpec(num_prompts=8, input_len=256, output_len=16, num_warmups=1)
+    stderr = Console(stderr=True)
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=stderr,
+            transient=not stderr.is_terminal,
+        ) as progress:
+            task = progress.add_task("starting", total=None)
+
+            def on_progress(phase: str, done: int, total: int) -> None:
+                progress.update(task, description=phase, completed=done, total=total or None)
+
+            report = run_bench(opts, on_progress)
+    except AgentKVError as exc:
+        fail(str(exc))
+    summary = {
+        "out": str(out),
+        "summaries": {k: v["summary"] for k, v in report["configs"].items()},
+        "ratios_agentkv_over_vanilla": report["ratios_agentkv_over_vanilla"],
+        "targets": report["targets"],
+        "overhead": {
+            k: v
+            for k, v in report["overhead"].items()
+            if k in ("status", "throughput_loss_pct", "reason")
+        },
+        "native_offload": report["native_offload"],
+    }
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    from rich.markdown import Markdown
+
+    Console().print(Markdown((out / "report.md").read_text()))
+    stderr.print(f"report: {out / 'report.json'}, {out / 'report.md'}, plots: {out}/*.png")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to `app`."""
+    """Add ``agents`` to the ``bench`` sub-app."""
+    app.command("agents")(agents)

