@@ -92,6 +92,9 @@ class Branch:
     prefetched_at: float | None = None
     decision: dict[str, Any] | None = None
     tier: str | None = None
+    # Why the engine last moved it off the device on its own (grace_expired, lease_expired,
+    # pressure); None after a pause decision. Operators ask "why was this offloaded?".
+    demoted_by: str | None = None
     running_requests: set[str] = field(default_factory=set)
 
     @property
@@ -110,6 +113,7 @@ class Branch:
             "lease_until": self.lease_until or None,
             "predicted_return_at": self.predicted_return_at,
             "decision": self.decision,
+            "demoted_by": self.demoted_by,
         }
 
 

@@ -425,10 +425,12 @@ class SchedulerSide:
             if branch.state is BranchState.HELD:
                 self.counters["grace_expired"] += 1
                 self.metrics.add(m.DEMOTIONS, reason="grace_expired")
+                branch.demoted_by = "grace_expired"
                 self._apply(traj.trajectory_id, branch, self.settings.default_action, 0.0, now)
             else:
                 self.counters["lease_expired_demotions"] += 1
                 self.metrics.add(m.DEMOTIONS, reason="lease_expired")
+                branch.demoted_by = "lease_expired"
                 self._apply(traj.trajectory_id, branch, "offload_host", 0.0, now)
         usage = self._pool_usage()
         if usage > self.settings.high_water and self.block_pool is not None:
@@ -441,6 +443,7 @@ class SchedulerSide:
                 usage -= len(branch.pinned_block_ids) / total
                 self.counters["pressure_demotions"] += 1
                 self.metrics.add(m.DEMOTIONS, reason="pressure")
+                branch.demoted_by = "pressure"
                 self._apply(traj.trajectory_id, branch, "offload_host", 0.0, now)
         for _, branch in self.table.branches():
             if (
@@ -638,6 +641,7 @@ class SchedulerSide:
             body["lease_s"] = self._lease_for(decision, estimate)
         branch.tool = tool
         branch.paused_at = now
+        branch.demoted_by = None
         p50 = estimate.p50 if math.isfinite(estimate.p50) else 0.0
         branch.predicted_return_at = now + p50
         branch.prefetch_at = now + prefetch_at(

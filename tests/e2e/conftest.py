@@ -187,6 +187,9 @@ def server() -> Iterator[Server]:
             "host_capacity_gib": 0.5,
             "disk_capacity_gib": 2,
             "grace_s": 0.3,
+            # Leases are predicted return + this margin: long enough for a test to set up
+            # several retained trajectories before the first lease ends.
+            "lease_margin_s": 8,
         }
     )
     cmd = [

@@ -89,6 +89,40 @@ def test_branches_share_prefix_and_end_frees_everything(server: Server) -> None:
     assert server.client.get(f"/agentkv/v1/trajectories/{tid}").status_code == 404
 
 
+def test_pool_pressure_demotes_the_farthest_return_only(server: Server) -> None:
+    """Three retained trajectories hold ~75% of the pool; a long vanilla request pushes use past
+    the high-water mark (0.88): exactly one is demoted, the one predicted back last."""
+    tids = ["press-a", "press-b", "press-c"]
+    for i, tid in enumerate(tids):
+        server.chat(
+            [{"role": "user", "content": long_text(2600 + i, 1040)}], trajectory=tid, max_tokens=1
+        )
+        assert server.pause(tid, f"quick-{i}", 0.0001 * (i + 1))["decision"]["action"] == "retain"
+    before = server.status()
+    returns = {
+        tid: server.trajectory(tid)["branches"]["main"]["predicted_return_at"] for tid in tids
+    }
+    assert all(server.trajectory(t)["branches"]["main"]["state"] == "retained" for t in tids)
+    assert before["pool"]["pinned_blocks"] >= 3 * 40
+    # ~40 blocks of prompt: 144 + 40 of 191 blocks is above 0.88, 96 + 40 is below.
+    server.chat([{"role": "user", "content": long_text(2650, 830)}], salt="press-noise")
+    branches = {t: server.trajectory(t)["branches"]["main"] for t in tids}
+    farthest = max(returns, key=lambda t: returns[t])
+    assert branches[farthest]["state"] in ("offloading", "offloaded"), branches
+    assert branches[farthest]["demoted_by"] == "pressure"
+    # The others stay retained (on a machine slow enough for their lease to run out first they
+    # are demoted by lease expiry instead, never by pressure).
+    for t in tids:
+        if t != farthest:
+            assert branches[t]["state"] == "retained" or branches[t]["demoted_by"] == (
+                "lease_expired"
+            ), branches[t]
+    after = server.status()["counters"].get("pressure_demotions", 0)
+    assert after - before["counters"].get("pressure_demotions", 0) == 1
+    for tid in tids:
+        server.end(tid)
+
+
 def test_delete_releases_every_tier(server: Server) -> None:
     for tid in server.status()["trajectory_ids"]:
         server.end(tid)
