@@ -48,7 +48,7 @@ def agents(
         2.0, "--host-capacity-gib", min=0.1, help="agentkv host tier size."
     ),
     out: Path = typer.Option(
-        Path("bench-out/agents"), "--out", help="Folder for report.json, report.md, PNGs, logs."
+        Path("bench/results/agents"), "--out", help="Folder for report.json, report.md, PNGs, logs."
     ),
     quick: bool = typer.Option(
         False,

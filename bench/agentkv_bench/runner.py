@@ -51,7 +51,7 @@ class BenchOptions:
     kv_space_gib: int = 1
     host_capacity_gib: float = 2.0
     max_model_len: int = 16384
-    out: Path = Path("bench-out")
+    out: Path = Path("bench/results/agents")
     overhead: OverheadSpec | None = field(default_factory=OverheadSpec)
     # Both cores for the worker: faster prefill, the same for both configurations.
     extra_env: dict[str, str] = field(default_factory=lambda: {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
