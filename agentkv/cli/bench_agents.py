@@ -75,13 +75,13 @@ def agents(
     runs `vllm bench serve` on both servers for the overhead without pauses. vLLM's native
     offloading and LMCache need CUDA and are skipped on CPU.
     """
-    from agentkv_bench.overhead import OverheadSpec
-    from agentkv_bench.runner import BenchOptions, run_bench
-    from agentkv_bench.workload import WorkloadConfig
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agentkv.errors import AgentKVError
+    from agentkv_bench.overhead import OverheadSpec
+    from agentkv_bench.runner import BenchOptions, run_bench
+    from agentkv_bench.workload import WorkloadConfig
 
     base = WorkloadConfig.quick(seed) if quick else WorkloadConfig(seed=seed)
     try:

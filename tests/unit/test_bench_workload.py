@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from agentkv_bench.workload import (
     DEFAULT_TOOLS,
     TOKENS_PER_WORD,

@@ -17,12 +17,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from agentkv.metrics import counter_value
+from agentkv.trajectories import BranchState
 from agentkv_vllm import scheduler_side
 from agentkv_vllm.scheduler_side import SchedulerSide
 from agentkv_vllm.settings import ConnectorSettings
-
-from agentkv.metrics import counter_value
-from agentkv.trajectories import BranchState
 
 BLOCK = 16
 NUM_BLOCKS = 101  # vLLM reserves block 0: 100 usable
