@@ -37,6 +37,7 @@ import numpy as np
 import xxhash
 
 from agentkv import metrics as m
+from agentkv.block_index import BlockIndex
 from agentkv.metrics import MetricSpec, MetricsRecorder, Snapshot
 from agentkv.otel_export import OTelExport
 from agentkv.policy import CostModel, Decision, PolicyParams, decide
@@ -58,12 +59,6 @@ from agentkv_vllm.settings import ConnectorSettings
 log = logging.getLogger("agentkv.scheduler")
 GiB = 1 << 30
 ADMISSION_MAX_WAIT_S = 5.0
-
-
-@dataclass
-class _IndexEntry:
-    tier: str
-    owners: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -126,8 +121,7 @@ class SchedulerSide:
         )
         self.lock = threading.RLock()
         self.table = TrajectoryTable()
-        self.index: dict[bytes, _IndexEntry] = {}
-        self.owner_keys: dict[str, set[bytes]] = {}
+        self.index = BlockIndex()
         self.inflight: dict[bytes, int] = {}
         self.jobs: dict[int, _Job] = {}
         self._next_job = 1
@@ -244,10 +238,10 @@ class SchedulerSide:
             count = 0
             tiers: set[str] = set()
             for k in keys[start:n_max]:
-                entry = self.index.get(k)
-                if entry is None or k in self.inflight:
+                tier = self.index.tier_of(k)
+                if tier is None or k in self.inflight:
                     break
-                tiers.add(entry.tier)
+                tiers.add(tier)
                 count += 1
             if count == 0:
                 return 0, False
@@ -453,16 +447,16 @@ class SchedulerSide:
                 and branch.prefetched_at is None
                 and now >= branch.prefetch_at
             ):
-                keys = [
-                    k
-                    for k in branch.keys
-                    if (e := self.index.get(k)) is not None and e.tier == "disk"
-                ]
-                self.pending_promotes.extend(keys)
-                for k in keys:
-                    self.index[k].tier = "host"
-                branch.prefetched_at = now
+                self._promote_to_host(branch, now)
                 self.counters["prefetches"] += 1
+
+    def _promote_to_host(self, branch: Branch, now: float) -> None:
+        """Queue disk -> host copies of the branch's disk blocks (a prefetch or a resume)."""
+        keys = [k for k in branch.keys if self.index.tier_of(k) == "disk"]
+        self.pending_promotes.extend(keys)
+        for k in keys:
+            self.index.move(k, "host")
+        branch.prefetched_at = now
 
     def _apply(
         self, trajectory_id: str, branch: Branch, action: str, lease_s: float, now: float
@@ -478,13 +472,12 @@ class SchedulerSide:
             owner = trajectory_id
             keys = branch.keys[: len(branch.pinned_block_ids)]
             for key, bid in zip(keys, branch.pinned_block_ids, strict=False):
-                entry = self.index.get(key)
-                if key in self.inflight or (
-                    entry is not None and (entry.tier == tier or tier == "host")
-                ):
-                    if entry is not None:
-                        entry.owners.add(owner)
-                        self.owner_keys.setdefault(owner, set()).add(key)
+                held = self.index.tier_of(key)
+                # Already in the wanted tier, or in host when host was wanted (or better), or
+                # being written: share it rather than copy it again.
+                if key in self.inflight or (held is not None and (held == tier or tier == "host")):
+                    if held is not None:
+                        self.index.add_owner(key, owner)
                     skip.append(bid)
                 else:
                     transfers.append(BlockTransfer(key, bid))
@@ -527,20 +520,14 @@ class SchedulerSide:
             self.pending_drops.extend(t.key for t in job.job.blocks)
         else:
             for t in job.job.blocks:
-                entry = self.index.setdefault(t.key, _IndexEntry(job.job.tier))
-                entry.tier = job.job.tier
-                entry.owners.add(job.trajectory_id)
-                self.owner_keys.setdefault(job.trajectory_id, set()).add(t.key)
+                self.index.put(t.key, job.job.tier, job.trajectory_id)
         if traj is not None:
             branch = traj.branches.get(job.branch)
             if branch is not None and branch.state is BranchState.OFFLOADING:
                 branch.state = BranchState.DROPPED if job.failed else BranchState.OFFLOADED
 
     def _forget(self, key: bytes) -> None:
-        entry = self.index.pop(key, None)
-        if entry is not None:
-            for owner in entry.owners:
-                self.owner_keys.get(owner, set()).discard(key)
+        self.index.forget(key)
 
     def _note_resume(self, trajectory_id: str, branch: Branch, now: float) -> None:
         if branch.paused_at is None:
@@ -573,7 +560,7 @@ class SchedulerSide:
         if tier == "disk" and not self.settings.disk_dir:
             return 0.0
         cap = self.host_capacity_blocks if tier == "host" else self.disk_capacity_blocks
-        used = sum(1 for e in self.index.values() if e.tier == tier)
+        used = self.index.count(tier)
         return float(max(0, cap - used) * self.block_bytes_total)
 
     # ------------------------------------------------------------------ control ops
@@ -718,13 +705,7 @@ class SchedulerSide:
             and branch.tier == "disk"
             and branch.prefetched_at is None
         ):
-            keys = [
-                k for k in branch.keys if (e := self.index.get(k)) is not None and e.tier == "disk"
-            ]
-            self.pending_promotes.extend(keys)
-            for k in keys:
-                self.index[k].tier = "host"
-            branch.prefetched_at = now
+            self._promote_to_host(branch, now)
         self._note_resume(traj.trajectory_id, branch, now)
         return 200, {
             "trajectory_id": traj.trajectory_id,
@@ -750,16 +731,9 @@ class SchedulerSide:
             self._unpin(branch.pinned_block_ids)
             branch.pinned_block_ids = []
             branch.state = BranchState.ENDED
-        dropped = 0
-        for key in self.owner_keys.pop(tid, set()):
-            entry = self.index.get(key)
-            if entry is None:
-                continue
-            entry.owners.discard(tid)
-            if not entry.owners:
-                del self.index[key]
-                self.pending_drops.append(key)
-                dropped += 1
+        orphans = self.index.release(tid)  # blocks another trajectory shares stay
+        self.pending_drops.extend(orphans)
+        dropped = len(orphans)
         return 200, {
             "trajectory_id": tid,
             "released_blocks": released,
@@ -771,10 +745,8 @@ class SchedulerSide:
         for name, branch in traj.branches.items():
             residency: Counter[str] = Counter()
             for key in branch.keys:
-                entry = self.index.get(key)
-                residency[
-                    entry.tier if entry else ("in_flight" if key in self.inflight else "none")
-                ] += 1
+                tier = self.index.tier_of(key)
+                residency[tier or ("in_flight" if key in self.inflight else "none")] += 1
             residency["device_pinned"] = len(branch.pinned_block_ids)
             view["branches"][name]["residency_blocks"] = dict(residency)
         return view
@@ -811,8 +783,8 @@ class SchedulerSide:
         return self.metrics.snapshot(self._gauges())
 
     def _bytes_held(self) -> dict[str, int]:
-        host_blocks = sum(1 for e in self.index.values() if e.tier == "host")
-        disk_blocks = sum(1 for e in self.index.values() if e.tier == "disk")
+        host_blocks = self.index.count("host")
+        disk_blocks = self.index.count("disk")
         pinned = sum(len(b.pinned_block_ids) for _, b in self.table.branches()) + sum(
             len(j.block_ids) for j in self.jobs.values()
         )
@@ -827,8 +799,8 @@ class SchedulerSide:
             self.otel.shutdown()
 
     def status(self) -> dict[str, Any]:
-        host_blocks = sum(1 for e in self.index.values() if e.tier == "host")
-        disk_blocks = sum(1 for e in self.index.values() if e.tier == "disk")
+        host_blocks = self.index.count("host")
+        disk_blocks = self.index.count("disk")
         pinned = sum(len(b.pinned_block_ids) for _, b in self.table.branches()) + sum(
             len(j.block_ids) for j in self.jobs.values()
         )

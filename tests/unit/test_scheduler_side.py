@@ -207,7 +207,7 @@ def test_disk_prefetch_fires_at_predicted_time_and_is_scored_on_resume() -> None
     side.on_worker_report(report)
     assert branch.state is BranchState.OFFLOADED and branch.tier == "disk"
     assert branch.prefetch_at is not None
-    assert all(side.index[k].tier == "disk" for k in branch.keys)
+    assert all(side.index.tier_of(k) == "disk" for k in branch.keys)
 
     # Due at the wait's p10 minus the reload time, so ~90% of returns find the blocks in host.
     p10 = body["wait_estimate"]["p10"]
@@ -217,7 +217,7 @@ def test_disk_prefetch_fires_at_predicted_time_and_is_scored_on_resume() -> None
     branch.prefetch_at = time.monotonic()  # fast-forward: its time has come
     side._state_tick(time.monotonic())
     assert sorted(side.pending_promotes) == sorted(branch.keys)
-    assert all(side.index[k].tier == "host" for k in branch.keys)
+    assert all(side.index.tier_of(k) == "host" for k in branch.keys)
     assert side.counters["prefetches"] == 1
     side._state_tick(time.monotonic())
     assert len(side.pending_promotes) == len(branch.keys)  # fires once
