@@ -3,7 +3,8 @@
 Primitives (re-exported here; each lives in its own module):
     ModelFingerprint, BlockKey, chain_keys     content addresses (keys.py)
     TieredStore, TransferHandle, BlockResult,
-    BlockStatus, StoreStats, TierUsage         the async two-tier store (store.py)
+    BlockStatus, StoreStats, TierUsage,
+    HostRead                                   the async two-tier store (store.py)
     HostArena                                  preallocated fixed-slot host memory (host.py)
     BlockFiles                                 checksummed block files (disk.py)
     EvictionOrder                              LRU with pins and leases (eviction.py)
@@ -22,6 +23,7 @@ from agentkv.tiers.keys import BlockKey, ModelFingerprint, chain_keys
 from agentkv.tiers.store import (
     BlockResult,
     BlockStatus,
+    HostRead,
     StoreStats,
     TieredStore,
     TierUsage,
@@ -35,6 +37,7 @@ __all__ = [
     "BlockStatus",
     "EvictionOrder",
     "HostArena",
+    "HostRead",
     "ModelFingerprint",
     "StoreStats",
     "TierUsage",

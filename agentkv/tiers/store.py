@@ -4,6 +4,10 @@ Primitives:
     TieredStore.submit_store   copy blocks in (to 'host' or 'disk'); returns a TransferHandle at
                                once. The caller keeps its buffers unchanged until the handle is done.
     TieredStore.submit_load    copy blocks out (from host, else disk) into the caller's buffers.
+    TieredStore.acquire_host / release_host
+                               two-phase read of host blocks in place: pin them and hand out
+                               read-only views (a layer-by-layer load copies pieces of them while
+                               the model runs), then unpin. Must be paired.
     TieredStore.promote        disk -> host (prefetch before a tool returns).
     TieredStore.demote         host -> disk (a long pause; frees host slots).
     TransferHandle             ``done()`` polls without blocking; ``result()`` waits and returns one
@@ -37,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from agentkv.errors import ConfigError, CorruptBlockError, TierError, TierFullError
 from agentkv.tiers.buffers import BlockBuffer, ByteArray, as_segments, gather_into, scatter_from
@@ -118,6 +122,18 @@ class TransferHandle:
             self._results[index] = result
             if self._remaining == 0:
                 self._finished.set()
+
+
+@dataclass(frozen=True, slots=True)
+class HostRead:
+    """Views of pinned host blocks from ``acquire_host``; None where a key was not in host."""
+
+    views: list[ByteArray | None]
+    _blocks: list[Any]
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i, v in enumerate(self.views) if v is None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +367,41 @@ class TieredStore:
         handle = TransferHandle(keys)
         self._run(handle, lambda index: self._load_one(keys[index], segments[index]))
         return handle
+
+    def acquire_host(self, keys: Sequence[BlockKey]) -> HostRead:
+        """Pin each key's host copy and return a read-only view of its bytes (None: not in host).
+
+        The views stay valid, and the blocks unevictable (a drop waits for the pin), until
+        ``release_host`` is called on the result, which the caller must do exactly once. Never
+        blocks on I/O: a block only on disk is reported missing, not read.
+        """
+        views: list[ByteArray | None] = []
+        blocks: list[Any] = []
+        with self._lock:
+            for key in keys:
+                self._counters["loads"] += 1
+                block = self._blocks.get(key)
+                if block is None or block.host_slot is None:
+                    self._counters["misses"] += 1
+                    views.append(None)
+                    blocks.append(None)
+                    continue
+                self._host_order.pin(block)
+                view = self._arena.slot(block.host_slot)
+                view = view.view()
+                view.flags.writeable = False
+                views.append(view)
+                blocks.append(block)
+                self._counters["hits_host"] += 1
+        return HostRead(views, blocks)
+
+    def release_host(self, read: HostRead) -> None:
+        """Unpin what ``acquire_host`` pinned."""
+        with self._lock:
+            for block in read._blocks:
+                if block is not None:
+                    self._unpin_host(block)
+                    self._host_order.touch(block)
 
     def promote(self, keys: Sequence[BlockKey]) -> TransferHandle:
         """Start copying disk-only ``keys`` into the host tier (blocks already in host are ok)."""

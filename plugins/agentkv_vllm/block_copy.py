@@ -7,6 +7,9 @@ Primitives:
   .block_bytes                              bytes of one block across all layers
   .layout                                   a string naming shapes/dtype: part of the key
                                             fingerprint, so another layout never matches
+  .layer_slices()                           per layer, in forward order: its name and the
+                                            (segment index, byte offset in the block, bytes) of
+                                            its segments, for layer-by-layer loads
 
 Only whole-block copies are layout-safe (the CPU kernel stores K transposed inside a block), so
 segments never split a block. On CUDA the views are device tensors; ``DeviceStaging`` copies
@@ -15,6 +18,7 @@ them through a pinned host buffer.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -42,6 +46,28 @@ class BlockViews:
         )
         self.layout = f"{self.device.type}:{self.dtype}:{shapes}"
         self.block_bytes = sum(self._segment_nbytes(i) for i in range(len(self._tensors)))
+        # Segments per layer tensor: 1 when a block is contiguous in it, else one per K/V half.
+        self._segment_counts = [
+            1 if t.select(d, 0).is_contiguous() else int(t.select(d, 0).shape[0])
+            for t, d in zip(self._tensors, self._block_dims, strict=True)
+        ]
+
+    def layer_slices(self) -> list[tuple[str, list[tuple[int, int, int]]]]:
+        """Each layer's segments as (segment index, byte offset in the block, bytes), layers in
+        forward order (``layers.2`` before ``layers.10``, unlike the sorted segment order)."""
+        out: list[tuple[str, list[tuple[int, int, int]]]] = []
+        index = offset = 0
+        for i, name in enumerate(self.layer_names):
+            n = self._segment_counts[i]
+            size = self._segment_nbytes(i) // n
+            out.append((name, [(index + j, offset + j * size, size) for j in range(n)]))
+            index += n
+            offset += n * size
+
+        def forward_order(item: tuple[str, Any]) -> tuple[int, ...]:
+            return tuple(int(x) for x in re.findall(r"\d+", item[0]))
+
+        return sorted(out, key=forward_order)
 
     def _segment_nbytes(self, i: int) -> int:
         t, d = self._tensors[i], self._block_dims[i]

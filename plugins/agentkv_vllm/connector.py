@@ -95,12 +95,17 @@ class AgentKVConnector(KVConnectorBase_V1):
                 log.exception("agentkv: worker step failed; affected requests recompute")
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        # Loads were submitted at bind time; requests that load wait in WAITING_FOR_REMOTE_KVS
-        # until get_finished reports them, so nothing here has to block.
+        # Loads were submitted at bind time: async ones complete in the background (their requests
+        # wait in WAITING_FOR_REMOTE_KVS until get_finished reports them), layerwise ones are
+        # being copied by the layer copier; nothing here has to block.
         return
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self._worker is not None:
+            try:
+                self._worker.wait_for_layer(layer_name)
+            except Exception:
+                log.exception("agentkv: waiting for layer %s failed", layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -109,11 +114,19 @@ class AgentKVConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        if self._worker is not None:
+            try:
+                self._worker.finish_step()
+            except Exception:
+                log.exception("agentkv: finishing the layer copier failed")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
+        self._finish_step()  # also here: vLLM skips wait_for_save in some steps
         try:
             recving = self._worker.poll()
         except Exception:

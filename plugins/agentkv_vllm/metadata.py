@@ -39,6 +39,9 @@ class StoreJob:
 class LoadJob:
     req_id: str
     blocks: list[BlockTransfer]
+    # True: copy layer by layer during this step's forward (vLLM scheduled the request already);
+    # False: the request waits in WAITING_FOR_REMOTE_KVS until the worker reports it loaded.
+    layerwise: bool = False
 
 
 @dataclass

@@ -78,6 +78,7 @@ class _RequestInfo:
     load_start_block: int = 0
     load_keys: list[bytes] = field(default_factory=list)
     load_tier: str | None = None
+    load_layerwise: bool = False
     first_seen: float = 0.0
 
 
@@ -155,6 +156,10 @@ class SchedulerSide:
             self.profile, model_params=params, num_layers=layers, hidden_size=hidden
         )
         self.policy = PolicyParams(max_lease_s=settings.max_lease_s)
+        device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
+        self.layerwise = settings.load_mode == "layerwise" or (
+            settings.load_mode == "auto" and device == "cpu"
+        )
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ keys and params
@@ -248,7 +253,9 @@ class SchedulerSide:
             info.load_start_block = start
             info.load_keys = keys[start : start + count]
             info.load_tier = "disk" if "disk" in tiers else "host"
-            return count * bs, True
+            # Host blocks can be copied per layer inside the step; disk blocks are verified whole.
+            info.load_layerwise = self.layerwise and tiers == {"host"}
+            return count * bs, not info.load_layerwise
 
     def plan_load(self, request: Any, blocks: Any, num_external: int) -> None:
         with self.lock:
@@ -275,8 +282,11 @@ class SchedulerSide:
                 LoadJob(
                     request.request_id,
                     [BlockTransfer(k, b) for k, b in zip(keys, targets, strict=True)],
+                    layerwise=info.load_layerwise,
                 )
             )
+            if info.load_layerwise:
+                self.counters["layerwise_loads"] += 1
             info.turn.tier_hit_tokens = n * self.block_size
             info.turn.tier = info.load_tier
             info.load_keys = []

@@ -54,6 +54,15 @@ class ConnectorSettings(BaseModel):
         default=None, description="ZMQ endpoint of the control channel (default: ipc in run_dir)."
     )
     io_threads: int = Field(default=2, ge=1, le=64)
+    load_mode: str = Field(
+        default="auto",
+        pattern="^(auto|async|layerwise)$",
+        description="How blocks come back from a tier. layerwise: host blocks are copied layer by "
+        "layer during the step that prefills the new tokens (each attention layer waits only for "
+        "its own layer); async: the request waits until every block is loaded, then is scheduled. "
+        "auto: layerwise on CPU, async elsewhere (the CUDA layerwise path is not yet validated). "
+        "Disk blocks always load async (a block's checksum covers all its layers).",
+    )
 
     def control_endpoint(self, engine_id: str | None = None) -> str:
         if self.control_socket:

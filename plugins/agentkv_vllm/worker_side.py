@@ -3,6 +3,10 @@
 Primitives:
   WorkerSide.register_kv_caches(kv_caches)   find the block layout, open this rank's TieredStore
   WorkerSide.start_step(meta)                submit the step's stores/loads/drops; must not block
+  WorkerSide.wait_for_layer(name)            layer-by-layer loads: block until ``name``'s
+                                             segments of this step's layerwise loads are copied
+  WorkerSide.finish_step()                   after the forward: the layer copier is done, its
+                                             host pins are released
   WorkerSide.poll(finished_req_ids)          (finished_sending, finished_recving) request ids
   WorkerSide.take_report()                   AgentKVWorkerReport for the scheduler, or None
   WorkerSide.load_error_block_ids()          engine block ids whose load failed -> recompute
@@ -11,18 +15,28 @@ Each TP rank keeps its own store under ``<disk_dir>/rank<r>`` with keys salted b
 fingerprint, so shards never mix. Loads of a request are reported finished only when every block
 has a result; a failed block is also reported through ``load_error_block_ids`` so vLLM recomputes
 it instead of reading garbage.
+
+Layer-by-layer loads (``LoadJob.layerwise``): vLLM has already scheduled the request in this step.
+The host copies are pinned in place (``TieredStore.acquire_host``) and one copier thread writes
+them layer after layer in forward order while the model runs; each attention layer waits only
+for its own layer (``wait_for_layer``). A block missing from host, or any copy error, goes to
+``load_error_block_ids``: vLLM then discards the step's output for that request and recomputes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentkv.tiers import TieredStore, TransferHandle
+import numpy as np
+
+from agentkv.tiers import HostRead, TieredStore, TransferHandle
 from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
 from agentkv_vllm.block_copy import BlockViews
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport, LoadJob, StoreJob
@@ -30,6 +44,29 @@ from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.worker")
 GiB = 1 << 30
+# A layer copy that takes this long is stuck (host memcpy runs at GB/s): stop waiting, recompute.
+LAYER_WAIT_TIMEOUT_S = 60.0
+
+
+def _copy(dest: Any, src: np.ndarray) -> None:
+    if isinstance(dest, np.ndarray):
+        np.copyto(dest, src)
+    else:  # a device tensor (CUDA)
+        import torch
+
+        dest.copy_(torch.from_numpy(src), non_blocking=False)
+
+
+@dataclass
+class _LayerwiseStep:
+    """This step's layer-by-layer loads: per layer, an event set once its segments are copied."""
+
+    events: dict[str, threading.Event]
+    future: Future[None]
+    block_ids: list[int]
+    nbytes: int
+    started: float
+    ref: str
 
 
 @dataclass
@@ -58,9 +95,13 @@ class WorkerSide:
     _report: AgentKVWorkerReport = field(default_factory=AgentKVWorkerReport)
     _report_dirty: bool = False
     _key_cache: dict[bytes, BlockKey] = field(default_factory=dict)
+    _layerwise: _LayerwiseStep | None = None
+    _copier: ThreadPoolExecutor | None = None
+    _layers: list[tuple[str, list[tuple[int, int, int]]]] = field(default_factory=list)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.views = BlockViews(kv_caches, self.num_blocks)
+        self._layers = self.views.layer_slices()
         self.fingerprint = ModelFingerprint(
             model_id=self.model_id,
             dtype=self.views.dtype,
@@ -138,7 +179,12 @@ class WorkerSide:
                 self._report_dirty = True
                 continue
             self._stores.append(_Pending(handle, now, len(keys) * self.views.block_bytes, job=job))
+        layerwise = [load for load in meta.loads if load.layerwise]
+        if layerwise:
+            self._start_layerwise(layerwise)
         for load in meta.loads:
+            if load.layerwise:
+                continue
             keys = [self.rank_key(b.key) for b in load.blocks]
             buffers = [self.views.segments(b.block_id) for b in load.blocks]
             try:
@@ -149,6 +195,82 @@ class WorkerSide:
                 self._recving_done.add(load.req_id)
                 continue
             self._loads.append(_Pending(handle, now, len(keys) * self.views.block_bytes, load=load))
+
+    def _start_layerwise(self, loads: list[LoadJob]) -> None:
+        assert self.store is not None and self.views is not None
+        self.finish_step()  # never two steps' copies at once
+        jobs: list[tuple[HostRead, list[Any], list[int]]] = []
+        block_ids: list[int] = []
+        for load in loads:
+            read = self.store.acquire_host([self.rank_key(b.key) for b in load.blocks])
+            ids = [b.block_id for b in load.blocks]
+            for i in read.missing:  # evicted since the scheduler looked: vLLM recomputes it
+                self._load_errors.add(ids[i])
+                self._report.missing_keys.add(load.blocks[i].key)
+                self._report_dirty = True
+            dests = [self.views.segments(bid) for bid in ids]
+            jobs.append((read, dests, ids))
+            block_ids += ids
+        events = {name: threading.Event() for name, _ in self._layers}
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
+        started = time.monotonic()
+        nbytes = sum(
+            self.views.block_bytes for read, _, _ in jobs for v in read.views if v is not None
+        )
+
+        def copy_layers() -> None:
+            try:
+                for name, segs in self._layers:
+                    for read, dests, _ in jobs:
+                        for view, dest in zip(read.views, dests, strict=True):
+                            if view is None:
+                                continue
+                            for index, offset, size in segs:
+                                _copy(dest[index], view[offset : offset + size])
+                    events[name].set()
+            except Exception:
+                log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
+                self._load_errors.update(block_ids)
+            finally:
+                for ev in events.values():
+                    ev.set()  # a failure must not leave the forward pass waiting
+                for read, _, _ in jobs:
+                    self.store.release_host(read)  # type: ignore[union-attr]
+
+        future = self._copier.submit(copy_layers)
+        self._layerwise = _LayerwiseStep(
+            events, future, block_ids, nbytes, started, f"layerwise-{loads[0].req_id}"
+        )
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block until this step's layerwise loads have copied ``layer_name``; must be fast."""
+        step = self._layerwise
+        if step is None:
+            return
+        event = step.events.get(layer_name)
+        if event is None:
+            # A layer we did not see at registration: wait for all of them to be safe.
+            step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
+            return
+        if not event.wait(LAYER_WAIT_TIMEOUT_S):
+            log.error("agentkv: layer %s not loaded in time; vLLM recomputes", layer_name)
+            self._load_errors.update(step.block_ids)
+
+    def finish_step(self) -> None:
+        """Wait for the step's layer copier (all layers were waited for already) and clear it."""
+        step, self._layerwise = self._layerwise, None
+        if step is None:
+            return
+        try:
+            step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
+        except Exception:
+            self._load_errors.update(step.block_ids)
+        self._report.transfers[("reload", "host", step.ref)] = (
+            step.nbytes,
+            time.monotonic() - step.started,
+        )
+        self._report_dirty = True
 
     def poll(self) -> set[str]:
         """Collect finished transfers; returns request ids whose loads are complete."""
@@ -218,5 +340,8 @@ class WorkerSide:
         return bool(self._stores or self._loads)
 
     def shutdown(self) -> None:
+        self.finish_step()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         if self.store is not None:
             self.store.close()

@@ -45,9 +45,14 @@ def test_turn_from_tier_matches_device_cache_exactly(
     server.chat(first, salt=f"ref-{tier}")
     ref = server.chat(second, salt=f"ref-{tier}")
 
+    layerwise_before = server.status()["counters"].get("layerwise_loads", 0)
     got = server.chat(second, trajectory=tid)
     stats = got["kv_transfer_params"]["agentkv"]
     assert stats["tier_hit_tokens"] > 0 and stats["tier"] == tier
+    # On CPU, host blocks come back layer by layer inside the prefill step (load_mode auto);
+    # disk blocks are verified whole, so they load before the request is scheduled.
+    layerwise = server.status()["counters"].get("layerwise_loads", 0) - layerwise_before
+    assert layerwise == (1 if tier == "host" else 0)
     assert (
         got["usage"]["prompt_tokens_details"]["cached_tokens"]
         == ref["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -337,3 +337,25 @@ def test_real_enospc_on_tiny_tmpfs(tmp_path: Path) -> None:
             assert present == {f"{r.key.hex()}.kvb" for r in results if r.ok}
             statuses, _ = load(s, [r.key for r in results if r.ok])
             assert set(statuses) == {OK}
+
+
+def test_acquire_host_pins_views_until_release(make) -> None:  # type: ignore[no-untyped-def]
+    s = make(2, None)
+    ks = keys(2)
+    assert store_all(s, ks) == [OK, OK]
+    read = s.acquire_host([ks[0], keys(1, "absent")[0], ks[1]])
+    assert read.missing == [1]
+    v0, v1 = read.views[0], read.views[2]
+    assert v0 is not None and v1 is not None
+    assert np.array_equal(v0, content(ks[0])) and np.array_equal(v1, content(ks[1]))
+    with pytest.raises(ValueError):
+        v0[0] = 1  # read-only: a reader must never write a tier
+    # Host is full and both blocks are pinned: a new store cannot evict them mid-read...
+    newcomer = keys(1, "new")
+    assert [r.status for r in s.submit_store(newcomer, [content(newcomer[0])]).result(10)] != [OK]
+    # ...and a drop of a pinned block keeps its bytes valid until the read is released.
+    s.drop([ks[0]])
+    assert np.array_equal(v0, content(ks[0]))
+    s.release_host(read)
+    assert s.tier_of(ks[0]) is None and s.tier_of(ks[1]) == "host"
+    assert store_all(s, newcomer) == [OK]  # the slots are reusable again

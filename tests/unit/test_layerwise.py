@@ -1,0 +1,91 @@
+"""Layer-by-layer loads on the worker side: forward order, per-layer waits, misses -> recompute.
+
+Real tensors (CPU KV layout) and a real TieredStore; only vLLM's forward pass is replaced by the
+test calling ``wait_for_layer`` per layer, as vLLM's attention layers do.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from agentkv_vllm.block_copy import BlockViews  # noqa: E402
+from agentkv_vllm.metadata import AgentKVStepMetadata, BlockTransfer, LoadJob, StoreJob  # noqa: E402
+from agentkv_vllm.settings import ConnectorSettings  # noqa: E402
+from agentkv_vllm.worker_side import WorkerSide  # noqa: E402
+
+NUM_BLOCKS, HEADS, BLOCK, DIM = 8, 2, 16, 128
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10, 11)]
+
+
+def _caches() -> dict[str, torch.Tensor]:
+    return {
+        name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, DIM, dtype=torch.bfloat16) for name in NAMES
+    }
+
+
+def test_layer_slices_follow_forward_order_and_cover_the_block() -> None:
+    views = BlockViews(_caches(), NUM_BLOCKS)
+    slices = views.layer_slices()
+    assert [name for name, _ in slices] == NAMES  # 2 before 10, unlike sorted()
+    spans = sorted((off, size) for _, segs in slices for _, off, size in segs)
+    assert spans[0][0] == 0 and sum(size for _, size in spans) == views.block_bytes
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans))
+
+
+def _worker() -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    caches = _caches()
+    w = WorkerSide(
+        settings=ConnectorSettings(host_capacity_gib=0.01, run_dir="/tmp"),
+        model_id="sim",
+        tp_rank=0,
+        tp_size=1,
+        num_blocks=NUM_BLOCKS,
+    )
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def test_layerwise_load_restores_blocks_exactly_and_reports_misses() -> None:
+    w, caches = _worker()
+    for i, name in enumerate(NAMES):  # distinct content in blocks 1 and 2 of every layer
+        caches[name][1] = i + 1
+        caches[name][2] = -(i + 1)
+    w.start_step(
+        AgentKVStepMetadata(
+            stores=[StoreJob(1, "host", [BlockTransfer(b"k1", 1), BlockTransfer(b"k2", 2)], "t")]
+        )
+    )
+    while w.busy:
+        w.poll()
+    assert w.take_report().stores_done == {1: 1}  # type: ignore[union-attr]
+    expected = {name: caches[name][1:3].clone() for name in NAMES}
+    for name in NAMES:
+        caches[name].zero_()
+
+    # Reload k1, k2 into blocks 5, 6, plus a key the host never had into block 7.
+    job = LoadJob(
+        "req",
+        [BlockTransfer(b"k1", 5), BlockTransfer(b"k2", 6), BlockTransfer(b"nope", 7)],
+        layerwise=True,
+    )
+    w.start_step(AgentKVStepMetadata(loads=[job]))
+    for name in NAMES:  # what the attention layers do, in forward order
+        w.wait_for_layer(name)
+        assert torch.equal(caches[name][5:7], expected[name])
+    w.finish_step()
+    assert w.load_error_block_ids() == {7}  # vLLM recomputes that one
+    report = w.take_report()
+    assert report is not None and b"nope" in report.missing_keys
+    [(kind, tier, _)] = list(report.transfers)
+    assert (kind, tier) == ("reload", "host")
+    assert w.poll() == set()  # a layerwise load is never reported as an async one
+    # The host copies were unpinned: they can be loaded again.
+    w.start_step(AgentKVStepMetadata(loads=[LoadJob("r2", [BlockTransfer(b"k1", 4)], True)]))
+    w.finish_step()
+    assert torch.equal(caches[NAMES[0]][4], expected[NAMES[0]][0])
+    w.shutdown()
