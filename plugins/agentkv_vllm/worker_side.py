@@ -199,28 +199,44 @@ class WorkerSide:
     def _start_layerwise(self, loads: list[LoadJob]) -> None:
         assert self.store is not None and self.views is not None
         self.finish_step()  # never two steps' copies at once
+        store = self.store
         jobs: list[tuple[HostRead, list[Any], list[int]]] = []
         block_ids: list[int] = []
+        # Blocks the host does not hold but disk does (a prefetch still in flight): read whole,
+        # checksummed, before the first layer is released.
+        from_disk: list[tuple[BlockKey, Any, int, bytes]] = []
         for load in loads:
-            read = self.store.acquire_host([self.rank_key(b.key) for b in load.blocks])
+            keys = [self.rank_key(b.key) for b in load.blocks]
+            read = store.acquire_host(keys)
             ids = [b.block_id for b in load.blocks]
-            for i in read.missing:  # evicted since the scheduler looked: vLLM recomputes it
-                self._load_errors.add(ids[i])
-                self._report.missing_keys.add(load.blocks[i].key)
-                self._report_dirty = True
             dests = [self.views.segments(bid) for bid in ids]
+            for i in read.missing:
+                if store.tier_of(keys[i]) == "disk":
+                    from_disk.append((keys[i], dests[i], ids[i], load.blocks[i].key))
+                else:  # evicted since the scheduler looked: vLLM recomputes it
+                    self._load_errors.add(ids[i])
+                    self._report.missing_keys.add(load.blocks[i].key)
+                    self._report_dirty = True
             jobs.append((read, dests, ids))
             block_ids += ids
         events = {name: threading.Event() for name, _ in self._layers}
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
         started = time.monotonic()
-        nbytes = sum(
-            self.views.block_bytes for read, _, _ in jobs for v in read.views if v is not None
+        nbytes = self.views.block_bytes * (
+            len(from_disk) + sum(v is not None for read, _, _ in jobs for v in read.views)
         )
 
         def copy_layers() -> None:
             try:
+                if from_disk:
+                    results = store.submit_load(
+                        [k for k, _, _, _ in from_disk], [d for _, d, _, _ in from_disk]
+                    ).result(timeout=LAYER_WAIT_TIMEOUT_S)
+                    for r, (_, _, bid, logical) in zip(results, from_disk, strict=True):
+                        if not r.ok:
+                            self._load_errors.add(bid)
+                            self._report.missing_keys.add(logical)
                 for name, segs in self._layers:
                     for read, dests, _ in jobs:
                         for view, dest in zip(read.views, dests, strict=True):
@@ -236,7 +252,7 @@ class WorkerSide:
                 for ev in events.values():
                     ev.set()  # a failure must not leave the forward pass waiting
                 for read, _, _ in jobs:
-                    self.store.release_host(read)  # type: ignore[union-attr]
+                    store.release_host(read)
 
         future = self._copier.submit(copy_layers)
         self._layerwise = _LayerwiseStep(

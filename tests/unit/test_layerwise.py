@@ -89,3 +89,33 @@ def test_layerwise_load_restores_blocks_exactly_and_reports_misses() -> None:
     w.finish_step()
     assert torch.equal(caches[NAMES[0]][4], expected[NAMES[0]][0])
     w.shutdown()
+
+
+def test_layerwise_reads_disk_only_blocks_whole_before_the_first_layer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    caches = _caches()
+    w = WorkerSide(
+        settings=ConnectorSettings(
+            host_capacity_gib=0.01, disk_dir=str(tmp_path), disk_capacity_gib=0.1, run_dir="/tmp"
+        ),
+        model_id="sim",
+        tp_rank=0,
+        tp_size=1,
+        num_blocks=NUM_BLOCKS,
+    )
+    w.register_kv_caches(caches)
+    for i, name in enumerate(NAMES):
+        caches[name][3] = 7 * (i + 1)
+    w.start_step(AgentKVStepMetadata(stores=[StoreJob(1, "disk", [BlockTransfer(b"d", 3)], "t")]))
+    while w.busy:
+        w.poll()
+    expected = {name: caches[name][3].clone() for name in NAMES}
+    for name in NAMES:
+        caches[name].zero_()
+    # The scheduler believed the block was in host (a prefetch was queued): it is still on disk.
+    w.start_step(AgentKVStepMetadata(loads=[LoadJob("r", [BlockTransfer(b"d", 6)], True)]))
+    for name in NAMES:
+        w.wait_for_layer(name)
+        assert torch.equal(caches[name][6], expected[name])
+    w.finish_step()
+    assert w.load_error_block_ids() == set()
+    w.shutdown()
