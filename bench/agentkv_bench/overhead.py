@@ -44,7 +44,7 @@ class OverheadSpec:
     max_concurrency: int = 4
     seed: int = 0
     num_warmups: int = 2
-    repeats: int = 3
+    repeats: int = 5
 
 
 def bench_serve_argv(
