@@ -16,11 +16,13 @@ the engine's state when a snapshot is taken, so they can never drift from it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+log = logging.getLogger("agentkv.metrics")
 MetricKind = Literal["counter", "gauge", "histogram"]
 
 # Transfers: one job is a trajectory's context, from one 128-token block (tens of KiB on small
@@ -276,7 +278,7 @@ class MetricsRecorder:
             series[key] = series.get(key, 0.0) + value
             bound = dict(zip(spec.labels, key, strict=True))
         if self.sink is not None:
-            self.sink.add(spec, value, bound)
+            self._to_sink(self.sink.add, spec, value, bound)
 
     def observe(self, spec: MetricSpec, value: float, **labels: str) -> None:
         """Record one observation in a histogram."""
@@ -293,7 +295,15 @@ class MetricsRecorder:
             hist.count += 1
             bound = dict(zip(spec.labels, key, strict=True))
         if self.sink is not None:
-            self.sink.observe(spec, value, bound)
+            self._to_sink(self.sink.observe, spec, value, bound)
+
+    @staticmethod
+    def _to_sink(call: Any, spec: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
+        # Events are recorded on the engine's hot path: an exporter fault must not reach it.
+        try:
+            call(spec, value, labels)
+        except Exception:
+            log.debug("agentkv: metrics sink failed for %s", spec.name, exc_info=True)
 
     def snapshot(
         self, gauges: Iterable[tuple[MetricSpec, Mapping[str, str], float]] = ()

@@ -276,8 +276,10 @@ class SchedulerSide:
             targets = block_ids[start : start + n]
             keys = info.load_keys[:n]
             if len(targets) != len(keys):
-                log.warning("agentkv: load plan mismatch for %s; not loading", request.request_id)
-                return
+                # vLLM already counts these tokens as external: send keys no tier holds, so every
+                # target block fails to load and vLLM recomputes it (never stale KV, never a hang).
+                log.warning("agentkv: load plan mismatch for %s; recomputing", request.request_id)
+                keys = [b""] * len(targets)
             self.pending_loads.append(
                 LoadJob(
                     request.request_id,

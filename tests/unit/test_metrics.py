@@ -81,6 +81,19 @@ def test_sink_sees_each_event_with_capped_labels() -> None:
     ]
 
 
+def test_a_failing_sink_never_reaches_the_caller() -> None:
+    class Broken:
+        def add(self, spec: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
+            raise RuntimeError("exporter down")
+
+        observe = add
+
+    rec = MetricsRecorder(Broken())
+    rec.add(m.DECISIONS, action="drop")  # must not raise: this runs in the engine's hooks
+    rec.observe(m.PREFIX_HIT_RATIO, 0.3)
+    assert counter_value(rec.snapshot(), "agentkv_decisions", action="drop") == 1
+
+
 def test_scrape_text_parses_and_carries_every_metric() -> None:
     rec = MetricsRecorder()
     rec.add(m.DECISIONS, action="offload_disk")
