@@ -4,7 +4,8 @@ Builds the embedded tiny model (offline), starts vLLM with the plugin on a free 
 (`agentkv.launch`, the same wiring as `agentkv serve`), then runs one
 trajectory: a short tool wait (the engine retains the KV), a long one (it offloads to host RAM),
 vLLM's cache is flushed (as memory pressure would), and the next turn comes back from the tier.
-Prints the cached tokens of each turn and the decisions with their numbers.
+Prints the cached tokens of each turn, the decisions with their numbers, and an excerpt of the
+server's /metrics.
 """
 
 from __future__ import annotations
@@ -147,6 +148,10 @@ def run(base: str) -> None:
     console.print(
         f"tiers: host {status['tiers']['host']['blocks']} blocks, decisions {status['decisions']}"
     )
+    # The same numbers as operators see them: Prometheus text on the server's own /metrics.
+    wanted = ("agentkv_decisions_total", "agentkv_bytes_held", "agentkv_reload_bytes_count")
+    lines = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith(wanted)]
+    console.print("/metrics (excerpt):\n  " + "\n  ".join(lines))
     c.delete("/agentkv/v1/trajectories/demo-1")
 
 
