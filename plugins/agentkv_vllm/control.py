@@ -96,13 +96,10 @@ class ControlClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         try:
-            await sock.send(json.dumps({"op": op, **fields}).encode())
+            await sock.send(_encode(op, fields))
             if not await sock.poll(self.timeout_ms, zmq.POLLIN):  # type: ignore[call-arg]
-                raise ControlUnavailable(
-                    f"agentkv engine control channel {self.endpoint} did not answer"
-                )
-            reply = json.loads(await sock.recv())
-            return int(reply["status"]), dict(reply["body"])
+                raise self._unavailable()
+            return _decode(await sock.recv())
         finally:
             sock.close(0)
 
@@ -115,12 +112,21 @@ class ControlClient:
         sock.connect(self.endpoint)
         timeout_ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
         try:
-            sock.send(json.dumps({"op": op, **fields}).encode())
+            sock.send(_encode(op, fields))
             if not sock.poll(timeout_ms, zmq.POLLIN):
-                raise ControlUnavailable(
-                    f"agentkv engine control channel {self.endpoint} did not answer"
-                )
-            reply = json.loads(sock.recv())
-            return int(reply["status"]), dict(reply["body"])
+                raise self._unavailable()
+            return _decode(sock.recv())
         finally:
             sock.close(0)
+
+    def _unavailable(self) -> ControlUnavailable:
+        return ControlUnavailable(f"agentkv engine control channel {self.endpoint} did not answer")
+
+
+def _encode(op: str, fields: dict[str, Any]) -> bytes:
+    return json.dumps({"op": op, **fields}).encode()
+
+
+def _decode(raw: bytes) -> tuple[int, dict[str, Any]]:
+    reply = json.loads(raw)
+    return int(reply["status"]), dict(reply["body"])

@@ -794,16 +794,17 @@ class SchedulerSide:
     def metrics_snapshot(self) -> Snapshot:
         return self.metrics.snapshot(self._gauges())
 
-    def _bytes_held(self) -> dict[str, int]:
-        host_blocks = self.index.count("host")
-        disk_blocks = self.index.count("disk")
-        pinned = sum(len(b.pinned_block_ids) for _, b in self.table.branches()) + sum(
+    def _pinned_blocks(self) -> int:
+        """Device blocks agentkv holds: pinned branches plus stores still reading their blocks."""
+        return sum(len(b.pinned_block_ids) for _, b in self.table.branches()) + sum(
             len(j.block_ids) for j in self.jobs.values()
         )
+
+    def _bytes_held(self) -> dict[str, int]:
         return {
-            "device_pinned": pinned * self.block_bytes_total,
-            "host": host_blocks * self.block_bytes_total,
-            "disk": disk_blocks * self.block_bytes_total,
+            "device_pinned": self._pinned_blocks() * self.block_bytes_total,
+            "host": self.index.count("host") * self.block_bytes_total,
+            "disk": self.index.count("disk") * self.block_bytes_total,
         }
 
     def close(self) -> None:
@@ -813,9 +814,7 @@ class SchedulerSide:
     def status(self) -> dict[str, Any]:
         host_blocks = self.index.count("host")
         disk_blocks = self.index.count("disk")
-        pinned = sum(len(b.pinned_block_ids) for _, b in self.table.branches()) + sum(
-            len(j.block_ids) for j in self.jobs.values()
-        )
+        pinned = self._pinned_blocks()
         total_blocks = (self.block_pool.num_gpu_blocks - 1) if self.block_pool is not None else 0
         return {
             "engine": {
@@ -846,11 +845,7 @@ class SchedulerSide:
                 },
                 "in_flight_blocks": len(self.inflight),
             },
-            "bytes_held": {
-                "device_pinned": pinned * self.block_bytes_total,
-                "host": host_blocks * self.block_bytes_total,
-                "disk": disk_blocks * self.block_bytes_total,
-            },
+            "bytes_held": self._bytes_held(),
             "trajectories": len(self.table),
             "trajectory_ids": [t.trajectory_id for t in self.table][:1000],
             "branches_by_state": self.table.count_by_state(),
