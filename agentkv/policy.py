@@ -126,6 +126,9 @@ class PolicyParams:
     """Reload finishes this long before the predicted p10 of the wait."""
     max_lease_s: float = 600.0
     """Upper bound on any lease, so a bad estimate cannot pin memory for hours."""
+    lease_margin_s: float = 0.0
+    """A lease lasts at least the predicted median wait plus this margin (a constant, so more
+    pressure still never lengthens a lease)."""
 
 
 DEFAULT_POLICY = PolicyParams()
@@ -183,6 +186,41 @@ def break_even_wait(
     """
     ratio = min(max(shadow_price_ratio(pressure, params.dram_to_hbm_price_ratio), 0.0), 0.99)
     return round_trip_s / (1.0 - ratio) + max(params.stall_tolerance_s, 0.0)
+
+
+def lease_seconds(t_star: float, p50: float, params: PolicyParams) -> float:
+    """How long a retained trajectory stays pinned: T* (ski rental), at least the median wait plus
+    ``lease_margin_s``, never more than ``max_lease_s``. Non-increasing in pressure (T* falls)."""
+    floor = p50 + max(params.lease_margin_s, 0.0) if math.isfinite(p50) else 0.0
+    return max(0.0, min(max(t_star, floor), max(params.max_lease_s, 0.0)))
+
+
+DEMOTION_ACTION: Action = "offload_host"
+"""What the engine does on its own to a retained trajectory whose lease ran out or that pool
+pressure pushes off the device: the cheapest move that frees device memory and keeps the KV."""
+
+
+def pressure_victims(
+    candidates: list[tuple[object, float, int]], excess_blocks: float
+) -> list[object]:
+    """Which retained trajectories one pressure event demotes.
+
+    ``candidates``: (handle, predicted return time, pinned blocks). Farthest predicted return
+    first (it would hold the memory longest), and only as many as cover ``excess_blocks``: one
+    spike demotes only what it needs. Contract: never raises; excess <= 0 demotes nothing.
+    """
+    out: list[object] = []
+    if not excess_blocks > 0:
+        return out
+    freed = 0
+    for handle, _, blocks in sorted(candidates, key=lambda c: -c[1]):
+        if blocks <= 0:
+            continue
+        out.append(handle)
+        freed += blocks
+        if freed >= excess_blocks:
+            break
+    return out
 
 
 def hold_cost(kv_bytes: float, wait_s: float) -> float:
@@ -468,7 +506,7 @@ def _decide(
         return build("retain", 0.0, None, 0.0, 0.0, 0.0, "nothing to move (0 bytes)")
 
     if estimate is not None and p50 < t_star:
-        lease = min(t_star, max(params.max_lease_s, 0.0))
+        lease = lease_seconds(t_star, p50, params)
         return build(
             "retain",
             lease,

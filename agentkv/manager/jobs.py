@@ -1,0 +1,109 @@
+"""What the manager asks the workers to do, and what the workers answer.
+
+Primitives:
+  BlockTransfer   one block: its tier key and the engine block id it is copied from or into
+  StoreJob        device -> tier ('host' | 'disk'); the device blocks stay pinned until done
+  LoadJob         tier -> device blocks the engine allocated for a request
+  MoveJob         tier -> tier: 'promote' (disk -> host, a prefetch) or 'demote' (host -> disk)
+  DropOp          forget keys in one tier or all tiers (synchronous on the worker, ordered
+                  before the step's other jobs so their slots are free for this step's stores)
+  StepPlan        one engine step's jobs, in the order a worker must start them
+  WorkerReport    per step, per rank: jobs finished (ranks count), jobs failed, keys a rank could
+                  not serve and why, transfer sizes and times; ``merge`` adds up ranks
+
+Plain dataclasses of builtins: the multiprocessing executor pickles them between processes.
+Every job has an id; a job is complete when every TP rank reported it, and failed when any did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+TierName = Literal["host", "disk"]
+MoveKind = Literal["promote", "demote"]
+KeyProblem = Literal["miss", "corrupt", "error"]
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    key: bytes
+    block_id: int
+
+
+@dataclass
+class StoreJob:
+    job_id: int
+    tier: TierName
+    blocks: list[BlockTransfer]
+    owner: str = ""
+
+
+@dataclass
+class LoadJob:
+    job_id: int
+    req_id: str
+    blocks: list[BlockTransfer]
+    # True: copied layer by layer during this step's forward (vLLM scheduled the request already);
+    # False: the request waits in WAITING_FOR_REMOTE_KVS until every rank reported it loaded.
+    layerwise: bool = False
+
+
+@dataclass
+class MoveJob:
+    job_id: int
+    kind: MoveKind
+    keys: list[bytes]
+
+
+@dataclass
+class DropOp:
+    keys: list[bytes]
+    tier: TierName | None = None  # None: every tier
+
+
+@dataclass
+class StepPlan:
+    drops: list[DropOp] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    moves: list[MoveJob] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.drops or self.stores or self.loads or self.moves)
+
+
+@dataclass
+class WorkerReport:
+    # job id -> number of ranks that finished it (ok or not)
+    jobs_done: dict[int, int] = field(default_factory=dict)
+    # jobs that failed on at least one rank
+    jobs_failed: set[int] = field(default_factory=set)
+    # keys a rank could not serve or write, with the reason (a corrupt file, a miss, an I/O error)
+    bad_keys: dict[bytes, KeyProblem] = field(default_factory=dict)
+    # rank -> pid of the worker process, sent once (shows the plugin loaded in every worker)
+    hello: dict[int, int] = field(default_factory=dict)
+    # (kind "offload"|"reload"|"promote"|"demote", tier, job ref) -> (bytes, seconds)
+    transfers: dict[tuple[str, str, str], tuple[int, float]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.jobs_done or self.jobs_failed or self.bad_keys or self.hello or self.transfers
+        )
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        """A new report with both ranks' contents; neither input is changed."""
+        out = WorkerReport(
+            jobs_done=dict(self.jobs_done),
+            jobs_failed=self.jobs_failed | other.jobs_failed,
+            bad_keys={**self.bad_keys, **other.bad_keys},
+            hello={**self.hello, **other.hello},
+            transfers=dict(self.transfers),
+        )
+        for job, n in other.jobs_done.items():
+            out.jobs_done[job] = out.jobs_done.get(job, 0) + n
+        # Ranks move their shards in parallel: bytes add up, the slowest rank sets the time.
+        for ref, (nbytes, seconds) in other.transfers.items():
+            b0, s0 = out.transfers.get(ref, (0, 0.0))
+            out.transfers[ref] = (b0 + nbytes, max(s0, seconds))
+        return out

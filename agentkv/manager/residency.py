@@ -1,0 +1,245 @@
+"""The residency index: which tier holds each KV block, who owns it, what is in flight. The only one.
+
+Primitives:
+  Entry                       one key: complete copies in host / disk, the tier being written,
+                              in-flight readers, owners (trajectory ids), last use
+  ResidencyIndex.usable(key)  'host' | 'disk' | None: a complete, readable copy exists
+  begin_write / end_write     two-phase: a store (or promote/demote) reserves its slot, then the
+                              copy becomes readable only when every rank reported it written
+  begin_read / end_read       loads and moves in flight pin the key: never evicted or dropped
+                              mid-copy (a drop while pinned is deferred)
+  own / disown                ownership by reference, in flight included; disown returns the keys
+                              no one owns any more (the caller drops them)
+  victims(tier, n)            eviction order: least recently used, unowned first, idle keys only
+  remove_copy                 a tier no longer holds the key (evicted, corrupt, missing)
+  count(tier), reserved(tier) O(1) per-tier counts (read on every pause and scrape)
+
+Pure bookkeeping under the manager's lock. The tier stores execute what the manager decides from
+this index; they never evict on their own, so index and stores cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from agentkv.manager.jobs import TierName
+
+TIERS: tuple[TierName, ...] = ("host", "disk")
+
+
+@dataclass
+class Entry:
+    host: bool = False
+    disk: bool = False
+    writing: set[TierName] = field(default_factory=set)
+    readers: int = 0
+    owners: set[str] = field(default_factory=set)
+    doomed: bool = False  # unowned while busy: dropped once idle
+
+    def has(self, tier: TierName) -> bool:
+        return self.host if tier == "host" else self.disk
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.writing) or self.readers > 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.host or self.disk or self.writing)
+
+
+class ResidencyIndex:
+    def __init__(self, capacity_blocks: dict[TierName, int]) -> None:
+        self.capacity = dict(capacity_blocks)
+        self._entries: dict[bytes, Entry] = {}
+        # per tier: keys with a complete copy, least recently used first
+        self._lru: dict[TierName, OrderedDict[bytes, None]] = {t: OrderedDict() for t in TIERS}
+        self._writing: dict[TierName, int] = {t: 0 for t in TIERS}
+        self._doomed_idle: list[bytes] = []
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._entries))
+
+    def get(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    def usable(self, key: bytes) -> TierName | None:
+        """The fastest tier with a complete copy, or None. Doomed keys are not usable."""
+        e = self._entries.get(key)
+        if e is None or e.doomed:
+            return None
+        if e.host:
+            return "host"
+        if e.disk:
+            return "disk"
+        return None
+
+    def count(self, tier: TierName) -> int:
+        """Complete copies in ``tier``."""
+        return len(self._lru[tier])
+
+    def reserved(self, tier: TierName) -> int:
+        """Slots in ``tier`` taken: complete copies plus writes in flight."""
+        return len(self._lru[tier]) + self._writing[tier]
+
+    def free(self, tier: TierName) -> int:
+        return max(0, self.capacity.get(tier, 0) - self.reserved(tier))
+
+    def owners(self, key: bytes) -> frozenset[str]:
+        e = self._entries.get(key)
+        return frozenset(e.owners) if e is not None else frozenset()
+
+    # ------------------------------------------------------------------ writes
+
+    def begin_write(self, key: bytes, tier: TierName, owner: str | None) -> None:
+        """Reserve a slot in ``tier`` for a copy of ``key`` (the caller made room)."""
+        e = self._entries.setdefault(key, Entry())
+        if tier in e.writing or e.has(tier):
+            raise ValueError(f"{tier} already holds or is writing this key")
+        e.writing.add(tier)
+        self._writing[tier] += 1
+        e.doomed = False
+        if owner:
+            e.owners.add(owner)
+
+    def end_write(self, key: bytes, tier: TierName, ok: bool) -> None:
+        """The write finished on every rank (``ok``) or failed on one (the slot is released)."""
+        e = self._entries.get(key)
+        if e is None or tier not in e.writing:
+            return
+        e.writing.discard(tier)
+        self._writing[tier] -= 1
+        if ok:
+            self._set_copy(key, e, tier, True)
+        self._gc(key, e)
+
+    def touch(self, key: bytes) -> None:
+        e = self._entries.get(key)
+        if e is None:
+            return
+        for tier in TIERS:
+            if e.has(tier):
+                self._lru[tier].move_to_end(key)
+
+    # ------------------------------------------------------------------ reads
+
+    def begin_read(self, key: bytes) -> None:
+        self._entries[key].readers += 1
+
+    def end_read(self, key: bytes) -> None:
+        e = self._entries.get(key)
+        if e is None:
+            return
+        e.readers = max(0, e.readers - 1)
+        self._gc(key, e)
+
+    # ------------------------------------------------------------------ ownership
+
+    def own(self, key: bytes, owner: str) -> bool:
+        """Add ``owner`` to an indexed key; False when the key is not indexed."""
+        e = self._entries.get(key)
+        if e is None or e.doomed:
+            return False
+        e.owners.add(owner)
+        return True
+
+    def disown(self, keys: Iterable[bytes], owner: str) -> list[bytes]:
+        """Remove ``owner`` from ``keys``; returns idle keys now unowned (to drop everywhere).
+        Busy unowned keys are doomed: they are returned by a later ``end_read``/``end_write``
+        through ``take_doomed``."""
+        out = []
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or owner not in e.owners:
+                continue
+            e.owners.discard(owner)
+            if e.owners:
+                continue
+            if e.busy:
+                e.doomed = True
+            else:
+                self._remove(key, e)
+                out.append(key)
+        return out
+
+    # ------------------------------------------------------------------ eviction and removal
+
+    def victims(self, tier: TierName, n: int) -> list[bytes]:
+        """Up to ``n`` idle keys with a complete copy in ``tier``, least recently used first."""
+        out: list[bytes] = []
+        if n <= 0:
+            return out
+        for key in self._lru[tier]:
+            e = self._entries[key]
+            if not e.busy:
+                out.append(key)
+                if len(out) >= n:
+                    break
+        return out
+
+    def remove_copy(self, key: bytes, tier: TierName | None) -> None:
+        """``tier`` (None: every tier) no longer holds a complete copy of ``key``."""
+        e = self._entries.get(key)
+        if e is None:
+            return
+        for t in TIERS if tier is None else (tier,):
+            self._set_copy(key, e, t, False)
+        self._gc(key, e)
+
+    def forget(self, key: bytes) -> None:
+        """Remove ``key`` entirely (caller made sure nothing is in flight)."""
+        e = self._entries.get(key)
+        if e is not None:
+            self._remove(key, e)
+
+    def take_doomed(self) -> list[bytes]:
+        """Doomed keys that became idle since the last call: removed from the index already,
+        the caller drops them from every tier."""
+        out, self._doomed_idle = self._doomed_idle, []
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _set_copy(self, key: bytes, e: Entry, tier: TierName, present: bool) -> None:
+        if e.has(tier) == present:
+            if present:
+                self._lru[tier].move_to_end(key)
+            return
+        if tier == "host":
+            e.host = present
+        else:
+            e.disk = present
+        if present:
+            self._lru[tier][key] = None
+        else:
+            self._lru[tier].pop(key, None)
+
+    def _gc(self, key: bytes, e: Entry) -> None:
+        if e.busy:
+            return
+        if e.doomed:
+            self._remove(key, e)
+            self._doomed_idle.append(key)
+        elif e.empty:
+            self._remove(key, e)
+
+    def _remove(self, key: bytes, e: Entry) -> None:
+        for tier in TIERS:
+            self._lru[tier].pop(key, None)
+        self._writing_release(e)
+        self._entries.pop(key, None)
+
+    def _writing_release(self, e: Entry) -> None:
+        for tier in e.writing:
+            self._writing[tier] -= 1
+        e.writing.clear()
