@@ -2,7 +2,8 @@
 
 AgentKVError
 ├── ConfigError          a config file, CLI option or request parameter is invalid
-│   └── UnsupportedModelError   a model geometry that cannot be sized (names the missing field)
+│   ├── UnsupportedModelError   a model geometry that cannot be sized (names the missing field)
+│   └── InvalidIdError          a trajectory id or branch outside the id grammar (agentkv.ids)
 ├── TierError            a block store failed; callers fall back (recompute), never crash
 │   ├── TierFullError        no room even after eviction
 │   └── CorruptBlockError    checksum, header or length mismatch: treated as a miss

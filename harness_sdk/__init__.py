@@ -9,6 +9,7 @@ Primitives:
   Telemetry                     OTel spans and metrics (no-op unless an SDK is configured)
   HarnessError and its tree     see ``harness_sdk.errors``
 
+Trajectory ids and branch names follow ``agentkv.ids`` (checked before any request is sent).
 Never imports vllm. Talks to any OpenAI-compatible server over httpx and uses the agentkv
 routes (pause/resume/close) only when the server has them.
 """
@@ -33,8 +34,10 @@ from harness_sdk.errors import (
     HarnessError,
     HarnessWarning,
     HTTPStatusError,
+    InvalidIdError,
     LayoutError,
     NotFoundError,
+    PauseNotAppliedWarning,
     RateLimitError,
     ServerError,
     StableZoneChangedWarning,
@@ -72,11 +75,13 @@ __all__ = [
     "HTTPStatusError",
     "HarnessError",
     "HarnessWarning",
+    "InvalidIdError",
     "LayoutError",
     "LintFinding",
     "NotFoundError",
     "OpenAIAdapter",
     "ParsedTurn",
+    "PauseNotAppliedWarning",
     "RateLimitError",
     "RenderedContext",
     "ServerError",

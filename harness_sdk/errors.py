@@ -2,7 +2,9 @@
 
 HarnessError
 ├── ConfigError            a constructor argument is invalid (also a ValueError)
-│   └── LayoutError        a zone or context operation is invalid
+│   ├── LayoutError        a zone or context operation is invalid
+│   └── InvalidIdError     a trajectory id or branch outside the id grammar of ``agentkv.ids``
+│                          (also ``agentkv.ids.InvalidIdError``)
 ├── TrajectoryClosedError  the trajectory or branch was closed, pruned or joined
 ├── TransportError         the server could not be reached (wraps httpx.TransportError)
 │   └── TimeoutError_      the request timed out (also the builtin TimeoutError)
@@ -16,12 +18,16 @@ HarnessError
 HarnessWarning (UserWarning)
 ├── StableZoneChangedWarning   a stable zone (system, tools, memory) changed between turns
 ├── VolatileContentWarning     volatile data (timestamp, UUID, request id) in a stable zone
-└── DegradedWarning            the server lacks the agentkv routes; pause/resume are skipped
+├── DegradedWarning            the server lacks the agentkv routes; pause/resume are skipped
+└── PauseNotAppliedWarning     the engine answered a pause with ``applied: false`` (once per
+                               trajectory)
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from agentkv import ids as _ids
 
 
 class HarnessError(Exception):
@@ -34,6 +40,11 @@ class ConfigError(HarnessError, ValueError):
 
 class LayoutError(ConfigError):
     """A zone or context operation is invalid (unknown zone, bad message, bad fork count)."""
+
+
+class InvalidIdError(ConfigError, _ids.InvalidIdError):
+    """A trajectory id or branch name is outside the id grammar (``agentkv.ids``): it would be
+    rejected by the server's params and could not be used in the agentkv routes."""
 
 
 class TrajectoryClosedError(HarnessError):
@@ -113,3 +124,9 @@ class VolatileContentWarning(HarnessWarning):
 
 class DegradedWarning(HarnessWarning):
     """The server has no agentkv routes: pause/resume/close are skipped, turns still work."""
+
+
+class PauseNotAppliedWarning(HarnessWarning):
+    """The engine answered a pause with ``applied: false``: its decision did not take effect
+    (yet); the reply's ``state`` says where the trajectory's branch was. Warned once per
+    trajectory."""

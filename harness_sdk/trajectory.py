@@ -14,7 +14,11 @@ Primitives:
 
 The server's agentkv routes are used when it has them; on a server without them (plain vLLM,
 a hosted API: 404/405/503 on ``/agentkv/v1``) pause/resume/close are skipped with one
-DegradedWarning and turns keep working.
+DegradedWarning and turns keep working. A pause the engine answers with ``applied: false`` is
+reported with one PauseNotAppliedWarning per trajectory.
+
+Trajectory ids and branch names follow ``agentkv.ids`` (the grammar the server's params and
+routes use); one outside it raises InvalidIdError at construction or fork, before any request.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import asyncio
 import contextlib
 import json as jsonlib
 import logging
-import re
 import time
 import uuid
 import warnings
@@ -35,12 +38,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from agentkv import ids as _ids
 from harness_sdk.adapters import Adapter, AgentKVAdapter, CacheUsage
 from harness_sdk.errors import (
     AuthenticationError,
     ConfigError,
     DegradedWarning,
+    InvalidIdError,
     LayoutError,
+    PauseNotAppliedWarning,
     StableZoneChangedWarning,
     TimeoutError_,
     TrajectoryClosedError,
@@ -59,7 +65,14 @@ from harness_sdk.zones import (
 )
 
 log = logging.getLogger("harness_sdk")
-ID_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,256}$")
+
+
+def _check_id(value: object, what: str) -> str:
+    """``value`` when it is in the id grammar of ``agentkv.ids``, else InvalidIdError."""
+    try:
+        return _ids.validate_id(value, what)
+    except _ids.InvalidIdError as exc:
+        raise InvalidIdError(str(exc)) from None
 
 
 @dataclass
@@ -128,6 +141,7 @@ class _Shared:
         self.routes: bool | None = None if adapter.supports_control else False
         self.closed = False
         self.seen_lint: set[LintFinding] = set()
+        self.warned_pause_not_applied = False
         parts = urlsplit(base_url)
         self.server = (parts.hostname or "", parts.port)
 
@@ -209,6 +223,28 @@ class _Shared:
                 stacklevel=4,
             )
             log.warning("harness_sdk: agentkv routes unavailable (%s)", why)
+
+    def check_pause_reply(self, branch: str, reply: dict[str, Any] | None) -> None:
+        """Warn (once per trajectory) when the engine did not apply a pause decision."""
+        if reply is None or reply.get("applied") is not False or self.warned_pause_not_applied:
+            return
+        self.warned_pause_not_applied = True
+        decision = reply.get("decision")
+        action = decision.get("action") if isinstance(decision, dict) else None
+        why = ", ".join(
+            f"{key}={reply[key]!r}"
+            for key in ("state", "reason", "detail")
+            if reply.get(key) is not None
+        )
+        msg = (
+            f"the engine did not apply the pause decision"
+            f"{f' ({action})' if action else ''} for trajectory {self.trajectory_id!r} "
+            f"branch {reply.get('branch') or branch!r}"
+            f"{f' ({why})' if why else ''}: the KV is not (yet) where the decision puts it; "
+            "see server_state(). Warned once per trajectory"
+        )
+        warnings.warn(msg, PauseNotAppliedWarning, stacklevel=3)
+        log.warning("harness_sdk: %s", msg)
 
     async def control(
         self, method: str, path: str, json: Any = None, *, quiet: bool = True
@@ -330,6 +366,7 @@ class ToolWait:
         except BaseException as exc:
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
+        shared.check_pause_reply(self.traj.branch, self.pause_response)
         if self.decision is not None:
             span.set_attribute(ATTR_PAUSE_ACTION, str(self.decision.get("action")))
             span.set_attribute(
@@ -389,10 +426,11 @@ class Trajectory:
         tracer_provider: Any = None,
         meter_provider: Any = None,
     ) -> None:
-        tid = trajectory_id or f"traj-{uuid.uuid4().hex[:16]}"
-        for what, value in (("trajectory_id", tid), ("branch", branch)):
-            if not ID_RE.match(value):
-                raise ConfigError(f"{what} {value!r} must match {ID_RE.pattern}")
+        tid = _check_id(
+            trajectory_id if trajectory_id is not None else f"traj-{uuid.uuid4().hex[:16]}",
+            "trajectory_id",
+        )
+        branch = _check_id(branch, "branch")
         if not model:
             raise ConfigError("model is required")
         self._shared = _Shared(
@@ -617,8 +655,7 @@ class Trajectory:
                     "_last_reply": self._last_reply,
                 }
             )
-            if not ID_RE.match(child.branch):
-                raise ConfigError(f"branch name {child.branch!r} is too long")
+            _check_id(child.branch, "branch")  # the grammar's length limit
             out.append(child)
         self.children.extend(out)
         return out

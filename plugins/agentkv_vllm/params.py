@@ -2,20 +2,41 @@
 
 Primitives:
   AgentKVParams      validated params (trajectory_id, branch, zones)
+  TrajectoryIdStr, BranchStr   pydantic string types in the id grammar of ``agentkv.ids``
   parse_request_params(raw) -> ParseResult: params or None plus a warning; never raises
 
 Malformed params never fail a request: the request is served like vanilla vLLM and one warning
-is logged, because a bad client field must not cost the user their answer.
+is logged, because a bad client field must not cost the user their answer. Trajectory ids and
+branch names follow ``agentkv.ids`` (no ``/``, so every accepted id is usable in the routes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
-MAX_ID_LEN = 256
+from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
+
+
+def _id_check(what: str) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        try:
+            return validate_id(value, what)
+        except InvalidIdError as exc:
+            raise PydanticCustomError("invalid_id", "{reason}", {"reason": str(exc)}) from None
+
+    return check
+
+
+_ID_SCHEMA = {"pattern": ID_PATTERN, "minLength": 1, "maxLength": MAX_ID_LEN}
+TrajectoryIdStr = Annotated[
+    str, AfterValidator(_id_check("trajectory_id")), Field(json_schema_extra=_ID_SCHEMA)
+]
+BranchStr = Annotated[str, AfterValidator(_id_check("branch")), Field(json_schema_extra=_ID_SCHEMA)]
 
 
 class Zone(BaseModel):
@@ -29,10 +50,8 @@ class Zone(BaseModel):
 
 class AgentKVParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    trajectory_id: str = Field(min_length=1, max_length=MAX_ID_LEN, pattern=r"^[A-Za-z0-9._:@/-]+$")
-    branch: str = Field(
-        default="main", min_length=1, max_length=MAX_ID_LEN, pattern=r"^[A-Za-z0-9._:@/-]+$"
-    )
+    trajectory_id: TrajectoryIdStr
+    branch: BranchStr = "main"
     zones: list[Zone] = Field(default_factory=list, max_length=32)
     tool: str | None = Field(default=None, max_length=128)
 

@@ -13,6 +13,13 @@ vLLM's auth middleware only guards ``/v1``-style prefixes, so these routes check
 (or ``VLLM_API_KEY``) themselves. They reach the scheduler-side connector over the connector's
 local control channel, never through engine internals; after a change they nudge the engine
 with a public, cheap engine-client call so queued transfers start even when it is idle.
+
+Trajectory ids and branch names follow ``agentkv.ids``, the grammar the request params use too.
+It has no ``/`` precisely so that every id a request accepts is routable: a ``/`` would split
+the path segment (Starlette decodes ``%2F`` before routing too), so the route would answer 404
+from routing, before any handler runs. An id outside the grammar that does reach a handler (a
+space, 257 characters, non-ASCII) gets 422 naming the field, like an invalid body. The handlers
+validate ids and bodies themselves because vLLM turns FastAPI's validation errors into 400s.
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
 from agentkv_vllm.control import ControlClient, ControlUnavailable
+from agentkv_vllm.params import BranchStr
 from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.routes")
-ID_PATTERN = r"^[A-Za-z0-9._:@/-]{1,256}$"
 
 
 class PauseBody(BaseModel):
@@ -47,12 +55,12 @@ class PauseBody(BaseModel):
         allow_inf_nan=False,
         description="The harness's own estimate of the wait.",
     )
-    branch: str = Field(default="main", pattern=ID_PATTERN)
+    branch: BranchStr = "main"
 
 
 class ResumeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    branch: str = Field(default="main", pattern=ID_PATTERN)
+    branch: BranchStr = "main"
 
 
 class _State:
@@ -88,9 +96,12 @@ def _check_api_key(request: Request) -> None:
 
 
 router = APIRouter(prefix="/agentkv/v1", tags=["agentkv"], dependencies=[Depends(_check_api_key)])
+# No ``pattern=`` here: FastAPI's own check would fail as a RequestValidationError, which vLLM
+# answers with 400; the handlers call _check_id instead (422). The schema still shows the grammar.
 TrajectoryId = Path(
-    pattern=ID_PATTERN,
-    description="Trajectory id, as sent in kv_transfer_params.agentkv.trajectory_id",
+    description="Trajectory id, as sent in kv_transfer_params.agentkv.trajectory_id "
+    "(the grammar of agentkv.ids)",
+    json_schema_extra={"pattern": ID_PATTERN, "minLength": 1, "maxLength": MAX_ID_LEN},
 )
 
 
@@ -116,6 +127,25 @@ async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
 M = TypeVar("M", bound=BaseModel)
 
 
+def _invalid(errors: list[dict[str, Any]]) -> JSONResponse:
+    """422 ``{"detail": "invalid <where>: <msg>", "errors": [{loc, msg, type}, ...]}``."""
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"]) or "body"
+    return JSONResponse(
+        status_code=422,
+        content={"detail": f"invalid {where}: {first['msg']}", "errors": errors},
+    )
+
+
+def _check_id(trajectory_id: str) -> JSONResponse | None:
+    """None when the path's trajectory id is in the id grammar, else the 422 naming it."""
+    try:
+        validate_id(trajectory_id, "trajectory_id")
+    except InvalidIdError as exc:
+        return _invalid([{"loc": ["path", "trajectory_id"], "msg": str(exc), "type": "invalid_id"}])
+    return None
+
+
 async def _parse(request: Request, model: type[M], optional: bool = False) -> M | JSONResponse:
     """Validate the JSON body ourselves: vLLM turns FastAPI's validation errors into 400s, and
     this API promises 422 with the failing field named."""
@@ -125,15 +155,11 @@ async def _parse(request: Request, model: type[M], optional: bool = False) -> M 
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
-            for e in exc.errors()
-        ]
-        first = errors[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        return JSONResponse(
-            status_code=422,
-            content={"detail": f"invalid {where}: {first['msg']}", "errors": errors},
+        return _invalid(
+            [
+                {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
+                for e in exc.errors()
+            ]
         )
 
 
@@ -152,6 +178,8 @@ def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     openapi_extra=_body_schema(PauseBody),
 )
 async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
+    if bad := _check_id(trajectory_id):
+        return bad
     body = await _parse(request, PauseBody)
     if isinstance(body, JSONResponse):
         return body
@@ -164,6 +192,8 @@ async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResp
     openapi_extra=_body_schema(ResumeBody),
 )
 async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
+    if bad := _check_id(trajectory_id):
+        return bad
     body = await _parse(request, ResumeBody, optional=True)
     if isinstance(body, JSONResponse):
         return body
@@ -172,6 +202,8 @@ async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONRes
 
 @router.delete("/trajectories/{trajectory_id}", summary="End a trajectory and release all it holds")
 async def end(trajectory_id: str = TrajectoryId) -> JSONResponse:
+    if bad := _check_id(trajectory_id):
+        return bad
     return await _call("end", nudge=True, trajectory_id=trajectory_id)
 
 
@@ -180,6 +212,8 @@ async def end(trajectory_id: str = TrajectoryId) -> JSONResponse:
     summary="State, tier residency and prefix stats of a trajectory",
 )
 async def get(trajectory_id: str = TrajectoryId) -> JSONResponse:
+    if bad := _check_id(trajectory_id):
+        return bad
     return await _call("get", nudge=True, trajectory_id=trajectory_id)
 
 

@@ -39,3 +39,31 @@ def test_valid_params() -> None:
 def test_malformed_params_warn_and_never_raise(raw: object) -> None:
     r = parse_request_params(raw)
     assert r.params is None and r.warning
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"trajectory_id": "team/run-1"}, "trajectory_id"),
+        ({"trajectory_id": "t1", "branch": "main/retry"}, "branch"),
+        ({"trajectory_id": ".."}, "trajectory_id"),
+        ({"trajectory_id": "t1", "branch": ""}, "branch"),
+    ],
+)
+def test_unroutable_ids_are_served_vanilla_with_one_warning(
+    body: dict[str, object], field: str
+) -> None:
+    """The params accept exactly the ids the routes can serve (agentkv.ids): an id with ``/``
+    would be pinned but could never be paused, so the request is served as vanilla."""
+    r = parse_request_params({"agentkv": body})
+    assert r.params is None
+    assert r.warning is not None and f"agentkv.{field}:" in r.warning
+    assert "not allowed" in r.warning or "'.' or '..'" in r.warning or "empty" in r.warning
+
+
+def test_params_follow_the_shared_grammar() -> None:
+    from agentkv.ids import is_valid_id
+
+    for value in ["a@b:c.d_e-f", "...", "a/b", "a b", "é", "x" * 257]:
+        r = parse_request_params({"agentkv": {"trajectory_id": value, "branch": value}})
+        assert (r.params is not None) == is_valid_id(value), value

@@ -19,9 +19,12 @@ from opentelemetry.trace import StatusCode
 
 from harness_sdk import (
     AuthenticationError,
+    ConfigError,
     DegradedWarning,
+    InvalidIdError,
     LayoutError,
     NotFoundError,
+    PauseNotAppliedWarning,
     StableZoneChangedWarning,
     SyncTrajectory,
     Trajectory,
@@ -40,6 +43,8 @@ class FakeServer:
         self.calls: list[tuple[str, str, Any]] = []
         self.turns: dict[str, int] = {}
         self.fail_next_chat: int | None = None
+        self.pause_applied = True
+        self.pause_state = "retained"
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body: Any = json.loads(request.content) if request.content else {}
@@ -101,8 +106,8 @@ class FakeServer:
                 json={
                     "trajectory_id": tid,
                     "branch": body["branch"],
-                    "applied": True,
-                    "state": "retained",
+                    "applied": self.pause_applied,
+                    "state": self.pause_state,
                     "decision": {"action": "retain", "lease_s": 30.0},
                     "wait_estimate": {"p50": 1.0},
                 },
@@ -503,3 +508,84 @@ async def test_streamed_turn_error_maps_to_exception_tree() -> None:
     traj = Trajectory("http://127.0.0.1:8000", "nope", http_client=client)
     with pytest.raises(NotFoundError):
         await traj.complete("go", stream=True)
+
+
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"trajectory_id": "team/run-1"}, "trajectory_id 'team/run-1' has the character '/'"),
+        ({"trajectory_id": ""}, "trajectory_id '' must not be empty"),
+        ({"trajectory_id": "t\n"}, "'\\\\n'"),
+        ({"trajectory_id": "x" * 257}, "257 characters"),
+        ({"trajectory_id": "tr\u00e9"}, "position 2"),
+        ({"branch": "main/retry"}, "branch 'main/retry' has the character '/'"),
+        ({"branch": ".."}, "'.' or '..'"),
+    ],
+)
+async def test_invalid_ids_raise_before_any_request(kw: dict[str, Any], named: str) -> None:
+    """The SDK uses the server's grammar (agentkv.ids): an id the routes could not serve is
+    refused at construction, not discovered as a 404 that reads like 'no agentkv routes'."""
+    server = FakeServer()
+    client = httpx.AsyncClient(transport=httpx.MockTransport(server))
+    with pytest.raises(InvalidIdError, match=named) as info:
+        Trajectory("http://127.0.0.1:8000", "tiny", http_client=client, **kw)
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, ValueError)
+    from agentkv.ids import InvalidIdError as CoreInvalidIdError
+
+    assert isinstance(info.value, CoreInvalidIdError)
+    assert server.calls == []
+    await client.aclose()
+
+
+async def test_fork_names_stay_in_the_grammar() -> None:
+    server = FakeServer()
+    traj = make(server, branch="b" * 255)
+    with pytest.raises(InvalidIdError, match="257 characters"):
+        traj.fork(1)  # "bbb...b.1" is 257 characters
+    assert server.calls == []
+    await traj.close()
+
+
+async def test_pause_not_applied_warns_once_per_trajectory(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = FakeServer()
+    server.pause_applied, server.pause_state = False, "active"
+    traj = make(server)
+    await traj.complete("hi")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        async with traj.tool("pytest", expected_s=1) as first:
+            pass
+        async with traj.tool("pytest", expected_s=1):
+            pass
+        (child,) = traj.fork(1)
+        async with child.tool("grep"):  # another branch of the same trajectory
+            pass
+    not_applied = [w for w in seen if issubclass(w.category, PauseNotAppliedWarning)]
+    assert len(not_applied) == 1, [str(w.message) for w in seen]
+    msg = str(not_applied[0].message)
+    assert "did not apply the pause decision (retain)" in msg
+    assert "'t-1'" in msg and "state='active'" in msg
+    assert sum("did not apply" in r.getMessage() for r in caplog.records) == 1
+    assert first.pause_response is not None and first.pause_response["applied"] is False
+    assert server.paths().count("/agentkv/v1/trajectories/t-1/pause") == 3  # still paused
+    await traj.close()
+    # a second trajectory warns again: once per trajectory, not once per process
+    other = make(server)
+    await other.complete("hi")
+    with pytest.warns(PauseNotAppliedWarning):
+        async with other.tool("pytest"):
+            pass
+    await other.close()
+
+
+async def test_applied_pause_does_not_warn() -> None:
+    server = FakeServer()
+    traj = make(server)
+    await traj.complete("hi")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PauseNotAppliedWarning)
+        async with traj.tool("pytest", expected_s=1):
+            pass
+    await traj.close()
