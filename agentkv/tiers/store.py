@@ -10,11 +10,15 @@ Primitives:
                                the model runs), then unpin. Must be paired.
     TieredStore.promote        disk -> host (prefetch before a tool returns).
     TieredStore.demote         host -> disk (a long pause; frees host slots).
+    TieredStore.copy_to_disk   host -> disk, keeping the host copy (its owner frees it by drop).
     TransferHandle             ``done()`` polls without blocking; ``result()`` waits and returns one
-                               BlockResult per key, in order.
+                               BlockResult per key, in order; ``cancel()`` (loads) fences: once
+                               it returns, nothing more is written into the caller's buffers.
     BlockResult                ok / miss / error for one block, the tier involved, and the error.
     lookup_prefix, tier_of     residency queries: cheap, never wait on I/O.
-    set_lease, drop, drop_owner, stats, close.
+    set_lease, drop (all tiers or one), drop_owner, stats, close.
+    ``auto_evict=False``: the store never evicts on its own (a full tier fails the block with
+    TierFullError); the caller that owns the residency index decides what leaves.
 
 Invariants:
     - A block in flight is pinned in the tier it is read from, so eviction never frees it mid-copy;
@@ -84,8 +88,35 @@ class TransferHandle:
         self._remaining = len(self.keys)
         self._lock = threading.Lock()
         self._finished = threading.Event()
+        self._cancelled = False
+        self._writers = 0
+        self._fence = threading.Condition()
         if not self.keys:
             self._finished.set()
+
+    def cancel(self) -> None:
+        """Stop writing into the caller's buffers: blocks not started yet complete as errors, and
+        this returns only after blocks being written right now are done. Idempotent."""
+        with self._fence:
+            self._cancelled = True
+            while self._writers:
+                self._fence.wait()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def _enter(self) -> bool:
+        with self._fence:
+            if self._cancelled:
+                return False
+            self._writers += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._fence:
+            self._writers -= 1
+            self._fence.notify_all()
 
     def done(self) -> bool:
         """Return True when every block has a result. Must not block."""
@@ -187,6 +218,7 @@ class TieredStore:
         pin_memory: bool | None = None,
         direct_io: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        auto_evict: bool = True,
     ) -> None:
         """Allocate the host arena and, with ``disk_dir``, rebuild the disk index from its files.
 
@@ -199,6 +231,7 @@ class TieredStore:
             raise ConfigError("workers must be at least 1")
         self.block_bytes = block_bytes
         self._clock = clock
+        self._auto_evict = auto_evict
         self._lock = threading.Lock()
         self._blocks: dict[BlockKey, _Block] = {}
         self._owned: dict[str, set[BlockKey]] = {}
@@ -290,8 +323,9 @@ class TieredStore:
                 if block is not None:
                     block.lease_until = until_monotonic
 
-    def drop(self, keys: Iterable[BlockKey]) -> int:
-        """Remove ``keys`` from every tier whoever owns them; returns how many were present."""
+    def drop(self, keys: Iterable[BlockKey], tier: TierName | None = None) -> int:
+        """Remove ``keys`` from ``tier`` (None: every tier) whoever owns them; returns how many
+        were present there. A host copy being read keeps its slot until the read ends."""
         doomed: list[BlockKey] = []
         present = 0
         with self._lock:
@@ -299,9 +333,25 @@ class TieredStore:
                 block = self._blocks.get(key)
                 if block is None:
                     continue
-                present += 1
-                if self._forget(block):
+                if tier is None:
+                    present += 1
+                    if self._forget(block):
+                        doomed.append(key)
+                elif tier == "host" and block.host_slot is not None:
+                    present += 1
+                    if not block.on_disk:
+                        if self._forget(block):
+                            doomed.append(key)
+                    elif not self._host_order.pinned(block):
+                        self._release_host(block)
+                elif tier == "disk" and block.on_disk:
+                    present += 1
+                    block.on_disk = False
+                    self._disk_order.remove(block)
+                    self._release_disk_bytes()
                     doomed.append(key)
+                    if block.host_slot is None:
+                        self._remove_block(block)
         self._unlink(doomed)
         return present
 
@@ -365,7 +415,16 @@ class TieredStore:
         """
         segments = self._segments(keys, out_buffers, writable=True)
         handle = TransferHandle(keys)
-        self._run(handle, lambda index: self._load_one(keys[index], segments[index]))
+
+        def load_one(index: int) -> BlockResult:
+            if not handle._enter():
+                return self._failed(keys[index], TierError("load cancelled"))
+            try:
+                return self._load_one(keys[index], segments[index])
+            finally:
+                handle._leave()
+
+        self._run(handle, load_one)
         return handle
 
     def acquire_host(self, keys: Sequence[BlockKey]) -> HostRead:
@@ -415,6 +474,14 @@ class TieredStore:
             raise ConfigError("this store has no disk tier")
         handle = TransferHandle(keys)
         self._run(handle, lambda index: self._demote_one(keys[index]))
+        return handle
+
+    def copy_to_disk(self, keys: Sequence[BlockKey]) -> TransferHandle:
+        """Start writing host ``keys`` to disk, keeping their host copies (already there: ok)."""
+        if self._files is None:
+            raise ConfigError("this store has no disk tier")
+        handle = TransferHandle(keys)
+        self._run(handle, lambda index: self._copy_down_one(keys[index]))
         return handle
 
     def close(self) -> None:
@@ -620,6 +687,22 @@ class TieredStore:
             return BlockResult(key, BlockStatus.MISS)
         return BlockResult(key, BlockStatus.OK, "disk")
 
+    def _copy_down_one(self, key: BlockKey) -> BlockResult:
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None and block.on_disk:
+                return BlockResult(key, BlockStatus.OK, "disk")
+            if block is None or block.host_slot is None:
+                self._counters["misses"] += 1
+                return BlockResult(key, BlockStatus.MISS)
+            self._host_order.pin(block)
+        try:
+            written = self._copy_host_to_disk(block)
+        finally:
+            with self._lock:
+                self._unpin_host(block)
+        return BlockResult(key, BlockStatus.OK if written else BlockStatus.MISS, "disk")
+
     def _copy_host_to_disk(self, block: _Block) -> bool:
         """Write a pinned host block to disk unless it is there; False when dropped meanwhile."""
         with self._lock:
@@ -664,6 +747,9 @@ class TieredStore:
         try:
             with self._lock:
                 while self._disk_used + self._files.file_bytes > self._disk_capacity:
+                    if not self._auto_evict:
+                        self._counters["disk_full"] += 1
+                        raise TierFullError("disk tier full (eviction is the caller's)")
                     victim = self._disk_order.victim(self._clock())
                     if victim is None:
                         self._counters["disk_full"] += 1
@@ -690,6 +776,8 @@ class TieredStore:
                 slot = self._arena.alloc()
                 if slot is not None:
                     return slot
+                if not self._auto_evict:
+                    raise TierFullError("host tier full (eviction is the caller's)")
                 victim = self._host_order.victim(self._clock())
                 if victim is None:
                     raise TierFullError("host tier full: every block is in flight")

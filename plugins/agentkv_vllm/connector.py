@@ -1,10 +1,15 @@
 """AgentKVConnector: vLLM's KVConnectorBase_V1 for agent trajectories.
 
 vLLM creates one instance per role: SCHEDULER (in the engine core) delegates to
-``SchedulerSide``; WORKER (in each worker process) delegates to ``WorkerSide``. Requests without
-``kv_transfer_params.agentkv`` pass through untouched, so the engine behaves exactly like vanilla
-vLLM for them. No hook lets an agentkv fault escape into the engine: a failure is logged and
-the request is served by recompute.
+``SchedulerSide`` (a thin adapter over the core's TrajectoryManager); WORKER (in each worker
+process) delegates to ``WorkerSide``. Requests without ``kv_transfer_params.agentkv`` pass through
+untouched, so the engine behaves exactly like vanilla vLLM for them.
+
+Fail closed: no hook lets an agentkv fault escape into the engine, and once a lookup made vLLM
+count external tokens, any later fault reports those blocks as load errors
+(``get_block_ids_with_load_errors``), so vLLM recomputes them: never unwritten KV, never a hang.
+Pipeline parallelism is refused at start (blocks would span stages); the TP rank comes from
+vLLM's parallel state or start-up fails.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from agentkv.manager.jobs import BlockTransfer, LoadJob, StepPlan
 from agentkv_vllm.metadata import AgentKVStepMetadata
 from agentkv_vllm.settings import ConnectorSettings
 
@@ -36,7 +42,15 @@ class AgentKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.settings = ConnectorSettings.model_validate(extra)
+        pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        if pp > 1:
+            raise ValueError(
+                f"agentkv: pipeline_parallel_size={pp} is not supported (a trajectory's KV blocks "
+                "would span pipeline stages); use tensor parallelism or disable the connector"
+            )
         self._scheduler: SchedulerSide | None = None
+        # Failing loads queued when the manager itself could not (last line of fail-closed).
+        self._emergency_loads: list[LoadJob] = []
         self._worker: WorkerSide | None = None
         self._control: Any = None
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
@@ -66,9 +80,12 @@ class AgentKVConnector(KVConnectorBase_V1):
             from agentkv_vllm.worker_side import WorkerSide
 
             try:
-                rank = get_tensor_model_parallel_rank()
-            except Exception:
-                rank = 0
+                rank = int(get_tensor_model_parallel_rank())
+            except Exception as exc:
+                # A wrong rank would mix shards between ranks: refuse to start instead.
+                raise RuntimeError(
+                    f"agentkv: cannot read this worker's tensor-parallel rank from vLLM ({exc})"
+                ) from exc
             self._worker = WorkerSide(
                 settings=self.settings,
                 model_id=str(vllm_config.model_config.model),
@@ -87,6 +104,8 @@ class AgentKVConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Worker, each step before the forward: start the step's jobs. Must not block; a fault
+        fails the step's loads (their blocks are reported as load errors)."""
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, AgentKVStepMetadata):
             try:
@@ -101,6 +120,8 @@ class AgentKVConnector(KVConnectorBase_V1):
         return
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Worker, before each attention layer: block until this step's layerwise loads have
+        copied ``layer_name`` (bounded; on timeout the blocks are reported as load errors)."""
         if self._worker is not None:
             try:
                 self._worker.wait_for_layer(layer_name)
@@ -124,6 +145,9 @@ class AgentKVConnector(KVConnectorBase_V1):
                 log.exception("agentkv: finishing the layer copier failed")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker, each step: request ids whose async loads are done (ok or failed; failures are
+        in ``get_block_ids_with_load_errors``). Never ``finished_sending``: agentkv stores from
+        its own pins, never from a finishing request's blocks."""
         if self._worker is None:
             return None, None
         self._finish_step()  # also here: vLLM skips wait_for_save in some steps
@@ -157,6 +181,9 @@ class AgentKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """Scheduler: tokens past vLLM's own prefix hit that a tier holds (0 on any fault: the
+        safe answer before vLLM counted anything), and whether they load asynchronously. None asks
+        again next step (admission wait). Plain requests return at once."""
         assert self._scheduler is not None
         try:
             return self._scheduler.lookup(request, num_computed_tokens)
@@ -165,19 +192,45 @@ class AgentKVConnector(KVConnectorBase_V1):
             return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Scheduler: vLLM counted ``num_external_tokens``; after this, every one of them is
+        covered by a load job or reported failed (fail closed)."""
         assert self._scheduler is not None
         try:
             self._scheduler.plan_load(request, blocks, num_external_tokens)
         except Exception:
-            log.exception("agentkv: load planning failed for %s", request.request_id)
+            log.exception("agentkv: load planning failed for %s; recomputing", request.request_id)
+            if num_external_tokens <= 0:
+                return
+            try:
+                self._scheduler.fail_load(request, blocks, num_external_tokens)
+            except Exception:
+                log.exception("agentkv: failing the load of %s", request.request_id)
+                self._emergency_fail(request, blocks, num_external_tokens)
+
+    def _emergency_fail(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Every allocated block past the local hit fails to load: vLLM recomputes them."""
+        try:
+            ids = list(blocks.get_block_ids()[0])
+        except Exception:
+            log.exception("agentkv: cannot read the blocks of %s", request.request_id)
+            return
+        self._emergency_loads.append(
+            LoadJob(0, request.request_id, [BlockTransfer(b"", b) for b in ids])
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """Scheduler, each step: the step's jobs. Never raises; loads already promised to vLLM
+        always go out (the manager's outbox survives a fault in its timers)."""
         assert self._scheduler is not None
         try:
-            return self._scheduler.build_step()
+            meta = self._scheduler.build_step()
         except Exception:
             log.exception("agentkv: building step metadata failed")
-            return AgentKVStepMetadata()
+            meta = AgentKVStepMetadata(StepPlan())
+        if self._emergency_loads:
+            meta.plan.loads.extend(self._emergency_loads)
+            self._emergency_loads = []
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is None:
@@ -190,6 +243,9 @@ class AgentKVConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, once per request before its blocks are freed: pin what the trajectory keeps
+        (only KV that was fully computed or loaded) and return the turn's stats. Never delays
+        vLLM's free (False): agentkv holds its own references."""
         assert self._scheduler is not None
         try:
             return self._scheduler.finish(request, block_ids)
@@ -198,8 +254,12 @@ class AgentKVConnector(KVConnectorBase_V1):
             return False, None
 
     def has_pending_push_work(self) -> bool:
+        """Scheduler: keep the engine stepping while jobs are queued or in flight (their reports
+        arrive only with steps). Idle timers are woken by the routes' pump, not by stepping."""
         if self._scheduler is None:
             return False
+        if self._emergency_loads:
+            return True
         try:
             return self._scheduler.has_pending_work()
         except Exception:

@@ -24,6 +24,7 @@ validate ids and bodies themselves because vLLM turns FastAPI's validation error
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -67,6 +68,7 @@ class _State:
     client: ControlClient | None = None
     api_keys: list[str] = []  # noqa: RUF012 - process-wide route state
     engine_client: Any = None
+    pump: asyncio.Task[None] | None = None
 
 
 def _settings_from_args(args: Namespace) -> ConnectorSettings:
@@ -247,6 +249,34 @@ class AgentKVRoutes:
             return
         _State.client = ControlClient(settings.control_endpoint())
         _register_metrics(_State.client)
+        if _State.pump is None:
+            _State.pump = asyncio.get_running_loop().create_task(_timer_pump(_State.client))
+
+
+PUMP_MIN_S, PUMP_MAX_S = 0.02, 0.2
+
+
+async def _timer_pump(client: ControlClient) -> None:
+    """Timers fire on an idle engine: vLLM's engine loop sleeps until a request arrives, so this
+    task asks the engine's control thread to fire due timers (grace, lease, prefetch, job
+    timeouts) and, when that queued engine work (pins, transfers), wakes the engine loop with a
+    cheap utility call. One small local call per 20-200 ms; never raises."""
+    while True:
+        delay = PUMP_MAX_S
+        try:
+            status, body = await client.call("tick")
+            if status == 200:
+                if body.get("engine_work") and _State.engine_client is not None:
+                    await _State.engine_client.is_sleeping()
+                nxt = body.get("next_in_s")
+                if nxt is not None:
+                    delay = min(PUMP_MAX_S, max(PUMP_MIN_S, float(nxt)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the engine may be starting or gone; try again later
+            log.debug("agentkv: timer pump: %s", exc)
+            delay = 1.0
+        await asyncio.sleep(delay)
 
 
 METRICS_TIMEOUT_S = 1.0

@@ -64,6 +64,40 @@ class ConnectorSettings(BaseModel):
         "Disk blocks always load async (a block's checksum covers all its layers).",
     )
 
+    disk_after_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Predicted median waits at least this long go to the disk tier (policy).",
+    )
+    job_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A store, load or tier move not reported by every TP rank in this time fails: "
+        "its device blocks are unpinned and recomputed, its keys dropped.",
+    )
+    idle_ttl_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="A trajectory with no request for this long is deleted (its KV released).",
+    )
+    max_trajectories: int = Field(
+        default=100_000,
+        ge=1,
+        description="Cap on the trajectory table; the least recently active idle one goes first.",
+    )
+    debug_load_delay_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=60,
+        description="Test knob: every async tier load waits this long before copying (to test "
+        "aborts during a load). Never set in production.",
+    )
+    debug_silent_rank_trajectory_prefix: str | None = Field(
+        default=None,
+        description="Test knob: TP rank 1 never reports store jobs of trajectories whose id starts "
+        "with this prefix (to test job timeouts). Never set in production.",
+    )
+
     def control_endpoint(self, engine_id: str | None = None) -> str:
         if self.control_socket:
             return self.control_socket

@@ -2,13 +2,16 @@
 
 Primitives:
   WorkerSide.register_kv_caches(kv_caches)   find the block layout, open this rank's TieredStore
-  WorkerSide.start_step(meta)                submit the step's stores/loads/drops; must not block
+  WorkerSide.start_step(meta)                start the step's drops, stores, moves and loads;
+                                             must not block
   WorkerSide.wait_for_layer(name)            layer-by-layer loads: block until ``name``'s
                                              segments of this step's layerwise loads are copied
   WorkerSide.finish_step()                   after the forward: the layer copier is done, its
                                              host pins are released
   WorkerSide.poll(finished_req_ids)          (finished_sending, finished_recving) request ids
-  WorkerSide.take_report()                   AgentKVWorkerReport for the scheduler, or None
+  WorkerSide.take_report()                   AgentKVWorkerReport for the scheduler, or None:
+                                             every job this rank finished (ok or failed), keys
+                                             it could not serve (miss / corrupt / error)
   WorkerSide.load_error_block_ids()          engine block ids whose load failed -> recompute
 
 Each TP rank keeps its own store under ``<disk_dir>/rank<r>`` with keys salted by its rank
@@ -27,6 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import os
+import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,10 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from agentkv.tiers import HostRead, TieredStore, TransferHandle
+from agentkv.errors import CorruptBlockError
+from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
+from agentkv.tiers import BlockStatus, HostRead, TieredStore, TransferHandle
 from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
 from agentkv_vllm.block_copy import BlockViews
-from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport, LoadJob, StoreJob
+from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.worker")
@@ -69,13 +77,50 @@ class _LayerwiseStep:
     ref: str
 
 
+class _DelayedLoad:
+    """A load started after ``delay_s`` (the ``debug_load_delay_s`` test knob), cancellable."""
+
+    def __init__(self, delay_s: float, start: Any) -> None:
+        self._start_fn = start
+        self._handle: TransferHandle | None = None
+        self._cancelled = False
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(delay_s, self._start)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _start(self) -> None:
+        with self._lock:
+            if not self._cancelled:
+                self._handle = self._start_fn()
+
+    def done(self) -> bool:
+        with self._lock:
+            return self._cancelled or (self._handle is not None and self._handle.done())
+
+    def result(self) -> list[Any] | None:
+        with self._lock:
+            return None if self._handle is None else self._handle.result()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            self._timer.cancel()
+            handle = self._handle
+        if handle is not None:
+            handle.cancel()
+
+
 @dataclass
 class _Pending:
-    handle: TransferHandle
+    handle: Any  # TransferHandle | _DelayedLoad
     started: float
     nbytes: int
-    job: StoreJob | None = None
+    job_id: int
+    ref: tuple[str, str, str]
+    keys: list[bytes]
     load: LoadJob | None = None
+    deadline: float = math.inf
 
 
 @dataclass
@@ -88,16 +133,17 @@ class WorkerSide:
     views: BlockViews | None = None
     store: TieredStore | None = None
     fingerprint: ModelFingerprint | None = None
-    _stores: list[_Pending] = field(default_factory=list)
+    _jobs: list[_Pending] = field(default_factory=list)
     _loads: list[_Pending] = field(default_factory=list)
     _recving_done: set[str] = field(default_factory=set)
     _load_errors: set[int] = field(default_factory=set)
-    _report: AgentKVWorkerReport = field(default_factory=AgentKVWorkerReport)
-    _report_dirty: bool = False
+    _report: WorkerReport = field(default_factory=WorkerReport)
     _key_cache: dict[bytes, BlockKey] = field(default_factory=dict)
     _layerwise: _LayerwiseStep | None = None
     _copier: ThreadPoolExecutor | None = None
     _layers: list[tuple[str, list[tuple[int, int, int]]]] = field(default_factory=list)
+    # this step's layerwise load job ids, and those that failed
+    _layerwise_jobs: tuple[list[int], set[int]] = field(default_factory=lambda: ([], set()))
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.views = BlockViews(kv_caches, self.num_blocks)
@@ -114,6 +160,10 @@ class WorkerSide:
         disk_dir = None
         if self.settings.disk_dir:
             disk_dir = Path(self.settings.disk_dir) / f"rank{self.tp_rank}"
+            # The residency index lives in the engine's scheduler and starts empty: files from
+            # an earlier run would be blocks no one indexes, so they go.
+            if disk_dir.exists():
+                shutil.rmtree(disk_dir, ignore_errors=True)
             disk_dir.mkdir(parents=True, exist_ok=True)
         self.store = TieredStore(
             host_capacity_bytes=int(self.settings.host_capacity_gib * GiB),
@@ -121,11 +171,9 @@ class WorkerSide:
             disk_capacity_bytes=int(self.settings.disk_capacity_gib * GiB),
             block_bytes=self.views.block_bytes,
             workers=self.settings.io_threads,
+            auto_evict=False,  # the scheduler's manager decides every eviction
         )
-        import os
-
         self._report.hello[self.tp_rank] = os.getpid()
-        self._report_dirty = True
         log.info(
             "agentkv worker rank %d: %d layers, block %d B, host tier %.1f GiB, disk %s",
             self.tp_rank,
@@ -151,50 +199,121 @@ class WorkerSide:
             self._key_cache[logical] = key
         return key
 
+    def _silent(self, job: StoreJob) -> bool:
+        prefix = self.settings.debug_silent_rank_trajectory_prefix
+        return bool(prefix) and self.tp_rank == 1 and job.owner.startswith(prefix or "")
+
     def start_step(self, meta: AgentKVStepMetadata) -> None:
-        """Submit this step's transfers to the store's thread pool. Must not block."""
+        """Start this step's jobs: drops first (their slots are free for this step's stores), then
+        stores, moves and loads. Must not block. A job that cannot start is reported failed."""
+        plan = meta.plan
         if self.store is None or self.views is None:
+            for load in plan.loads:  # never leave vLLM waiting on a load we cannot run
+                self._load_errors.update(b.block_id for b in load.blocks)
+                if not load.layerwise:
+                    self._recving_done.add(load.req_id)
+                self._done(load.job_id, ok=False)
             return
-        if meta.drop_keys:
-            self.store.drop([self.rank_key(k) for k in meta.drop_keys])
-        if meta.promote_keys:
-            self.store.promote([self.rank_key(k) for k in meta.promote_keys])
+        store = self.store
+        for drop in plan.drops:
+            store.drop([self.rank_key(k) for k in drop.keys], tier=drop.tier)
         now = time.monotonic()
-        for job in meta.stores:
+        timeout = self.settings.job_timeout_s
+        for job in plan.stores:
+            if self._silent(job):
+                continue
             keys = [self.rank_key(b.key) for b in job.blocks]
-            buffers = [self.views.segments(b.block_id) for b in job.blocks]
-            lease = now + job.lease_until_s if job.lease_until_s else None
             try:
-                handle = self.store.submit_store(
-                    keys,
-                    buffers,
-                    tier="disk" if job.tier == "disk" else "host",
-                    lease_until=lease,
-                    owner=job.owner,
-                )
+                buffers = [self.views.segments(b.block_id) for b in job.blocks]
+                handle = store.submit_store(keys, buffers, tier=job.tier)
             except Exception as exc:  # a tier fault must never take the engine down
                 log.warning("agentkv: store job %d failed to start: %s", job.job_id, exc)
-                self._report.stores_failed.add(job.job_id)
-                self._report.stores_done[job.job_id] = 1
-                self._report_dirty = True
+                self._done(job.job_id, ok=False)
                 continue
-            self._stores.append(_Pending(handle, now, len(keys) * self.views.block_bytes, job=job))
-        layerwise = [load for load in meta.loads if load.layerwise]
+            self._jobs.append(
+                _Pending(
+                    handle,
+                    now,
+                    len(keys) * self.views.block_bytes,
+                    job.job_id,
+                    ("offload", job.tier, f"job-{job.job_id}"),
+                    [b.key for b in job.blocks],
+                )
+            )
+        for move in plan.moves:
+            keys = [self.rank_key(k) for k in move.keys]
+            try:
+                handle = store.promote(keys) if move.kind == "promote" else store.copy_to_disk(keys)
+            except Exception as exc:
+                log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
+                self._done(move.job_id, ok=False)
+                continue
+            tier = "host" if move.kind == "promote" else "disk"
+            self._jobs.append(
+                _Pending(
+                    handle,
+                    now,
+                    len(keys) * self.views.block_bytes,
+                    move.job_id,
+                    (move.kind, tier, f"job-{move.job_id}"),
+                    list(move.keys),
+                )
+            )
+        layerwise = [load for load in plan.loads if load.layerwise]
         if layerwise:
             self._start_layerwise(layerwise)
-        for load in meta.loads:
+        for load in plan.loads:
             if load.layerwise:
                 continue
             keys = [self.rank_key(b.key) for b in load.blocks]
-            buffers = [self.views.segments(b.block_id) for b in load.blocks]
             try:
-                handle = self.store.submit_load(keys, buffers)
+                buffers = [self.views.segments(b.block_id) for b in load.blocks]
+                pending: TransferHandle | _DelayedLoad
+                if self.settings.debug_load_delay_s > 0:
+                    pending = _DelayedLoad(
+                        self.settings.debug_load_delay_s,
+                        lambda keys=keys, buffers=buffers: store.submit_load(keys, buffers),
+                    )
+                else:
+                    pending = store.submit_load(keys, buffers)
             except Exception as exc:
                 log.warning("agentkv: load for %s failed to start: %s", load.req_id, exc)
                 self._load_errors.update(b.block_id for b in load.blocks)
                 self._recving_done.add(load.req_id)
+                self._done(load.job_id, ok=False)
                 continue
-            self._loads.append(_Pending(handle, now, len(keys) * self.views.block_bytes, load=load))
+            self._loads.append(
+                _Pending(
+                    pending,
+                    now,
+                    len(keys) * self.views.block_bytes,
+                    load.job_id,
+                    ("reload", "host", f"req-{load.req_id}"),
+                    [b.key for b in load.blocks],
+                    load=load,
+                    deadline=now + timeout,
+                )
+            )
+
+    def _done(self, job_id: int, ok: bool) -> None:
+        if job_id <= 0:
+            return  # a fail-closed load of the connector's own: no manager job behind it
+        self._report.jobs_done[job_id] = self._report.jobs_done.get(job_id, 0) + 1
+        if not ok:
+            self._report.jobs_failed.add(job_id)
+
+    def _bad(self, logical: bytes, result: Any) -> None:
+        if not logical:
+            return
+        error = getattr(result, "error", None)
+        if result is None:
+            self._report.bad_keys.setdefault(logical, "miss")
+        elif isinstance(error, CorruptBlockError):
+            self._report.bad_keys[logical] = "corrupt"
+        elif getattr(result, "status", None) is BlockStatus.MISS:
+            self._report.bad_keys.setdefault(logical, "miss")
+        else:
+            self._report.bad_keys.setdefault(logical, "error")
 
     def _start_layerwise(self, loads: list[LoadJob]) -> None:
         assert self.store is not None and self.views is not None
@@ -202,9 +321,10 @@ class WorkerSide:
         store = self.store
         jobs: list[tuple[HostRead, list[Any], list[int]]] = []
         block_ids: list[int] = []
+        failed_jobs: set[int] = set()
         # Blocks the host does not hold but disk does (a prefetch still in flight): read whole,
         # checksummed, before the first layer is released.
-        from_disk: list[tuple[BlockKey, Any, int, bytes]] = []
+        from_disk: list[tuple[BlockKey, Any, int, bytes, int]] = []
         for load in loads:
             keys = [self.rank_key(b.key) for b in load.blocks]
             read = store.acquire_host(keys)
@@ -212,11 +332,11 @@ class WorkerSide:
             dests = [self.views.segments(bid) for bid in ids]
             for i in read.missing:
                 if store.tier_of(keys[i]) == "disk":
-                    from_disk.append((keys[i], dests[i], ids[i], load.blocks[i].key))
-                else:  # evicted since the scheduler looked: vLLM recomputes it
+                    from_disk.append((keys[i], dests[i], ids[i], load.blocks[i].key, load.job_id))
+                else:  # not where the scheduler said: vLLM recomputes it
                     self._load_errors.add(ids[i])
-                    self._report.missing_keys.add(load.blocks[i].key)
-                    self._report_dirty = True
+                    self._bad(load.blocks[i].key, None)
+                    failed_jobs.add(load.job_id)
             jobs.append((read, dests, ids))
             block_ids += ids
         events = {name: threading.Event() for name, _ in self._layers}
@@ -226,17 +346,19 @@ class WorkerSide:
         nbytes = self.views.block_bytes * (
             len(from_disk) + sum(v is not None for read, _, _ in jobs for v in read.views)
         )
+        job_ids = [load.job_id for load in loads]
 
         def copy_layers() -> None:
             try:
                 if from_disk:
                     results = store.submit_load(
-                        [k for k, _, _, _ in from_disk], [d for _, d, _, _ in from_disk]
+                        [k for k, _, _, _, _ in from_disk], [d for _, d, _, _, _ in from_disk]
                     ).result(timeout=LAYER_WAIT_TIMEOUT_S)
-                    for r, (_, _, bid, logical) in zip(results, from_disk, strict=True):
+                    for r, (_, _, bid, logical, job_id) in zip(results, from_disk, strict=True):
                         if not r.ok:
                             self._load_errors.add(bid)
-                            self._report.missing_keys.add(logical)
+                            self._bad(logical, r)
+                            failed_jobs.add(job_id)
                 for name, segs in self._layers:
                     for read, dests, _ in jobs:
                         for view, dest in zip(read.views, dests, strict=True):
@@ -248,6 +370,7 @@ class WorkerSide:
             except Exception:
                 log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
                 self._load_errors.update(block_ids)
+                failed_jobs.update(job_ids)
             finally:
                 for ev in events.values():
                     ev.set()  # a failure must not leave the forward pass waiting
@@ -258,6 +381,7 @@ class WorkerSide:
         self._layerwise = _LayerwiseStep(
             events, future, block_ids, nbytes, started, f"layerwise-{loads[0].req_id}"
         )
+        self._layerwise_jobs = (job_ids, failed_jobs)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Block until this step's layerwise loads have copied ``layer_name``; must be fast."""
@@ -278,63 +402,78 @@ class WorkerSide:
         step, self._layerwise = self._layerwise, None
         if step is None:
             return
+        job_ids, failed = self._layerwise_jobs
+        self._layerwise_jobs = ([], set())
         try:
             step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
         except Exception:
             self._load_errors.update(step.block_ids)
+            failed = set(job_ids)
+        for job_id in job_ids:
+            self._done(job_id, ok=job_id not in failed)
         self._report.transfers[("reload", "host", step.ref)] = (
             step.nbytes,
             time.monotonic() - step.started,
         )
-        self._report_dirty = True
 
     def poll(self) -> set[str]:
-        """Collect finished transfers; returns request ids whose loads are complete."""
+        """Collect finished transfers; returns request ids whose async loads are complete.
+        A load past its deadline is cancelled (fenced: nothing more is written into its blocks)
+        and reported failed, so vLLM recomputes instead of waiting forever."""
         now = time.monotonic()
         still: list[_Pending] = []
-        for p in self._stores:
+        for p in self._jobs:
             if not p.handle.done():
                 still.append(p)
                 continue
-            assert p.job is not None
             results = p.handle.result()
             ok = all(r.ok for r in results)
+            for r, logical in zip(results, p.keys, strict=True):
+                if not r.ok:
+                    self._bad(logical, r)
             if not ok:
-                self._report.stores_failed.add(p.job.job_id)
-                errors = [str(r.error) for r in results if not r.ok][:1]
                 log.warning(
-                    "agentkv: store job %d: %d/%d blocks failed (%s)",
-                    p.job.job_id,
+                    "agentkv: %s job %d: %d/%d blocks failed (%s)",
+                    p.ref[0],
+                    p.job_id,
                     sum(not r.ok for r in results),
                     len(results),
-                    errors,
+                    [str(r.error) for r in results if not r.ok][:1],
                 )
-            self._report.stores_done[p.job.job_id] = (
-                self._report.stores_done.get(p.job.job_id, 0) + 1
-            )
-            self._report.transfers[("offload", p.job.tier, f"job-{p.job.job_id}")] = (
-                p.nbytes,
-                now - p.started,
-            )
-            self._report_dirty = True
-        self._stores = still
+            self._done(p.job_id, ok)
+            self._report.transfers[p.ref] = (p.nbytes, now - p.started)
+        self._jobs = still
         still = []
         for p in self._loads:
-            if not p.handle.done():
-                still.append(p)
-                continue
             assert p.load is not None
+            if not p.handle.done():
+                if now < p.deadline:
+                    still.append(p)
+                    continue
+                log.warning("agentkv: load for %s timed out; vLLM recomputes", p.load.req_id)
+                p.handle.cancel()
+                self._load_errors.update(b.block_id for b in p.load.blocks)
+                self._recving_done.add(p.load.req_id)
+                self._done(p.job_id, ok=False)
+                continue
             results = p.handle.result()
+            if results is None:  # cancelled before it started
+                self._load_errors.update(b.block_id for b in p.load.blocks)
+                self._done(p.job_id, ok=False)
+                self._recving_done.add(p.load.req_id)
+                continue
+            ok = True
             for r, b in zip(results, p.load.blocks, strict=True):
                 if not r.ok:
+                    ok = False
                     self._load_errors.add(b.block_id)
-                    self._report.missing_keys.add(b.key)
+                    self._bad(b.key, r)
             tier = "disk" if any(r.tier == "disk" for r in results) else "host"
             self._report.transfers[("reload", tier, f"req-{p.load.req_id}")] = (
                 p.nbytes,
                 now - p.started,
             )
-            self._report_dirty = True
+            self._done(p.job_id, ok)
             self._recving_done.add(p.load.req_id)
         self._loads = still
         done, self._recving_done = self._recving_done, set()
@@ -345,18 +484,19 @@ class WorkerSide:
         return out
 
     def take_report(self) -> AgentKVWorkerReport | None:
-        if not self._report_dirty:
+        if not self._report:
             return None
-        report, self._report = self._report, AgentKVWorkerReport()
-        self._report_dirty = False
-        return report
+        report, self._report = self._report, WorkerReport()
+        return AgentKVWorkerReport(report)
 
     @property
     def busy(self) -> bool:
-        return bool(self._stores or self._loads)
+        return bool(self._jobs or self._loads)
 
     def shutdown(self) -> None:
         self.finish_step()
+        for p in self._loads:
+            p.handle.cancel()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
         if self.store is not None:

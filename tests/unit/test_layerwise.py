@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from agentkv_vllm.block_copy import BlockViews  # noqa: E402
-from agentkv_vllm.metadata import AgentKVStepMetadata, BlockTransfer, LoadJob, StoreJob  # noqa: E402
+from agentkv.manager.jobs import BlockTransfer, LoadJob, StepPlan, StoreJob  # noqa: E402
+from agentkv_vllm.metadata import AgentKVStepMetadata  # noqa: E402
 from agentkv_vllm.settings import ConnectorSettings  # noqa: E402
 from agentkv_vllm.worker_side import WorkerSide  # noqa: E402
 
@@ -37,6 +38,17 @@ def test_layer_slices_follow_forward_order_and_cover_the_block() -> None:
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans))
 
 
+def _step(**plan: object) -> AgentKVStepMetadata:
+    return AgentKVStepMetadata(StepPlan(**plan))  # type: ignore[arg-type]
+
+
+def _drain(w: WorkerSide) -> set[str]:
+    """Wait for every transfer the worker started (on its handle, no spinning), then poll."""
+    for pending in [*w._jobs, *w._loads]:
+        pending.handle.result()
+    return w.poll()
+
+
 def _worker() -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     caches = _caches()
     w = WorkerSide(
@@ -56,36 +68,38 @@ def test_layerwise_load_restores_blocks_exactly_and_reports_misses() -> None:
         caches[name][1] = i + 1
         caches[name][2] = -(i + 1)
     w.start_step(
-        AgentKVStepMetadata(
-            stores=[StoreJob(1, "host", [BlockTransfer(b"k1", 1), BlockTransfer(b"k2", 2)], "t")]
-        )
+        _step(stores=[StoreJob(1, "host", [BlockTransfer(b"k1", 1), BlockTransfer(b"k2", 2)], "t")])
     )
-    while w.busy:
-        w.poll()
-    assert w.take_report().stores_done == {1: 1}  # type: ignore[union-attr]
+    _drain(w)
+    report = w.take_report()
+    assert report is not None
+    assert report.report.jobs_done == {1: 1} and not report.report.jobs_failed
     expected = {name: caches[name][1:3].clone() for name in NAMES}
     for name in NAMES:
         caches[name].zero_()
 
     # Reload k1, k2 into blocks 5, 6, plus a key the host never had into block 7.
     job = LoadJob(
+        2,
         "req",
         [BlockTransfer(b"k1", 5), BlockTransfer(b"k2", 6), BlockTransfer(b"nope", 7)],
         layerwise=True,
     )
-    w.start_step(AgentKVStepMetadata(loads=[job]))
+    w.start_step(_step(loads=[job]))
     for name in NAMES:  # what the attention layers do, in forward order
         w.wait_for_layer(name)
         assert torch.equal(caches[name][5:7], expected[name])
     w.finish_step()
     assert w.load_error_block_ids() == {7}  # vLLM recomputes that one
-    report = w.take_report()
-    assert report is not None and b"nope" in report.missing_keys
-    [(kind, tier, _)] = list(report.transfers)
+    taken = w.take_report()
+    assert taken is not None
+    assert taken.report.bad_keys == {b"nope": "miss"}
+    assert taken.report.jobs_done == {2: 1} and taken.report.jobs_failed == {2}
+    [(kind, tier, _)] = list(taken.report.transfers)
     assert (kind, tier) == ("reload", "host")
     assert w.poll() == set()  # a layerwise load is never reported as an async one
     # The host copies were unpinned: they can be loaded again.
-    w.start_step(AgentKVStepMetadata(loads=[LoadJob("r2", [BlockTransfer(b"k1", 4)], True)]))
+    w.start_step(_step(loads=[LoadJob(3, "r2", [BlockTransfer(b"k1", 4)], True)]))
     w.finish_step()
     assert torch.equal(caches[NAMES[0]][4], expected[NAMES[0]][0])
     w.shutdown()
@@ -105,17 +119,70 @@ def test_layerwise_reads_disk_only_blocks_whole_before_the_first_layer(tmp_path)
     w.register_kv_caches(caches)
     for i, name in enumerate(NAMES):
         caches[name][3] = 7 * (i + 1)
-    w.start_step(AgentKVStepMetadata(stores=[StoreJob(1, "disk", [BlockTransfer(b"d", 3)], "t")]))
-    while w.busy:
-        w.poll()
+    w.start_step(_step(stores=[StoreJob(1, "disk", [BlockTransfer(b"d", 3)], "t")]))
+    _drain(w)
     expected = {name: caches[name][3].clone() for name in NAMES}
     for name in NAMES:
         caches[name].zero_()
     # The scheduler believed the block was in host (a prefetch was queued): it is still on disk.
-    w.start_step(AgentKVStepMetadata(loads=[LoadJob("r", [BlockTransfer(b"d", 6)], True)]))
+    w.start_step(_step(loads=[LoadJob(2, "r", [BlockTransfer(b"d", 6)], True)]))
     for name in NAMES:
         w.wait_for_layer(name)
         assert torch.equal(caches[name][6], expected[name])
     w.finish_step()
     assert w.load_error_block_ids() == set()
+    w.shutdown()
+
+
+def test_async_load_past_its_deadline_is_fenced_and_fails() -> None:
+    """A load that does not finish in job_timeout_s is cancelled (nothing more is written into
+    its blocks) and reported failed, so vLLM recomputes instead of waiting forever."""
+    caches = _caches()
+    w = WorkerSide(
+        settings=ConnectorSettings(
+            host_capacity_gib=0.01, run_dir="/tmp", job_timeout_s=0.001, debug_load_delay_s=30
+        ),
+        model_id="sim",
+        tp_rank=0,
+        tp_size=1,
+        num_blocks=NUM_BLOCKS,
+    )
+    w.register_kv_caches(caches)
+    w.start_step(_step(stores=[StoreJob(1, "host", [BlockTransfer(b"k", 1)], "t")]))
+    _drain(w)
+    w.take_report()
+    w.start_step(_step(loads=[LoadJob(2, "r", [BlockTransfer(b"k", 5)])]))
+    [pending] = w._loads
+    pending.deadline = 0.0  # past due: the next poll times it out
+    assert w.poll() == {"r"}  # vLLM stops waiting
+    assert w.load_error_block_ids() == {5}  # and recomputes the block
+    taken = w.take_report()
+    assert taken is not None and taken.report.jobs_failed == {2}
+    assert all(bool((caches[n][5] == 0).all()) for n in NAMES)  # nothing was written
+    w.shutdown()
+
+
+def test_silent_rank_knob_never_reports_matching_stores() -> None:
+    caches = _caches()
+    w = WorkerSide(
+        settings=ConnectorSettings(
+            host_capacity_gib=0.01, run_dir="/tmp", debug_silent_rank_trajectory_prefix="silent-"
+        ),
+        model_id="sim",
+        tp_rank=1,
+        tp_size=2,
+        num_blocks=NUM_BLOCKS,
+    )
+    w.register_kv_caches(caches)
+    w.start_step(
+        _step(
+            stores=[
+                StoreJob(1, "host", [BlockTransfer(b"a", 1)], "silent-1"),
+                StoreJob(2, "host", [BlockTransfer(b"b", 2)], "loud-1"),
+            ]
+        )
+    )
+    _drain(w)
+    taken = w.take_report()
+    assert taken is not None and taken.report.jobs_done == {2: 1}
     w.shutdown()

