@@ -1,10 +1,18 @@
-"""One real vLLM OpenAI server with the agentkv plugin for the whole test session.
+"""Real vLLM OpenAI servers with the agentkv plugin for the e2e tests.
 
-Started through ``agentkv serve`` (the operator's path) on 127.0.0.1 with the embedded tiny
-model, enforce_eager (fast start), a capped block count (so a few trajectories create memory
-pressure), an API key, a disk tier in a temp folder, and dev mode for /reset_prefix_cache.
-Its OpenTelemetry export goes to a real OTLP/HTTP receiver process (``otlp_receiver.py``) through
-the standard OTEL_* variables.
+``server`` (session scope): one server for the whole session, started through ``agentkv serve``
+(the operator's path) on 127.0.0.1 with the embedded tiny model, enforce_eager (fast start), a
+capped block count (so a few trajectories create memory pressure), an API key, a disk tier in a
+temp folder, and dev mode for /reset_prefix_cache. Its OpenTelemetry export goes to a real
+OTLP/HTTP receiver process (``otlp_receiver.py``) through the standard OTEL_* variables.
+
+``start_server`` is the one start path; ``tests/e2e/test_tp2_e2e.py`` uses it for its own
+tensor-parallel server.
+
+Policy knobs the tests rely on (``disk_after_s`` 3): a declared ``expected_wait_s`` <= 2 is
+offloaded to host, >= 5 to disk. Every pause names a tool of its own: the server learns waits per
+tool, and a name another test already resumed would blend that test's observed waits into the
+decision.
 """
 
 from __future__ import annotations
@@ -18,22 +26,53 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
 
 API_KEY = "agentkv-test-key"
 NUM_BLOCKS = 192  # x 128 tokens = 24,576 tokens of device KV
+BLOCK_TOKENS = 128  # vLLM's CPU block size for this model
+
+T = TypeVar("T")
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_until(
+    probe: Callable[[], T | None], what: str, timeout: float = 20, interval: float = 0.1
+) -> T:
+    """Poll ``probe`` until it returns something truthy (a condition wait with a deadline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def full_blocks(tokens: int) -> int:
+    """Tokens in the whole blocks of ``tokens`` tokens (what a prefix cache can hold)."""
+    return max(0, tokens) // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -44,14 +83,17 @@ class Server:
     disk_dir: Path
     log_path: Path
     proc: subprocess.Popen[bytes]
-    otlp_out: Path
+    otlp_out: Path | None = None
     client: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=120)
+        self.client = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=120)
 
-    def chat(
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def chat_body(
         self,
         messages: list[dict[str, Any]],
         *,
@@ -80,19 +122,37 @@ class Server:
             body["kv_transfer_params"] = extra_params
         if salt:
             body["cache_salt"] = salt
-        r = self.client.post("/v1/chat/completions", json=body)
+        return body
+
+    def chat(self, messages: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+        r = self.client.post("/v1/chat/completions", json=self.chat_body(messages, **kw))
         r.raise_for_status()
         return dict(r.json())
+
+    def tokenize(self, messages: list[dict[str, Any]], gen: bool = True) -> list[int]:
+        r = self.client.post(
+            "/tokenize",
+            json={"model": self.model, "messages": messages, "add_generation_prompt": gen},
+        )
+        r.raise_for_status()
+        return list(r.json()["tokens"])
 
     def status(self) -> dict[str, Any]:
         r = self.client.get("/agentkv/v1/status")
         r.raise_for_status()
         return dict(r.json())
 
+    def counters(self) -> dict[str, int]:
+        return dict(self.status()["counters"])
+
     def trajectory(self, tid: str) -> dict[str, Any]:
         r = self.client.get(f"/agentkv/v1/trajectories/{tid}")
         r.raise_for_status()
         return dict(r.json())
+
+    def trajectory_code(self, tid: str) -> int:
+        """HTTP status of GET /agentkv/v1/trajectories/{tid} (404: unknown or deleted)."""
+        return self.client.get(f"/agentkv/v1/trajectories/{tid}").status_code
 
     def pause(
         self, tid: str, tool: str, wait: float | None, branch: str = "main"
@@ -130,6 +190,22 @@ class Server:
     def end(self, tid: str) -> None:
         self.client.delete(f"/agentkv/v1/trajectories/{tid}")
 
+    def clean(self, tiers: bool = True, timeout: float = 20) -> dict[str, Any]:
+        """DELETE every trajectory the server knows, then wait until it holds nothing: no
+        trajectory, no pinned device block and, with ``tiers``, no tier byte either."""
+        for tid in self.status()["trajectory_ids"]:
+            self.end(tid)
+        kinds = ("device_pinned", "host", "disk") if tiers else ("device_pinned",)
+
+        def idle() -> dict[str, Any] | None:
+            s = self.status()
+            held = [s["bytes_held"][k] for k in kinds]
+            if s["trajectories"] == 0 and s.get("tombstones", 0) == 0 and not any(held):
+                return s
+            return None
+
+        return wait_until(idle, f"the server to hold no {'/'.join(kinds)} bytes", timeout)
+
     def metrics_text(self) -> str:
         r = self.client.get("/metrics")
         r.raise_for_status()
@@ -137,6 +213,7 @@ class Server:
 
     def otlp_records(self, signal: str) -> list[dict[str, Any]]:
         """What the OTLP receiver got so far for ``signal`` ("metrics" or "traces")."""
+        assert self.otlp_out is not None, "this server exports no OTLP"
         out = []
         for line in self.otlp_out.read_text().splitlines():
             rec = json.loads(line)
@@ -150,48 +227,56 @@ def long_text(seed: int, words: int) -> str:
     return " ".join(f"tok{seed}x{i}" for i in range(words))
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
+@contextlib.contextmanager
+def start_server(
+    work: Path,
+    connector: dict[str, Any],
+    *,
+    vllm_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    otlp: bool = False,
+    start_timeout: float = 420,
+) -> Iterator[Server]:
+    """Start ``agentkv serve`` (tiny model, API key, dev mode) in ``work``; stop it on exit.
+
+    ``connector["disk_dir"]`` names the disk tier; ``otlp`` adds an OTLP/HTTP receiver process
+    and points the server's OTEL_* variables at it.
+    """
     port = _free_port()
-    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-"))
-    disk_dir = work / "disk"
     log_path = work / "server.log"
-    otlp_port, otlp_out = _free_port(), work / "otlp.jsonl"
-    receiver = subprocess.Popen(
-        [
-            sys.executable,
-            str(Path(__file__).with_name("otlp_receiver.py")),
-            "--port",
-            str(otlp_port),
-            "--out",
-            str(otlp_out),
-        ],
-        start_new_session=True,
-    )
-    env = dict(os.environ)
-    env.update(
+    full_env = dict(os.environ)
+    full_env.update(
         {
             "VLLM_SERVER_DEV_MODE": "1",
             "AGENTKV_RUN_DIR": str(work / "run"),
             "AGENTKV_PROFILE": str(work / "no-profile.json"),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
-            "OTEL_SERVICE_NAME": "agentkv-e2e",
-            "OTEL_METRIC_EXPORT_INTERVAL": "1000",
-            "OTEL_BSP_SCHEDULE_DELAY": "200",
         }
     )
-    connector = json.dumps(
-        {
-            "disk_dir": str(disk_dir),
-            "host_capacity_gib": 0.5,
-            "disk_capacity_gib": 2,
-            "grace_s": 0.3,
-            # Leases are predicted return + this margin: long enough for a test to set up
-            # several retained trajectories before the first lease ends.
-            "lease_margin_s": 8,
-        }
-    )
+    full_env.update(env or {})
+    receiver: subprocess.Popen[bytes] | None = None
+    otlp_out: Path | None = None
+    if otlp:
+        otlp_port, otlp_out = _free_port(), work / "otlp.jsonl"
+        receiver = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("otlp_receiver.py")),
+                "--port",
+                str(otlp_port),
+                "--out",
+                str(otlp_out),
+            ],
+            start_new_session=True,
+        )
+        full_env.update(
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+                "OTEL_SERVICE_NAME": "agentkv-e2e",
+                "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+                "OTEL_BSP_SCHEDULE_DELAY": "200",
+            }
+        )
     cmd = [
         sys.executable,
         "-m",
@@ -202,7 +287,7 @@ def server() -> Iterator[Server]:
         "--kv-space-gib",
         "1",
         "--connector-config",
-        connector,
+        json.dumps(connector),
         "--",
         "--enforce-eager",
         "--max-model-len",
@@ -216,13 +301,14 @@ def server() -> Iterator[Server]:
         "pythonic",
         "--served-model-name",
         "tiny",
+        *vllm_args,
     ]
     log = log_path.open("wb")
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 420
+    deadline = time.monotonic() + start_timeout
     try:
         while True:
             if proc.poll() is not None:
@@ -235,9 +321,18 @@ def server() -> Iterator[Server]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start in time:\n{log_path.read_text()[-4000:]}")
             time.sleep(1)
-        yield Server(base, "tiny", API_KEY, disk_dir, log_path, proc, otlp_out)
+        yield Server(
+            base,
+            "tiny",
+            API_KEY,
+            Path(connector.get("disk_dir") or work / "disk"),
+            log_path,
+            proc,
+            otlp_out,
+        )
     finally:
-        receiver.kill()
+        if receiver is not None:
+            receiver.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -245,3 +340,26 @@ def server() -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-"))
+    connector = {
+        "disk_dir": str(work / "disk"),
+        "host_capacity_gib": 0.5,
+        "disk_capacity_gib": 2,
+        "grace_s": 0.3,
+        # Leases are predicted return + this margin: long enough for a test to set up
+        # several retained trajectories before the first lease ends.
+        "lease_margin_s": 8,
+        # Predicted median waits of 3 s or more go to disk: tests declare <= 2 s for host, >= 5 s
+        # for disk.
+        "disk_after_s": 3,
+        "job_timeout_s": 20,
+        # Every async tier load (disk) waits 1 s in the worker before it copies, so a test can
+        # abort a request while its load is in flight.
+        "debug_load_delay_s": 1.0,
+    }
+    with start_server(work, connector, otlp=True) as srv:
+        yield srv

@@ -114,13 +114,13 @@ def test_changed_system_zone_reports_divergence_token_and_zone(server: Server) -
     server.end(tid)
 
 
-def _offload_and_reload(server: Server, tid: str, seed: int) -> None:
+def _offload_and_reload(server: Server, tid: str, tool: str, seed: int) -> None:
     first = [
         {"role": "system", "content": "You are a coding agent. " + long_text(seed, 400)},
         {"role": "user", "content": "Run the tests."},
     ]
     server.chat(first, trajectory=tid)
-    server.pause(tid, "pytest-metrics", 30.0)
+    server.pause(tid, tool, 2.0)
     server.wait_state(tid, {"offloaded"})
     server.reset_prefix_cache()
     second = [*first, {"role": "user", "content": "Observation: " + long_text(seed + 1, 50)}]
@@ -130,7 +130,7 @@ def _offload_and_reload(server: Server, tid: str, seed: int) -> None:
 
 def test_metrics_endpoint_carries_every_agentkv_metric(server: Server) -> None:
     tid = "metrics-prom"
-    _offload_and_reload(server, tid, 920)
+    _offload_and_reload(server, tid, "pytest-metrics", 920)
     fams = _families(server)
     for spec in METRICS:
         assert spec.name in fams, f"{spec.name} missing from /metrics"
@@ -172,7 +172,7 @@ def test_metrics_endpoint_carries_every_agentkv_metric(server: Server) -> None:
 
 def test_otlp_receiver_gets_metrics_and_a_span_per_pause(server: Server) -> None:
     tid = "metrics-otlp"
-    _offload_and_reload(server, tid, 930)
+    _offload_and_reload(server, tid, "pytest-otlp", 930)
     deadline = time.monotonic() + 30
     span: dict[str, Any] | None = None
     metric_names: set[str] = set()
@@ -194,7 +194,7 @@ def test_otlp_receiver_gets_metrics_and_a_span_per_pause(server: Server) -> None
     assert span["span"]["name"] == "agentkv.tool_wait"
     assert span["resource"]["service.name"]["stringValue"] == "agentkv-e2e"
     attrs = span["attrs"]
-    assert attrs["agentkv.tool"]["stringValue"] == "pytest-metrics"
+    assert attrs["agentkv.tool"]["stringValue"] == "pytest-otlp"
     assert attrs["agentkv.action"]["stringValue"] == "offload_host"
     assert attrs["agentkv.outcome"]["stringValue"] == "resumed"
     assert attrs["agentkv.resumed_tier"]["stringValue"] == "host"
