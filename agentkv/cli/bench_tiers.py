@@ -31,6 +31,18 @@ def tiers(
     repeats: int = typer.Option(
         3, "--repeats", min=1, help="Runs per measurement; the best one counts."
     ),
+    device: str = typer.Option(
+        "none",
+        "--device",
+        help="Also measure the torch path the vLLM plugin uses, with KV blocks as tensors on this "
+        "device: cpu, cuda, or none.",
+    ),
+    layers: int = typer.Option(
+        32,
+        "--layers",
+        min=1,
+        help="With --device: layers per block (2 segments each, K and V, as in FlashAttention).",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print only machine-readable JSON on stdout."
     ),
@@ -38,7 +50,10 @@ def tiers(
     """Measure host store/load and disk write/read GB/s, each next to a baseline from the same run.
 
     Baselines: one large in-memory copy (host) and sequential file I/O of the same size in the same
-    mode, O_DIRECT or buffered (disk). Target: ratio >= 0.70 for blocks of 1 MiB and up.
+    mode, O_DIRECT or buffered (disk). With --device cpu|cuda, also device->host store and
+    host->device load of torch-tensor blocks next to one raw torch copy of the same bytes
+    (pinned host memory on CUDA), and device<->disk next to sequential I/O. Target: ratio >= 0.70
+    for blocks of 1 MiB and up.
     """
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -48,6 +63,8 @@ def tiers(
 
     if any(size <= 0 for size in block_kib):
         fail("--block-kib values must be positive")
+    if device not in ("none", "cpu", "cuda"):
+        fail(f"--device must be cpu, cuda or none, not {device!r}")
     directory = None if no_disk else (disk_dir or Path(tempfile.gettempdir()))
     stderr = Console(stderr=True)
     try:
@@ -66,6 +83,8 @@ def tiers(
                 workers=workers,
                 repeats=repeats,
                 progress=lambda label: progress.update(task, description=label),
+                device=None if device == "none" else device,
+                layers=layers,
             )
     except OSError as exc:
         fail(f"cannot benchmark the disk tier in {directory}: {exc.strerror or exc}")
@@ -93,6 +112,13 @@ def tiers(
     if report.disk_dir is not None:
         mode = "O_DIRECT" if report.direct_io else "buffered (O_DIRECT unsupported here)"
         console.print(f"disk tier in {report.disk_dir}: {mode}")
+    if report.device is not None:
+        pinned = "pinned" if report.pinned_memory else "pageable"
+        gds = {None: "n/a", True: "present", False: "absent"}[report.gds]
+        console.print(
+            f"device path: {report.device} tensors, {report.layers} layers x 2 segments per "
+            f"block; host arena {pinned}; GPUDirect Storage {gds}"
+        )
 
 
 def register(app: typer.Typer) -> None:

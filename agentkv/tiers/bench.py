@@ -3,9 +3,16 @@
 Primitives:
     Measurement        one operation at one block size: achieved GB/s, the baseline's GB/s, their
                        ratio and whether it meets the target (None when no target applies).
-    TierBenchReport    every measurement plus the setup (bytes moved, I/O mode, workers).
+    TierBenchReport    every measurement plus the setup (bytes moved, I/O mode, workers, device).
     run_tier_bench     host store/load against a large plain memory copy; disk write/read against
                        sequential I/O of the same size in the same mode (O_DIRECT or buffered).
+                       With ``device`` ('cpu' or 'cuda'), also the torch path the vLLM plugin
+                       uses: blocks held as torch tensors in a FlashAttention-style layout
+                       (``[2, num_blocks, ...]`` per layer, so 2 x layers segments per block)
+                       stored to and loaded from the host tier against one raw torch copy of the
+                       same bytes between device and (pinned) host memory, and to and from the
+                       disk tier against sequential I/O. On CUDA with GPUDirect Storage present,
+                       the disk runs are measured both staged and through GDS.
 
 Targets (issue 5): ratio >= 0.7 for blocks of 1 MiB and up. GB/s means 1e9 bytes per second.
 Blocking and CPU-heavy: run it from a command, never from the engine loop.
@@ -22,6 +29,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +61,10 @@ class TierBenchReport:
     disk_dir: str | None
     direct_io: bool | None
     measurements: list[Measurement] = field(default_factory=list)
+    device: str | None = None
+    layers: int | None = None
+    pinned_memory: bool | None = None
+    gds: bool | None = None
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -156,6 +168,127 @@ def _measure_store(
     return _gbps(nbytes, store_s), _gbps(nbytes, load_s)
 
 
+class _DeviceBlocks:
+    """``count`` blocks in device memory, FlashAttention-style: per layer one ``[2, count, seg]``
+    uint8 tensor (K and V halves), random bytes in ``source``, zeros in ``destination``."""
+
+    def __init__(self, torch: Any, device: str, count: int, block_bytes: int, layers: int) -> None:
+        self.torch = torch
+        self.device = device
+        segment = block_bytes // (2 * layers)
+        generator = torch.Generator(device=device).manual_seed(0)
+        self.source = [
+            torch.randint(
+                0, 256, (2, count, segment), dtype=torch.uint8, device=device, generator=generator
+            )
+            for _ in range(layers)
+        ]
+        self.destination = [torch.zeros_like(layer) for layer in self.source]
+
+    @staticmethod
+    def blocks(kv: list[Any], count: int) -> list[list[Any]]:
+        return [[layer[half, i] for layer in kv for half in (0, 1)] for i in range(count)]
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def exact(self) -> bool:
+        return all(
+            bool(self.torch.equal(a, b)) for a, b in zip(self.source, self.destination, strict=True)
+        )
+
+
+def _layers_for(block_bytes: int, layers: int) -> int:
+    """The most layers <= ``layers`` that split a block into equal K/V segments."""
+    layers = max(1, min(layers, block_bytes // 2))
+    while layers > 1 and block_bytes % (2 * layers):
+        layers -= 1
+    return layers
+
+
+def _measure_device(
+    store: TieredStore,
+    torch: Any,
+    device: str,
+    block_bytes: int,
+    total_bytes: int,
+    tier: str,
+    repeats: int,
+    layers: int,
+    salt: str,
+) -> tuple[float, float]:
+    count = max(1, total_bytes // block_bytes)
+    keys = chain_keys(ModelFingerprint("bench", "uint8", 16, layers), salt, range(count))
+    kv = _DeviceBlocks(torch, device, count, block_bytes, _layers_for(block_bytes, layers))
+    sources = kv.blocks(kv.source, count)
+    destinations = kv.blocks(kv.destination, count)
+    nbytes = count * block_bytes
+    kv.sync()
+
+    def store_once() -> float:
+        store.drop(keys)
+        start = time.perf_counter()
+        results = store.submit_store(keys, sources, tier=tier).result()  # type: ignore[arg-type]
+        elapsed = time.perf_counter() - start
+        if not all(result.ok for result in results):
+            raise RuntimeError(f"bench store failed: {next(r for r in results if not r.ok)}")
+        return elapsed
+
+    def load_once() -> float:
+        start = time.perf_counter()
+        results = store.submit_load(keys, destinations).result()
+        elapsed = time.perf_counter() - start
+        if not all(result.ok for result in results):
+            raise RuntimeError(f"bench load failed: {next(r for r in results if not r.ok)}")
+        return elapsed
+
+    store_s = _best(repeats, store_once)
+    load_s = _best(repeats, load_once)
+    kv.sync()
+    if not kv.exact():
+        raise RuntimeError("bench device round trip was not bit-exact")
+    store.drop(keys)
+    return _gbps(nbytes, store_s), _gbps(nbytes, load_s)
+
+
+def torch_copy_baseline(
+    torch: Any, device: str, total_bytes: int, repeats: int
+) -> tuple[float, float]:
+    """Return (device->host GB/s, host->device GB/s) of one raw torch copy of ``total_bytes``
+    between a device tensor and host memory (pinned on CUDA), best of ``repeats``."""
+    on_device = torch.ones(total_bytes, dtype=torch.uint8, device=device)
+    host = torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=device == "cuda")
+
+    def timed(destination: Any, source: Any) -> Callable[[], float]:
+        def once() -> float:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            destination.copy_(source, non_blocking=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        return once
+
+    down = _best(repeats, timed(host, on_device))
+    up = _best(repeats, timed(on_device, host))
+    return _gbps(total_bytes, down), _gbps(total_bytes, up)
+
+
+def _device_torch(device: str) -> Any:
+    if device not in ("cpu", "cuda"):
+        raise RuntimeError(f"unknown device {device!r} (cpu or cuda)")
+    try:
+        import torch
+    except ImportError as exc:
+        raise RuntimeError("the device benchmark needs torch") from exc
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    return torch
+
+
 def _measurement(
     operation: str, block_bytes: int, gbps: float, baseline: str, baseline_gbps: float
 ) -> Measurement:
@@ -181,16 +314,43 @@ def run_tier_bench(
     workers: int = 4,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
+    device: str | None = None,
+    layers: int = 32,
 ) -> TierBenchReport:
     """Measure every tier at every block size; ``disk_dir=None`` skips the disk tier.
 
-    Blocks for seconds. Creates and removes a private subdirectory of ``disk_dir``.
-    Raises OSError when ``disk_dir`` is not writable and RuntimeError when a transfer fails.
+    ``device`` ('cpu' or 'cuda') adds the torch path (see module docstring) with ``layers``
+    layers per block. Blocks for seconds. Creates and removes a private subdirectory of
+    ``disk_dir``. Raises OSError when ``disk_dir`` is not writable and RuntimeError when a
+    transfer fails, a round trip is not bit-exact or the device is unusable.
     """
     step = progress or (lambda _label: None)
     report = TierBenchReport(total_bytes, workers, str(disk_dir) if disk_dir else None, None)
+    torch = _device_torch(device) if device is not None else None
     step("memory copy baseline")
     copy_gbps = memory_copy_baseline(total_bytes, repeats)
+    if torch is not None and device is not None:
+        report.device, report.layers = device, layers
+        step(f"torch copy baseline ({device})")
+        down_gbps, up_gbps = torch_copy_baseline(torch, device, total_bytes, repeats)
+        for block_bytes in block_sizes:
+            step(f"host tier from {device} tensors, {block_bytes >> 10} KiB blocks")
+            count = max(1, total_bytes // block_bytes)
+            with TieredStore(count * block_bytes, None, 0, block_bytes, workers=workers) as store:
+                report.pinned_memory = store.stats().pinned_memory
+                stored, loaded = _measure_device(
+                    store, torch, device, block_bytes, total_bytes, "host", repeats, layers, "dh"
+                )
+            report.measurements.append(
+                _measurement(
+                    "device->host store", block_bytes, stored, "torch copy device->host", down_gbps
+                )
+            )
+            report.measurements.append(
+                _measurement(
+                    "host->device load", block_bytes, loaded, "torch copy host->device", up_gbps
+                )
+            )
     for block_bytes in block_sizes:
         step(f"host tier, {block_bytes >> 10} KiB blocks")
         count = max(1, total_bytes // block_bytes)
@@ -235,6 +395,52 @@ def run_tier_bench(
             report.measurements.append(
                 _measurement("disk read", block_bytes, read, "sequential read", seq_read)
             )
+            if torch is None or device is None:
+                continue
+            gds_modes: list[bool | None] = [False]
+            if device == "cuda":
+                from agentkv.tiers.gds import gds_available
+
+                report.gds = gds_available()
+                if report.gds:
+                    gds_modes.append(True)
+            for gds in gds_modes:
+                label = " (gds)" if gds else ""
+                step(f"disk tier from {device} tensors{label}, {block_bytes >> 10} KiB blocks")
+                with TieredStore(
+                    0,
+                    work / "tier",
+                    count * file_bytes,
+                    block_bytes,
+                    workers=workers,
+                    direct_io=direct_io,
+                    gds=gds,
+                ) as store:
+                    wrote, read = _measure_device(
+                        store,
+                        torch,
+                        device,
+                        block_bytes,
+                        total_bytes,
+                        "disk",
+                        repeats,
+                        layers,
+                        "dd",
+                    )
+                report.measurements.append(
+                    _measurement(
+                        f"device->disk store{label}",
+                        block_bytes,
+                        wrote,
+                        "sequential write",
+                        seq_write,
+                    )
+                )
+                report.measurements.append(
+                    _measurement(
+                        f"disk->device load{label}", block_bytes, read, "sequential read", seq_read
+                    )
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return report

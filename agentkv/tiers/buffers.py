@@ -1,12 +1,20 @@
 """Block buffers as callers hand them over: one buffer, or several segments concatenated in order.
 
 Primitives:
-    BlockBuffer    what a caller may pass for one block: any C-contiguous buffer (memoryview,
-                   numpy array, bytearray, ...) or a sequence of them (e.g. one per layer).
-    as_segments    normalise a BlockBuffer into flat uint8 numpy views (no copy), checking the
-                   total size and, for loads, that every segment is writable.
-    gather_into    copy segments into one contiguous destination (store path).
-    scatter_from   copy one contiguous source into segments (load path).
+    BlockBuffer    what a caller may pass for one block: a C-contiguous host buffer (numpy
+                   array, bytearray, memoryview, ...), a contiguous torch tensor on any device,
+                   or a sequence of them (segments of one block, in order, e.g. one per layer).
+    Segments       a normalised block: a list of flat uint8 numpy views (host memory), or
+                   DeviceSegments (torch tensors in device memory, see device.py).
+    as_segments    normalise a BlockBuffer without copying: host buffers and CPU tensors become
+                   numpy views of the same memory (a CPU tensor through ``.numpy()`` of a uint8
+                   view); tensors on a device (CUDA) become DeviceSegments. Checks the total size
+                   and, for loads, that host segments are writable.
+    gather_into    copy a block into one contiguous host destination (store path; device blocks
+                   are copied with torch on a CUDA stream, see device.py).
+    scatter_from   copy one contiguous host source into a block (load path).
+
+Device memory is only ever touched through torch: no numpy view and no memoryview of a tensor.
 """
 
 from __future__ import annotations
@@ -17,9 +25,23 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from agentkv.tiers import device
+from agentkv.tiers.device import DeviceSegments
+
 ByteArray: TypeAlias = npt.NDArray[np.uint8]
 BlockBuffer: TypeAlias = Any
-"""A buffer-protocol object, or a sequence of them (segments of one block, in order)."""
+"""A host buffer or torch tensor, or a sequence of them (segments of one block, in order)."""
+Segments: TypeAlias = "list[ByteArray] | DeviceSegments"
+
+
+def _on_host(tensor: Any) -> bool:
+    """True when ``tensor`` lives in host memory and can be viewed as numpy (seam for tests)."""
+    return bool(tensor.device.type == "cpu")
+
+
+def _tensor_view(tensor: Any) -> ByteArray:
+    array: ByteArray = device.flat_bytes(tensor).numpy()
+    return array
 
 
 def _flat(buffer: Any, *, writable: bool) -> ByteArray:
@@ -43,32 +65,50 @@ def _is_segment_list(buffer: Any) -> bool:
     return isinstance(buffer, Sequence) and not isinstance(buffer, bytes | bytearray | memoryview)
 
 
-def as_segments(
-    buffer: BlockBuffer, block_bytes: int, *, writable: bool = False
-) -> list[ByteArray]:
-    """Return ``buffer`` as flat uint8 views whose sizes sum to ``block_bytes``.
+def as_segments(buffer: BlockBuffer, block_bytes: int, *, writable: bool = False) -> Segments:
+    """Return ``buffer`` as Segments whose sizes sum to ``block_bytes``. Never copies.
 
-    Raises ValueError when the sizes do not add up, a segment is not contiguous, or (for
-    ``writable=True``) a segment is read-only. Never copies.
+    Raises ValueError when the sizes do not add up, a segment is not contiguous, segments mix
+    host and device memory (or two devices), or (for ``writable=True``) a host segment is
+    read-only.
     """
     parts = list(buffer) if _is_segment_list(buffer) else [buffer]
-    segments = [_flat(part, writable=writable) for part in parts]
-    total = sum(segment.size for segment in segments)
+    torch = device.loaded_torch()
+    tensor_type = torch.Tensor if torch is not None else ()
+    on_device = [isinstance(part, tensor_type) and not _on_host(part) for part in parts]
+    segments: Segments
+    if any(on_device):
+        if not all(on_device):
+            raise ValueError("a block's segments must all be in host memory or all on one device")
+        segments = DeviceSegments(parts)
+        total = segments.nbytes
+    else:
+        segments = [
+            _tensor_view(part) if isinstance(part, tensor_type) else _flat(part, writable=writable)
+            for part in parts
+        ]
+        total = sum(segment.size for segment in segments)
     if total != block_bytes:
         raise ValueError(f"block buffer holds {total} bytes, expected {block_bytes}")
     return segments
 
 
-def gather_into(destination: ByteArray, segments: Sequence[ByteArray]) -> None:
+def gather_into(destination: ByteArray, segments: Segments) -> None:
     """Copy ``segments`` back to back into ``destination`` (which is at least their total size)."""
+    if isinstance(segments, DeviceSegments):
+        device.device_to_host(destination, segments)
+        return
     offset = 0
     for segment in segments:
         np.copyto(destination[offset : offset + segment.size], segment)
         offset += segment.size
 
 
-def scatter_from(source: ByteArray, segments: Sequence[ByteArray]) -> None:
+def scatter_from(source: ByteArray, segments: Segments) -> None:
     """Copy ``source`` into ``segments`` in order (the inverse of gather_into)."""
+    if isinstance(segments, DeviceSegments):
+        device.host_to_device(source, segments)
+        return
     offset = 0
     for segment in segments:
         np.copyto(segment, source[offset : offset + segment.size])

@@ -9,6 +9,7 @@ Primitives:
     BlockFiles.read_into read, check header and checksum, then copy into the caller's segments.
                          Returns False when the file is absent; a truncated or corrupt file is
                          deleted and raises CorruptBlockError (the caller treats it as a miss).
+    BlockFiles.uses_gds  whether device blocks move through GPUDirect Storage (see below).
     BlockFiles.remove    delete a block's file (absent is fine).
     BlockFiles.scan      rebuild the index after a restart from headers only, oldest first;
                          deletes temp leftovers and files with a broken header or size.
@@ -21,6 +22,15 @@ followed by the payload, zero-padded to a multiple of ALIGN. No pickle, nothing 
 O_DIRECT is probed once per directory; where the filesystem refuses it (tmpfs, some overlays)
 the tier uses buffered I/O and logs that once. Files are not fsynced: the tier is a cache, and
 the checksum turns a block torn by a crash into a miss.
+
+Blocks in device memory (DeviceSegments, CUDA) take one of two paths, same files either way:
+    staged (default)   copied with torch into this thread's staging buffer, which is pinned host
+                       memory when CUDA is present, and written/read from there with O_DIRECT.
+    GPUDirect Storage  when ``gds_available()`` (kvikio with cuFile usable) and not turned off:
+                       the payload moves between a contiguous device buffer and the file through
+                       cuFile; the header goes through ordinary I/O. The xxh3 checksum is computed
+                       on a host copy of the payload (one device->host DMA), and a read is
+                       verified before any byte reaches the caller's segments.
 """
 
 from __future__ import annotations
@@ -36,12 +46,15 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import xxhash
 
 from agentkv.errors import CorruptBlockError, TierError, TierFullError
-from agentkv.tiers.buffers import ByteArray, gather_into, scatter_from
+from agentkv.tiers import device
+from agentkv.tiers.buffers import ByteArray, Segments, gather_into, scatter_from
+from agentkv.tiers.device import DeviceSegments
+from agentkv.tiers.host import HostBuffer, allocate_host
 from agentkv.tiers.keys import KEY_BYTES, BlockKey
 
 log = logging.getLogger(__name__)
@@ -100,9 +113,20 @@ class BlockFiles:
     """Block files of ``block_bytes`` payload each under ``directory``."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], block_bytes: int, *, direct_io: bool | None = None
+        self,
+        directory: str | os.PathLike[str],
+        block_bytes: int,
+        *,
+        direct_io: bool | None = None,
+        pin_memory: bool | None = None,
+        gds: bool | None = None,
     ) -> None:
-        """Create ``directory`` (mode 0700) if needed and probe O_DIRECT unless ``direct_io`` is given."""
+        """Create ``directory`` (mode 0700) if needed and probe O_DIRECT unless ``direct_io`` is given.
+
+        ``pin_memory`` is for the staging buffers (None: pinned when torch+CUDA are loaded).
+        ``gds=None`` uses GPUDirect Storage for device blocks when it is available, True asks for
+        it (a warning when unavailable), False never uses it.
+        """
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.block_bytes = block_bytes
@@ -116,32 +140,71 @@ class BlockFiles:
         self.direct_io = direct_io
         self._open_flags = getattr(os, "O_DIRECT", 0) if direct_io else 0
         self._staging = threading.local()
+        self._pin_memory = pin_memory
+        self._gds_wanted = gds
+        self._gds_io: Any = None
+        self._gds_lock = threading.Lock()
+
+    @property
+    def uses_gds(self) -> bool:
+        """True once a device block went (or would go) through GPUDirect Storage."""
+        return self._gds_io is not None
+
+    def _gds_for(self, segments: Segments) -> Any:
+        """The DevicePayloadIO for a CUDA block when GDS is on, else None (staged path)."""
+        if self._gds_wanted is False or not (
+            isinstance(segments, DeviceSegments) and segments.is_cuda
+        ):
+            return None
+        if self._gds_io is None:
+            with self._gds_lock:
+                if self._gds_io is None and self._gds_wanted is not False:
+                    from agentkv.tiers import gds  # lazy: gds imports this module
+
+                    if gds.gds_available():
+                        self._gds_io = gds.DevicePayloadIO()
+                        log.info(
+                            "disk tier %s: device blocks use GPUDirect Storage", self.directory
+                        )
+                    else:
+                        if self._gds_wanted:
+                            log.warning(
+                                "GPUDirect Storage requested but unavailable; staging through host"
+                            )
+                        self._gds_wanted = False
+        return self._gds_io
 
     def path_for(self, key: BlockKey) -> Path:
         """Return where ``key``'s file lives (two hex characters of fan-out keep directories small)."""
         name = key.hex()
         return self.directory / name[:2] / f"{name}{SUFFIX}"
 
-    def _staging_buffer(self) -> mmap.mmap:
+    def _staging_buffer(self) -> ByteArray:
         # One page-aligned buffer per worker thread: O_DIRECT needs aligned memory, and reusing
-        # it avoids an allocation (and page faults) per block.
-        buffer: mmap.mmap | None = getattr(self._staging, "buffer", None)
+        # it avoids an allocation (and page faults) per block. Pinned when CUDA is present, so
+        # device blocks are copied to and from it by DMA.
+        buffer: HostBuffer | None = getattr(self._staging, "buffer", None)
         if buffer is None:
-            buffer = mmap.mmap(-1, self.file_bytes)
+            buffer = allocate_host(self.file_bytes, self._pin_memory)
             self._staging.buffer = buffer
-        return buffer
+        return buffer.array
 
-    def write(self, key: BlockKey, segments: Sequence[ByteArray]) -> int:
+    def write(self, key: BlockKey, segments: Segments | Sequence[ByteArray]) -> int:
         """Write one block atomically; returns the bytes it occupies on disk.
 
         Blocks the calling thread (run it on a worker). Raises TierFullError when the disk is full
         and TierError on any other I/O failure; in both cases no file is left behind.
         """
         staging = self._staging_buffer()
-        view = memoryview(staging)
-        array = np.frombuffer(staging, dtype=np.uint8)
-        payload = array[HEADER_BYTES : HEADER_BYTES + self.block_bytes]
-        gather_into(payload, segments)
+        payload = staging[HEADER_BYTES : HEADER_BYTES + self.block_bytes]
+        gds = self._gds_for(segments)  # type: ignore[arg-type]
+        device_payload: Any = None
+        if gds is not None:
+            assert isinstance(segments, DeviceSegments)
+            device_payload = device.gather_on_device(segments)
+            device.copy_device_buffer_to_host(payload, device_payload)  # for the checksum
+        else:
+            gather_into(payload, segments)  # type: ignore[arg-type]
         header = _HEADER.pack(
             MAGIC,
             VERSION,
@@ -152,6 +215,7 @@ class BlockFiles:
             key.digest,
             key.fingerprint_digest,
         )
+        view = memoryview(staging)  # type: ignore[arg-type]
         view[: _HEADER.size] = header
         view[_HEADER.size : _HEADER.size + _HEADER_CHECKSUM.size] = _HEADER_CHECKSUM.pack(
             xxhash.xxh3_64_intdigest(header)
@@ -162,14 +226,15 @@ class BlockFiles:
         try:
             fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | self._open_flags, 0o600)
             try:
-                written = 0
-                while written < self.file_bytes:
-                    count = _pwrite(fd, view[written:], written)
-                    if count <= 0:
-                        raise OSError(errno.EIO, "short write")
-                    written += count
+                if gds is None:
+                    self._pwrite_all(fd, view, self.file_bytes)
+                else:  # header here, payload through cuFile; the padding reads as zeros
+                    os.ftruncate(fd, self.file_bytes)
+                    self._pwrite_all(fd, view, HEADER_BYTES)
             finally:
                 os.close(fd)
+            if gds is not None:
+                gds.write_payload(temp, device_payload, self.block_bytes)
             os.replace(temp, final)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -177,11 +242,24 @@ class BlockFiles:
             if exc.errno in _FULL_ERRNOS:
                 raise TierFullError(f"disk tier full writing {final.name}: {exc.strerror}") from exc
             raise TierError(f"disk tier write failed for {final.name}: {exc}") from exc
+        except TierError:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise
         finally:
             view.release()
         return self.file_bytes
 
-    def read_into(self, key: BlockKey, segments: Sequence[ByteArray]) -> bool:
+    @staticmethod
+    def _pwrite_all(fd: int, view: memoryview, length: int) -> None:
+        written = 0
+        while written < length:
+            count = _pwrite(fd, view[written:length], written)
+            if count <= 0:
+                raise OSError(errno.EIO, "short write")
+            written += count
+
+    def read_into(self, key: BlockKey, segments: Segments | Sequence[ByteArray]) -> bool:
         """Fill ``segments`` with ``key``'s payload; returns False when no file exists.
 
         Blocks the calling thread. A truncated, mismatched or corrupt file is deleted and raises
@@ -189,6 +267,8 @@ class BlockFiles:
         """
         path = self.path_for(key)
         staging = self._staging_buffer()
+        gds = self._gds_for(segments)  # type: ignore[arg-type]
+        wanted = HEADER_BYTES if gds is not None else self.file_bytes
         try:
             fd = os.open(path, os.O_RDONLY | self._open_flags)
         except FileNotFoundError:
@@ -203,10 +283,10 @@ class BlockFiles:
                     f"{path.name} is truncated ({size} < {self.file_bytes} bytes)"
                 )
             read = 0
-            view = memoryview(staging)
+            view = memoryview(staging)  # type: ignore[arg-type]
             try:
-                while read < self.file_bytes:
-                    count = os.preadv(fd, [view[read:]], read)
+                while read < wanted:
+                    count = os.preadv(fd, [view[read:wanted]], read)
                     if count <= 0:
                         break
                     read += count
@@ -216,27 +296,35 @@ class BlockFiles:
             raise TierError(f"disk tier read failed for {path.name}: {exc}") from exc
         finally:
             os.close(fd)
-        if read < self.file_bytes:
+        if read < wanted:
             self._discard(path)
             raise CorruptBlockError(f"{path.name} is truncated")
+        payload = staging[HEADER_BYTES : HEADER_BYTES + self.block_bytes]
+        device_payload: Any = None
+        if gds is not None:
+            assert isinstance(segments, DeviceSegments)
+            device_payload = device.device_buffer(segments)
+            gds.read_payload(path, device_payload, self.block_bytes)
+            device.copy_device_buffer_to_host(payload, device_payload)  # to verify the checksum
         problem = self._check(staging, key)
         if problem is not None:
             self._discard(path)
             raise CorruptBlockError(f"{path.name}: {problem}")
-        array = np.frombuffer(staging, dtype=np.uint8)
-        scatter_from(array[HEADER_BYTES : HEADER_BYTES + self.block_bytes], segments)
+        if device_payload is not None:
+            assert isinstance(segments, DeviceSegments)
+            device.scatter_on_device(device_payload, segments)
+        else:
+            scatter_from(payload, segments)  # type: ignore[arg-type]
         return True
 
-    def _check(self, staging: mmap.mmap, key: BlockKey) -> str | None:
+    def _check(self, staging: ByteArray, key: BlockKey) -> str | None:
         problem, header = self._parse_header(bytes(staging[:HEADER_BYTES]))
         if problem is not None or header is None:
             return problem
         _, _, _, _, _, checksum, digest, fingerprint = header
         if digest != key.digest or fingerprint != key.fingerprint_digest:
             return "header names another key"
-        payload = np.frombuffer(staging, dtype=np.uint8)[
-            HEADER_BYTES : HEADER_BYTES + self.block_bytes
-        ]
+        payload = staging[HEADER_BYTES : HEADER_BYTES + self.block_bytes]
         if xxhash.xxh3_64_intdigest(payload.data) != checksum:
             return "payload checksum mismatch"
         return None

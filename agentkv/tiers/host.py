@@ -1,6 +1,10 @@
-"""Host tier memory: a preallocated arena of fixed-size block slots.
+"""Host tier memory: a preallocated arena of fixed-size block slots, pinned when CUDA is in use.
 
 Primitives:
+    allocate_host        ``size`` bytes of page-aligned, pre-faulted host memory; pinned (page-
+                         locked, registered with CUDA) when asked to, or by default when torch is
+                         already imported and CUDA is present. Used for the arena and the disk
+                         tier's staging buffers, so device copies are true asynchronous DMA.
     HostArena            ``capacity_bytes // block_bytes`` slots allocated once at start (page
                          faults taken up front, so the first store is as fast as the last).
     HostArena.alloc      take a free slot in O(1); returns None when every slot is taken.
@@ -8,42 +12,45 @@ Primitives:
     HostArena.slot       the slot's bytes as a writable uint8 view (no copy).
 
 The arena knows nothing about keys, pins or eviction; the store decides which slot holds what.
-Pinned memory (through torch) is used only when torch is already imported and CUDA is present, so
-importing agentkv never imports torch.
+
+Pinning: an anonymous mmap (exactly the bytes asked for) registered with ``cudaHostRegister``
+through torch's cudart bindings; when that is unavailable, ``torch.empty(pin_memory=True)``
+(torch's pinned allocator may round the size up); when neither works, plain memory and a
+warning. Importing agentkv never imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
-import sys
 import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from agentkv.errors import ConfigError
 from agentkv.tiers.buffers import ByteArray
+from agentkv.tiers.device import loaded_torch
 
 log = logging.getLogger(__name__)
 
+_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process
 
-def _pinned_buffer(size: int) -> tuple[ByteArray, Any] | None:
-    torch = sys.modules.get("torch")
+
+def _cuda_present() -> bool:
+    torch = loaded_torch()
     if torch is None:
-        return None
+        return False
     try:
-        if not torch.cuda.is_available():
-            return None
-        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        tensor.zero_()
-    except Exception as exc:  # a broken CUDA setup must not stop the store: plain memory works
-        log.warning("pinned host memory unavailable (%s); using plain memory", exc)
-        return None
-    return tensor.numpy(), tensor
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken CUDA install reads as "no CUDA"
+        return False
 
 
-def _anonymous_buffer(size: int) -> tuple[ByteArray, Any]:
+def _anonymous_buffer(size: int) -> tuple[ByteArray, mmap.mmap]:
     flags = (
         mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_POPULATE", 0)
     )
@@ -51,6 +58,68 @@ def _anonymous_buffer(size: int) -> tuple[ByteArray, Any]:
     array = np.frombuffer(region, dtype=np.uint8)
     array[:: mmap.PAGESIZE] = 0  # MAP_POPULATE is Linux-only; touching each page does the same
     return array, region
+
+
+def _unregister(cudart: Any, pointer: int) -> None:
+    with contextlib.suppress(Exception):  # at interpreter shutdown CUDA may be gone already
+        cudart.cudaHostUnregister(pointer)
+
+
+@dataclass(eq=False)
+class HostBuffer:
+    """Host memory from ``allocate_host``: ``array`` is the uint8 view, ``pinned`` whether CUDA
+    sees it as page-locked. Keep the object alive as long as the memory is used."""
+
+    array: ByteArray
+    owner: Any
+    pinned: bool
+
+
+def _registered(size: int) -> HostBuffer | None:
+    torch = loaded_torch()
+    array, region = _anonymous_buffer(size)
+    try:
+        cudart = torch.cuda.cudart()
+        pointer = int(array.ctypes.data)
+        status = cudart.cudaHostRegister(pointer, size, _CUDA_HOST_REGISTER_PORTABLE)
+        if int(status) != 0:
+            raise RuntimeError(f"cudaHostRegister returned {status}")
+    except Exception as exc:
+        log.info("cudaHostRegister unavailable (%s); trying torch's pinned allocator", exc)
+        return None
+    buffer = HostBuffer(array, region, True)
+    weakref.finalize(buffer, _unregister, cudart, pointer)
+    if size >= 1 << 30:
+        log.info("pinned %.1f GiB of host memory for the KV tiers", size / (1 << 30))
+    return buffer
+
+
+def _torch_pinned(size: int) -> HostBuffer | None:
+    torch = loaded_torch()
+    try:
+        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        tensor.zero_()
+    except Exception as exc:  # a broken CUDA setup must not stop the store: plain memory works
+        log.warning("pinned host memory unavailable (%s); using plain memory", exc)
+        return None
+    return HostBuffer(tensor.numpy(), tensor, True)
+
+
+def allocate_host(size: int, pin_memory: bool | None = None) -> HostBuffer:
+    """Allocate ``size`` (>= 1) bytes of page-aligned host memory, faulted in now.
+
+    ``pin_memory=None`` pins only when torch is already imported and CUDA is present; True asks
+    for pinning and warns when it is not possible; False never pins. Never raises for pinning.
+    """
+    size = max(size, 1)
+    if pin_memory is not False and _cuda_present():
+        pinned = _registered(size) or _torch_pinned(size)
+        if pinned is not None:
+            return pinned
+    elif pin_memory:
+        log.warning("pinned host memory requested but torch/CUDA is not loaded; using plain memory")
+    array, region = _anonymous_buffer(size)
+    return HostBuffer(array, region, False)
 
 
 class HostArena:
@@ -72,13 +141,9 @@ class HostArena:
                 f"host capacity {capacity_bytes} B is smaller than one block ({block_bytes} B)"
             )
         size = max(self.num_slots * block_bytes, 1)
-        pinned = _pinned_buffer(size) if pin_memory is not False else None
-        if pinned is None and pin_memory:
-            log.warning(
-                "pinned host memory requested but torch/CUDA is not loaded; using plain memory"
-            )
-        self.pinned = pinned is not None
-        self._memory, self._owner = pinned if pinned is not None else _anonymous_buffer(size)
+        self._buffer = allocate_host(size, pin_memory if self.num_slots else False)
+        self.pinned = self._buffer.pinned
+        self._memory = self._buffer.array
         self._slots = self._memory[: self.num_slots * block_bytes].reshape(
             self.num_slots, block_bytes
         )

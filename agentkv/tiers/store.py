@@ -20,6 +20,12 @@ Primitives:
     ``auto_evict=False``: the store never evicts on its own (a full tier fails the block with
     TierFullError); the caller that owns the residency index decides what leaves.
 
+Buffers (buffers.py): host buffers and CPU tensors are copied with numpy through zero-copy views;
+torch tensors on a CUDA device are copied with torch on a per-thread CUDA stream into / out of the
+host arena (pinned memory when CUDA is present) or the disk tier's pinned staging buffers, or
+through GPUDirect Storage when available (disk.py, device.py). A transfer is ordered after the
+work queued on the caller's current stream when it was submitted.
+
 Invariants:
     - A block in flight is pinned in the tier it is read from, so eviction never frees it mid-copy;
       a block dropped while pinned keeps its slot until the last pin goes.
@@ -48,7 +54,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentkv.errors import ConfigError, CorruptBlockError, TierError, TierFullError
-from agentkv.tiers.buffers import BlockBuffer, ByteArray, as_segments, gather_into, scatter_from
+from agentkv.tiers import device
+from agentkv.tiers.buffers import (
+    BlockBuffer,
+    ByteArray,
+    Segments,
+    as_segments,
+    gather_into,
+    scatter_from,
+)
 from agentkv.tiers.disk import BlockFiles
 from agentkv.tiers.eviction import EvictionOrder
 from agentkv.tiers.host import HostArena
@@ -219,11 +233,15 @@ class TieredStore:
         direct_io: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
         auto_evict: bool = True,
+        gds: bool | None = None,
     ) -> None:
         """Allocate the host arena and, with ``disk_dir``, rebuild the disk index from its files.
 
         ``disk_capacity_bytes`` counts whole files (a 4 KiB header plus the payload rounded up to
-        4 KiB). Raises ConfigError for sizes that cannot hold one block.
+        4 KiB). ``pin_memory=None`` pins the arena and staging buffers when torch+CUDA are
+        loaded; ``gds=None`` moves device blocks to/from disk through GPUDirect Storage when it is
+        available (False: always staged through pinned host memory). Raises ConfigError for
+        sizes that cannot hold one block.
         """
         if block_bytes <= 0:
             raise ConfigError("block_bytes must be positive")
@@ -259,7 +277,9 @@ class TieredStore:
         self._disk_capacity = 0
         self._disk_used = 0
         if disk_dir is not None:
-            self._files = BlockFiles(disk_dir, block_bytes, direct_io=direct_io)
+            self._files = BlockFiles(
+                disk_dir, block_bytes, direct_io=direct_io, pin_memory=pin_memory, gds=gds
+            )
             self._disk_capacity = disk_capacity_bytes
             if disk_capacity_bytes < self._files.file_bytes:
                 raise ConfigError(
@@ -500,10 +520,12 @@ class TieredStore:
 
     def _segments(
         self, keys: Sequence[BlockKey], buffers: Sequence[BlockBuffer], *, writable: bool
-    ) -> list[list[ByteArray]]:
+    ) -> list[Segments]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        return [as_segments(buffer, self.block_bytes, writable=writable) for buffer in buffers]
+        blocks = [as_segments(buffer, self.block_bytes, writable=writable) for buffer in buffers]
+        device.mark_ready(blocks)  # on the caller's thread: copies wait for its queued work
+        return blocks
 
     def _run(self, handle: TransferHandle, one: Callable[[int], BlockResult]) -> None:
         if self._closed:
@@ -551,7 +573,7 @@ class TieredStore:
     def _store_one(
         self,
         key: BlockKey,
-        segments: list[ByteArray],
+        segments: Segments,
         tier: TierName,
         lease_until: float | None,
         owner: str | None,
@@ -588,7 +610,7 @@ class TieredStore:
                 self._host_order.add(block)
         return BlockResult(key, BlockStatus.OK, "host")
 
-    def _load_one(self, key: BlockKey, segments: list[ByteArray]) -> BlockResult:
+    def _load_one(self, key: BlockKey, segments: Segments) -> BlockResult:
         with self._lock:
             self._counters["loads"] += 1
             block = self._blocks.get(key)
@@ -613,7 +635,7 @@ class TieredStore:
             return BlockResult(key, BlockStatus.OK, "host")
         return self._read_disk(block, segments)
 
-    def _read_disk(self, block: _Block, segments: list[ByteArray]) -> BlockResult:
+    def _read_disk(self, block: _Block, segments: Segments) -> BlockResult:
         assert self._files is not None
         error: TierError | None = None
         found = False
@@ -728,7 +750,7 @@ class TieredStore:
             return False
         return True
 
-    def _write_disk(self, key: BlockKey, segments: Sequence[ByteArray]) -> None:
+    def _write_disk(self, key: BlockKey, segments: Segments) -> None:
         """Reserve room (evicting), then write; releases the reservation when the write fails."""
         assert self._files is not None
         self._reserve_disk_bytes()

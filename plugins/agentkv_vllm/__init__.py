@@ -5,7 +5,8 @@ Modules:
   connector     AgentKVConnector(KVConnectorBase_V1): dispatches to the scheduler or worker side
   scheduler_side  trajectory table, pins, pause decisions, tier index, load/store job planning
   worker_side   executes store/load jobs between vLLM's KV cache and the tier store
-  block_copy    the one device-specific piece: byte views of whole engine blocks
+  block_copy    the one layout-specific piece: torch byte views of whole engine blocks
+  device_copy   layer-by-layer copies into the KV cache with per-layer completion (CUDA events)
   params        the request contract (``kv_transfer_params.agentkv``), validated with pydantic
   settings      ``kv_connector_extra_config``, validated with pydantic
   control       the local ZMQ channel between the HTTP routes and the scheduler-side connector

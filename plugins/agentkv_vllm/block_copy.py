@@ -1,19 +1,27 @@
-"""Byte views of whole engine blocks: the one device-specific piece of the plugin.
+"""Byte views of whole engine blocks: the one layout-specific piece of the plugin.
 
 Primitives:
-  BlockViews(kv_caches, num_blocks)  finds each layer tensor's block dimension once
-  .segments(block_id) -> list[np.ndarray]   uint8 views (CPU) of one block, one per layer (or
-                                            per K/V half), in a fixed order; writable
-  .block_bytes                              bytes of one block across all layers
-  .layout                                   a string naming shapes/dtype: part of the key
-                                            fingerprint, so another layout never matches
-  .layer_slices()                           per layer, in forward order: its name and the
-                                            (segment index, byte offset in the block, bytes) of
-                                            its segments, for layer-by-layer loads
+  BlockViews(kv_caches, num_blocks)  finds each layer tensor's block dimension and the memory
+                                     runs one block occupies in it, once
+  .segments(block_id) -> list[Tensor]  flat uint8 torch views of one block, on the KV cache's
+                                       device (CPU or CUDA alike), sharing its memory, writable,
+                                       in a fixed order: per layer (sorted by name), its runs
+  .block_bytes                       bytes of one block across all layers
+  .layout                            a string naming device, dtype, shapes and strides: part of
+                                     the key fingerprint, so another layout never matches
+  .layer_slices()                    per layer, in forward order: its name and the (segment
+                                     index, byte offset in the block, bytes) of its segments,
+                                     for layer-by-layer loads
 
-Only whole-block copies are layout-safe (the CPU kernel stores K transposed inside a block), so
-segments never split a block. On CUDA the views are device tensors; ``DeviceStaging`` copies
-them through a pinned host buffer.
+A run is a stretch of memory holding only this block's bytes. One block of a layer is one run
+when its elements are dense in memory whatever their logical order (vLLM CPU
+``[num_blocks, heads, block_size, 2*head]``-style layouts, FlashInfer ``[num_blocks, 2, ...]``,
+MLA ``[num_blocks, block_size, dim]``, and permuted HND strides), and one run per K/V half for
+FlashAttention's ``[2, num_blocks, block_size, heads, dim]``; in general the block is split along
+its outermost dimension until every piece is dense. Bytes are copied raw, whole blocks only (the
+CPU kernel stores K transposed inside a block), so any layout round-trips exactly back into the
+same layout, which the fingerprint enforces. The store copies CPU segments with numpy (zero-copy
+``.numpy()`` views) and CUDA segments with torch on a copy stream (agentkv.tiers.device).
 """
 
 from __future__ import annotations
@@ -21,8 +29,62 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import numpy as np
 import torch
+
+
+def _dense(view: torch.Tensor) -> bool:
+    """True when ``view``'s elements fill one gap-free stretch of memory (any dimension order)."""
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for st, sz in zip(view.stride(), view.shape, strict=True) if sz > 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _runs(view: torch.Tensor) -> list[tuple[int, int]]:
+    """(element offset in storage, elements) of the dense stretches holding ``view``, in the
+    order of its outermost dimensions, adjacent stretches merged."""
+    if any(
+        st < 0 or (st == 0 and sz > 1) for st, sz in zip(view.stride(), view.shape, strict=True)
+    ):
+        raise ValueError("KV cache tensors with negative or zero strides are not supported")
+    if _dense(view):
+        runs = [(int(view.storage_offset()), int(view.numel()))]
+    else:
+        outer = max(
+            (d for d in range(view.dim()) if view.shape[d] > 1), key=lambda d: view.stride(d)
+        )
+        runs = [run for i in range(view.shape[outer]) for run in _runs(view.select(outer, i))]
+    merged: list[tuple[int, int]] = []
+    for offset, count in runs:
+        if merged and merged[-1][0] + merged[-1][1] == offset:
+            merged[-1] = (merged[-1][0], merged[-1][1] + count)
+        else:
+            merged.append((offset, count))
+    return merged
+
+
+class _Layer:
+    """One layer tensor: a flat uint8 view of all its memory and block 0's runs in it."""
+
+    def __init__(self, tensor: torch.Tensor, block_dim: int) -> None:
+        element = tensor.element_size()
+        span = 1 + sum((sz - 1) * st for sz, st in zip(tensor.shape, tensor.stride(), strict=True))
+        base = tensor.storage_offset()
+        flat = tensor.detach().as_strided((span,), (1,), base)
+        self.flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+        self.block_stride = tensor.stride(block_dim) * element
+        block = tensor.select(block_dim, 0)
+        self.runs = [((offset - base) * element, count * element) for offset, count in _runs(block)]
+        if sum(n for _, n in self.runs) != block.numel() * element:
+            raise ValueError("a block's memory runs do not add up to its size")  # a bug if seen
+
+    def segments(self, block_id: int) -> list[torch.Tensor]:
+        start = block_id * self.block_stride
+        return [self.flat[start + offset : start + offset + size] for offset, size in self.runs]
 
 
 class BlockViews:
@@ -42,71 +104,35 @@ class BlockViews:
         self.device = self._tensors[0].device if self._tensors else torch.device("cpu")
         self.dtype = str(self._tensors[0].dtype).removeprefix("torch.") if self._tensors else "none"
         shapes = ";".join(
-            f"{tuple(t.shape)}@{d}" for t, d in zip(self._tensors, self._block_dims, strict=True)
+            f"{tuple(t.shape)}/{tuple(t.stride())}@{d}"
+            for t, d in zip(self._tensors, self._block_dims, strict=True)
         )
         self.layout = f"{self.device.type}:{self.dtype}:{shapes}"
-        self.block_bytes = sum(self._segment_nbytes(i) for i in range(len(self._tensors)))
-        # Segments per layer tensor: 1 when a block is contiguous in it, else one per K/V half.
-        self._segment_counts = [
-            1 if t.select(d, 0).is_contiguous() else int(t.select(d, 0).shape[0])
-            for t, d in zip(self._tensors, self._block_dims, strict=True)
-        ]
+        self._layers = [_Layer(t, d) for t, d in zip(self._tensors, self._block_dims, strict=True)]
+        self.block_bytes = sum(size for layer in self._layers for _, size in layer.runs)
 
     def layer_slices(self) -> list[tuple[str, list[tuple[int, int, int]]]]:
         """Each layer's segments as (segment index, byte offset in the block, bytes), layers in
         forward order (``layers.2`` before ``layers.10``, unlike the sorted segment order)."""
         out: list[tuple[str, list[tuple[int, int, int]]]] = []
         index = offset = 0
-        for i, name in enumerate(self.layer_names):
-            n = self._segment_counts[i]
-            size = self._segment_nbytes(i) // n
-            out.append((name, [(index + j, offset + j * size, size) for j in range(n)]))
-            index += n
-            offset += n * size
+        for name, layer in zip(self.layer_names, self._layers, strict=True):
+            segs = []
+            for _, size in layer.runs:
+                segs.append((index, offset, size))
+                index += 1
+                offset += size
+            out.append((name, segs))
 
         def forward_order(item: tuple[str, Any]) -> tuple[int, ...]:
             return tuple(int(x) for x in re.findall(r"\d+", item[0]))
 
         return sorted(out, key=forward_order)
 
-    def _segment_nbytes(self, i: int) -> int:
-        t, d = self._tensors[i], self._block_dims[i]
-        return t.element_size() * t.numel() // t.shape[d]
-
-    def _block_tensors(self, block_id: int) -> list[torch.Tensor]:
-        out = []
-        for t, d in zip(self._tensors, self._block_dims, strict=True):
-            view = t.select(d, block_id)
-            if view.is_contiguous():
-                out.append(view)
-            else:
-                # e.g. CUDA [2, num_blocks, ...]: K and V halves are each contiguous
-                out.extend(view.unbind(0))
-        return out
-
-    def segments(self, block_id: int) -> list[Any]:
-        """uint8 views of the block (CPU: numpy views sharing the KV memory, writable)."""
-        tensors = self._block_tensors(block_id)
-        if self.device.type == "cpu":
-            return [x.contiguous().view(torch.uint8).reshape(-1).numpy() for x in tensors]
-        return [x.view(torch.uint8).reshape(-1) for x in tensors]
+    def segments(self, block_id: int) -> list[torch.Tensor]:
+        """Flat uint8 tensor views of the block's bytes on the KV cache's device (no copy)."""
+        return [seg for layer in self._layers for seg in layer.segments(block_id)]
 
     @property
     def is_host(self) -> bool:
         return self.device.type == "cpu"
-
-
-def to_host(segments: list[Any]) -> np.ndarray:
-    """Concatenate device segments into one host buffer (CUDA path)."""
-    flat = torch.cat([s for s in segments]).to("cpu", non_blocking=False)
-    return flat.numpy()
-
-
-def from_host(segments: list[Any], data: np.ndarray) -> None:
-    """Scatter one host buffer back into device segments (CUDA path)."""
-    src = torch.from_numpy(data)
-    offset = 0
-    for s in segments:
-        n = s.numel()
-        s.copy_(src[offset : offset + n].to(s.device, non_blocking=False))
-        offset += n

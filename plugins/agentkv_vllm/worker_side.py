@@ -40,13 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from agentkv.errors import CorruptBlockError
 from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
 from agentkv.tiers import BlockStatus, HostRead, TieredStore, TransferHandle
 from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
 from agentkv_vllm.block_copy import BlockViews
+from agentkv_vllm.device_copy import LayerCopier
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.settings import ConnectorSettings
 
@@ -54,15 +53,6 @@ log = logging.getLogger("agentkv.worker")
 GiB = 1 << 30
 # A layer copy that takes this long is stuck (host memcpy runs at GB/s): stop waiting, recompute.
 LAYER_WAIT_TIMEOUT_S = 60.0
-
-
-def _copy(dest: Any, src: np.ndarray) -> None:
-    if isinstance(dest, np.ndarray):
-        np.copyto(dest, src)
-    else:  # a device tensor (CUDA)
-        import torch
-
-        dest.copy_(torch.from_numpy(src), non_blocking=False)
 
 
 @dataclass
@@ -339,7 +329,8 @@ class WorkerSide:
                     failed_jobs.add(load.job_id)
             jobs.append((read, dests, ids))
             block_ids += ids
-        events = {name: threading.Event() for name, _ in self._layers}
+        copier = LayerCopier(self.views.device, [name for name, _ in self._layers])
+        events = copier.events  # CUDA: each also carries its layer's copy-done CUDA event
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
         started = time.monotonic()
@@ -365,7 +356,7 @@ class WorkerSide:
                             if view is None:
                                 continue
                             for index, offset, size in segs:
-                                _copy(dest[index], view[offset : offset + size])
+                                copier.copy(dest[index], view[offset : offset + size])
                     events[name].set()
             except Exception:
                 log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
@@ -374,6 +365,7 @@ class WorkerSide:
             finally:
                 for ev in events.values():
                     ev.set()  # a failure must not leave the forward pass waiting
+                copier.synchronize()  # the DMA reads the host copies until it completes
                 for read, _, _ in jobs:
                     store.release_host(read)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from agentkv.cli import app
@@ -54,3 +55,32 @@ def test_bench_tiers_unusable_disk_dir_is_one_line_exit_2(tmp_path: Path) -> Non
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert "error: cannot benchmark the disk tier" in result.output
+
+
+def test_bench_tiers_device_cpu_reports_torch_path_ratios(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    args = ["bench", "tiers", "--disk-dir", str(tmp_path), "--total-mib", "2", "--block-kib", "64"]
+    args += ["--block-kib", "1024", "--device", "cpu", "--layers", "4", "--repeats", "1", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["device"] == "cpu" and report["layers"] == 4 and report["gds"] is None
+    device_ops = {
+        "device->host store": "torch copy device->host",
+        "host->device load": "torch copy host->device",
+        "device->disk store": "sequential write",
+        "disk->device load": "sequential read",
+    }
+    seen = {(m["operation"], m["block_bytes"]): m for m in report["measurements"]}
+    for op, baseline in device_ops.items():
+        for size in (64, 1024):
+            m = seen[(op, size << 10)]
+            assert m["baseline"] == baseline
+            assert m["gbps"] > 0 and m["baseline_gbps"] > 0
+            assert m["ratio"] == pytest.approx(m["gbps"] / m["baseline_gbps"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_tiers_rejects_an_unknown_device() -> None:
+    result = CliRunner().invoke(app, ["bench", "tiers", "--device", "tpu", "--no-disk"])
+    assert result.exit_code == 2 and "--device must be" in result.output
