@@ -223,7 +223,7 @@ class AgentKVConnector(KVConnectorBase_V1):
         always go out (the manager's outbox survives a fault in its timers)."""
         assert self._scheduler is not None
         try:
-            meta = self._scheduler.build_step()
+            meta = self._scheduler.build_step(scheduler_output)
         except Exception:
             log.exception("agentkv: building step metadata failed")
             meta = AgentKVStepMetadata(StepPlan())

@@ -30,6 +30,7 @@ from typing import Any
 
 from agentkv.manager import ManagerConfig, RequestParams, TrajectoryManager
 from agentkv.metrics import MetricsRecorder, Snapshot
+from agentkv.online_profile import OnlineProfile
 from agentkv.otel_export import OTelExport
 from agentkv.policy import CostModel, PolicyParams
 from agentkv.profile import load_profile
@@ -42,6 +43,10 @@ from agentkv_vllm.settings import ConnectorSettings
 log = logging.getLogger("agentkv.scheduler")
 GiB = 1 << 30
 KEY_BYTES = 16
+# A step counts as a prefill sample when it scheduled at least this many prompt tokens and they
+# were most of the step (decode tokens cost far less each).
+PREFILL_SAMPLE_MIN_TOKENS = 32
+PREFILL_SAMPLE_MAX_S = 30.0
 
 
 class VllmBlockPinner:
@@ -143,6 +148,11 @@ class SchedulerSide:
         layerwise = settings.load_mode == "layerwise" or (
             settings.load_mode == "auto" and device == "cpu"
         )
+        self.base_costs = costs
+        self.online = OnlineProfile(
+            "calibrate file" if getattr(self.profile, "source", "") == "measured" else "default"
+        )
+        self._step_sample: tuple[float, int] | None = None
         self.pinner = VllmBlockPinner()
         self.manager = TrajectoryManager(
             ManagerConfig(
@@ -277,12 +287,39 @@ class SchedulerSide:
         finally:
             self.cpu.add("request", start)
 
-    def build_step(self) -> AgentKVStepMetadata:
+    def build_step(self, scheduler_output: Any = None) -> AgentKVStepMetadata:
         start = time.thread_time_ns()
         try:
+            self._sample_step(scheduler_output)
             return AgentKVStepMetadata(self.manager.take_step())
         finally:
             self.cpu.add("step", start)
+
+    def _sample_step(self, scheduler_output: Any) -> None:
+        """Online prefill rate: a step mostly made of prompt tokens, timed from its metadata to
+        its output (or to the next step when vLLM reports no connector output)."""
+        self._end_step_sample()
+        per_req = getattr(scheduler_output, "num_scheduled_tokens", None)
+        if not per_req:
+            return
+        total = sum(per_req.values())
+        prefill = sum(n for n in per_req.values() if n > 1)
+        if prefill >= PREFILL_SAMPLE_MIN_TOKENS and prefill >= 0.8 * total:
+            self._step_sample = (time.perf_counter(), total)
+
+    def _end_step_sample(self) -> None:
+        sample, self._step_sample = self._step_sample, None
+        if sample is None:
+            return
+        seconds = time.perf_counter() - sample[0]
+        if 0 < seconds < PREFILL_SAMPLE_MAX_S:
+            self.online.observe_prefill(sample[1], seconds)
+            self._refresh_costs()
+
+    def _refresh_costs(self) -> None:
+        costs = self.online.costs(self.base_costs)
+        with self.lock:
+            self.manager.costs = costs
 
     def on_worker_report(self, output: Any) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
@@ -291,8 +328,13 @@ class SchedulerSide:
             return
         start = time.thread_time_ns()
         try:
+            self._end_step_sample()
             if isinstance(meta, AgentKVWorkerReport):
                 self.worker_pids.update(meta.report.hello)
+                for (kind, tier, _), (nbytes, seconds) in meta.report.transfers.items():
+                    self.online.observe_transfer(kind, tier, nbytes, seconds)
+                if meta.report.transfers:
+                    self._refresh_costs()
                 self.manager.on_report(meta.report)
             if invalid:
                 with self.lock:
@@ -358,7 +400,10 @@ class SchedulerSide:
                 "tp_size": self.tp_size,
             }
             body["connector_cpu"] = self.cpu.view()
-            body["profile"] = {"source": getattr(self.profile, "source", "unknown")}
+            body["profile"] = {
+                "source": getattr(self.profile, "source", "unknown"),
+                "live": self.online.view(self.base_costs),
+            }
         return body
 
 
