@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import typer
 
-from agentkv.cli import bench_agents, bench_tiers, diagnose, model, policy, serve, size
+from agentkv.cli import (
+    bench_agents,
+    bench_scale,
+    bench_tiers,
+    diagnose,
+    model,
+    policy,
+    serve,
+    size,
+)
 
 app = typer.Typer(
     name="agentkv",
@@ -19,7 +28,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 bench_app = typer.Typer(
-    help="Benchmarks: tier bandwidth, agent workloads vs vanilla vLLM.", no_args_is_help=True
+    help="Benchmarks: tier bandwidth, agent workloads vs vanilla vLLM, idle-trajectory scale.",
+    no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
 
@@ -30,6 +40,7 @@ policy.register(app)
 diagnose.register(app)
 bench_tiers.register(bench_app)
 bench_agents.register(bench_app)
+bench_scale.register(bench_app)
 
 
 def main() -> None:

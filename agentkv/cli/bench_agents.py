@@ -135,6 +135,7 @@ def agents(
             if k in ("status", "throughput_loss_pct", "reason")
         },
         "native_offload": report["native_offload"],
+        "connector_cpu": report["connector_cpu"],
     }
     if as_json:
         typer.echo(json.dumps(summary))

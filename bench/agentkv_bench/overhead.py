@@ -9,6 +9,12 @@ connector's per-step hooks and the routes cost a workload that does not use them
 (vanilla, agentkv, agentkv, vanilla, ...) while both stay up, and ``compare`` reports the median
 of the per-repeat losses: on a shared 2-core machine one run of each drifts by more than the 3%
 being measured, and pairing neighbours in time cancels most of that drift.
+
+With a ``probe`` (``connector_cpu.read_probe`` of the agentkv server), each agentkv run also
+records the connector's scheduler-side CPU time over the run (``connector_cpu`` in
+``GET /agentkv/v1/status``, read before and after) and vLLM's engine step count, and ``compare``
+reports them summed over repeats: CPU per engine step and its share of the benchmark's duration,
+a measured overhead figure next to the noisy throughput difference.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from agentkv_bench import connector_cpu
 
 KEYS = (
     "output_throughput",
@@ -133,17 +141,27 @@ def run_interleaved(
     tokenizer: str,
     result_dir: Path,
     progress: Callable[[int, int], None] | None = None,
+    probes: Mapping[str, Callable[[], dict[str, Any]]] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
-    """``servers``: name -> (base_url, model). Returns name -> one result per repeat."""
+    """``servers``: name -> (base_url, model). Returns name -> one result per repeat.
+
+    ``probes``: name -> a ``connector_cpu.read_probe`` of that server, called just before and
+    after each of its runs; the row then also holds ``connector_cpu_delta`` (the change of the
+    connector's CPU clocks) and ``engine_steps`` (the change of vLLM's step count)."""
     names = list(servers)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     total, done = spec.repeats * len(names), 0
     for r in range(spec.repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             base_url, model = servers[name]
-            runs[name].append(
-                run_bench_serve(spec, base_url, model, tokenizer, result_dir, f"{name}-{r}")
-            )
+            probe = (probes or {}).get(name)
+            before = probe() if probe is not None else None
+            row = run_bench_serve(spec, base_url, model, tokenizer, result_dir, f"{name}-{r}")
+            if probe is not None:
+                d, steps = connector_cpu.probe_delta(before, probe())
+                row["connector_cpu_delta"] = d
+                row["engine_steps"] = steps
+            runs[name].append(row)
             done += 1
             if progress is not None:
                 progress(done, total)
@@ -155,11 +173,39 @@ def _median(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _sum_if_all(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    values = [r.get(key) for r in rows]
+    if not all(isinstance(v, (int, float)) for v in values):
+        return None
+    return sum(float(v) for v in values if isinstance(v, (int, float)))
+
+
+def connector_figures(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The connector's CPU over all runs that recorded it: the deltas and engine steps summed,
+    wall time = the sum of the benchmark's ``duration`` (which leaves out its warm-up requests,
+    while the clocks include them: the share is a slight overestimate)."""
+    rows = [r for r in rows if r.get("connector_cpu_delta") is not None]
+    if not rows:
+        return {"status": "unavailable"}
+    total = None
+    for r in rows:
+        total = connector_cpu.add(total, r["connector_cpu_delta"])
+    out = connector_cpu.figures(
+        total,
+        wall_s=_sum_if_all(rows, "duration"),
+        requests=0,
+        engine_steps=_sum_if_all(rows, "engine_steps"),
+    )
+    out["runs"] = len(rows)
+    return out
+
+
 def compare(runs: Mapping[str, Sequence[Mapping[str, Any]]], spec: OverheadSpec) -> dict[str, Any]:
     """Throughput loss of the plugin in percent (positive = slower), from output tok/s.
 
     ``throughput_loss_pct`` is the median over repeats of 1 - agentkv/vanilla within a repeat;
-    ``vanilla``/``agentkv`` hold the median of each metric over repeats.
+    ``vanilla``/``agentkv`` hold the median of each metric over repeats; ``connector_cpu`` the
+    agentkv server's connector CPU over all repeats (``connector_figures``).
     """
     van, akv = runs.get("vanilla", []), runs.get("agentkv", [])
     losses = []
@@ -181,4 +227,5 @@ def compare(runs: Mapping[str, Sequence[Mapping[str, Any]]], spec: OverheadSpec)
         "pair_losses_pct": [round(x, 3) for x in losses],
         "runs": {k: list(v) for k, v in runs.items()},
         "throughput_loss_pct": loss,
+        "connector_cpu": connector_figures(akv),
     }

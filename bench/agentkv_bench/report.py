@@ -5,6 +5,7 @@ Primitives:
   summarize(turns, trajs, samples, makespan_s) -> ConfigSummary
   ratios(a, b)              a / b for every shared numeric metric (None where b is 0 or missing)
   targets(summaries, overhead) -> [Target]   the issue's three targets, met or not
+  connector_cpu_section(configs, overhead)   the connector's measured CPU, both workloads
   build_report(...)         the JSON-able report (schema SCHEMA)
   to_markdown(report)       the summary table a person reads
 
@@ -215,6 +216,35 @@ def targets(
     ]
 
 
+CPU_TARGET_PCT = 1.0
+
+
+def connector_cpu_section(
+    configs: dict[str, dict[str, Any]], overhead: dict[str, Any]
+) -> dict[str, Any]:
+    """The agentkv server's connector CPU (scheduler side, engine thread) in both workloads:
+    plain traffic (the overhead run, summed over its repeats) and the agent workload, with the
+    target: on plain traffic the connector takes <= 1% of the engine thread's wall time, a
+    measured bound on the throughput it can cost (its hooks run inline in every engine step).
+    """
+    unavailable = {"status": "unavailable"}
+    plain = overhead.get("connector_cpu") or {
+        "status": "not run" if overhead.get("status") != "ok" else "unavailable"
+    }
+    agent = (configs.get("agentkv") or {}).get("connector_cpu") or unavailable
+    share = plain.get("share_pct")
+    return {
+        "plain_traffic": plain,
+        "agent_workload": agent,
+        "target": {
+            "name": "connector CPU share of wall time, plain traffic (throughput loss bound)",
+            "goal": f"<= {CPU_TARGET_PCT:.1f}%",
+            "measured": share,
+            "met": None if share is None else share <= CPU_TARGET_PCT,
+        },
+    }
+
+
 def build_report(
     *,
     workload: dict[str, Any],
@@ -244,6 +274,7 @@ def build_report(
         ],
         "native_offload": native_offload,
         "overhead": overhead,
+        "connector_cpu": connector_cpu_section(configs, overhead),
     }
 
 
@@ -325,6 +356,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         )
     else:
         lines.append(f"{ov.get('status')}: {ov.get('reason', '')}")
+    if "connector_cpu" in report:
+        lines += cpu_markdown(report["connector_cpu"])
     no = report["native_offload"]
     lines += [
         "",
@@ -334,6 +367,46 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _us(x: Any) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def cpu_markdown(section: dict[str, Any]) -> list[str]:
+    """The connector CPU table: per engine step, per agentkv request, share of wall time."""
+    lines = [
+        "",
+        "## Connector CPU (measured: scheduler-side hooks, thread CPU time on the engine thread)",
+        "",
+        "| workload | engine steps | µs per engine step | µs per step-hook call | agentkv requests "
+        "| µs per agentkv request | share of wall time |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, label in (
+        ("plain_traffic", "plain traffic (`vllm bench serve`, all repeats)"),
+        ("agent_workload", "agent workload"),
+    ):
+        c = section.get(key) or {}
+        if c.get("status") != "ok":
+            lines.append(f"| {label} | {c.get('status', 'unavailable')} | | | | | |")
+            continue
+        share = c.get("share_pct")
+        lines.append(
+            f"| {label} | {_fmt(c.get('engine_steps'))} | {_us(c.get('step_us_per_engine_step'))} "
+            f"| {_us(c.get('step_us_per_call'))} | {_fmt(c.get('requests'))} "
+            f"| {_us(c.get('request_us_per_request'))} "
+            f"| {'-' if share is None else f'{share:.3f}%'} |"
+        )
+    t = section.get("target") or {}
+    m = t.get("measured")
+    met = "not measured" if t.get("met") is None else ("met" if t["met"] else "not met")
+    lines += [
+        "",
+        f"Target, {t.get('name')}: {t.get('goal')}; measured "
+        f"{'-' if m is None else f'{m:.3f}%'}: {met}.",
+    ]
+    return lines
 
 
 def all_turns(trajs: Iterable[TrajectoryRecord]) -> list[TurnRecord]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import json
 import os
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 
 from agentkv.launch import LaunchSpec, RunningServer, running_server
+from agentkv_bench import connector_cpu
 from agentkv_bench.drivers import (
     TIMEOUT,
     AgentKVSession,
@@ -148,8 +150,13 @@ async def _drive(
     workload: Workload,
     opts: BenchOptions,
     on_turn: Callable[[TurnRecord], None],
-) -> tuple[list[TrajectoryRecord], Sampler, float, dict[str, float]]:
+) -> tuple[list[TrajectoryRecord], Sampler, float, dict[str, float], dict[str, Any] | None]:
     before = await prefix_counters(server.base_url)
+    probe0 = (
+        await asyncio.to_thread(connector_cpu.read_probe, server.base_url)
+        if name == "agentkv"
+        else None
+    )
     paused: dict[str, int] = {}
     t_run = time.monotonic()
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
@@ -172,9 +179,19 @@ async def _drive(
         async with sampler:
             records = await run_workload(workload, make, client, on_turn, paused, t_run)
         makespan = time.monotonic() - t_run
+    cpu: dict[str, Any] | None = None
+    if probe0 is not None:
+        probe1 = await asyncio.to_thread(connector_cpu.read_probe, server.base_url)
+        d, steps = connector_cpu.probe_delta(probe0, probe1)
+        cpu = connector_cpu.figures(
+            d,
+            wall_s=makespan,
+            requests=sum(len(r.turns) for r in records),
+            engine_steps=steps,
+        )
     after = await prefix_counters(server.base_url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.endswith("_total")}
-    return records, sampler, makespan, delta
+    return records, sampler, makespan, delta, cpu
 
 
 def requests_in(workload: Workload) -> int:
@@ -217,7 +234,7 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
                 say(f"{name}: agent workload", done, total)
 
             say(f"{name}: agent workload", 0, total)
-            records, sampler, makespan, counters = asyncio.run(
+            records, sampler, makespan, counters, cpu = asyncio.run(
                 _drive(name, server, workload, opts, on_turn)
             )
         turns = all_turns(records)
@@ -225,6 +242,7 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
         configs[name] = {
             "makespan_s": makespan,
             "vllm_prefix_counters": counters,
+            "connector_cpu": cpu,
             "sampler_errors": sampler.errors,
             "trajectories": [
                 {"trajectory_id": r.trajectory_id, "started_at_s": r.started_at_s, "jct_s": r.jct_s}
@@ -238,6 +256,7 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
         try:
             with contextlib.ExitStack() as stack:
                 servers = {}
+                probes = {}
                 for name in CONFIGS:
                     spec = launch_spec(opts, name, model_dir, work, suffix="-overhead")
                     server = stack.enter_context(
@@ -245,12 +264,15 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
                     )
                     _warm_up(server)
                     servers[name] = (server.base_url, server.model)
+                    if name == "agentkv":
+                        probes[name] = functools.partial(connector_cpu.read_probe, server.base_url)
                 overhead_runs = run_interleaved(
                     opts.overhead,
                     servers,
                     model_dir,
                     opts.out / "bench-serve",
                     lambda d, t: say("overhead: vllm bench serve (no pauses)", d, t),
+                    probes=probes,
                 )
         except (RuntimeError, OSError, ValueError) as exc:
             overhead_error = str(exc)

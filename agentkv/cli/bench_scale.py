@@ -1,0 +1,135 @@
+"""``agentkv bench scale``: a plain request's latency and the connector's CPU per engine step,
+with no trajectories, with many idle ones held, and after deleting them.
+
+Only typer is imported at module level; the benchmark loads inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+
+from agentkv.cli.common import fail
+
+
+def scale(
+    idle: int = typer.Option(
+        2000, "--idle", min=1, help="Idle trajectories to create (one short chat turn each)."
+    ),
+    requests: int = typer.Option(
+        30, "--requests", min=2, help="Sequential plain requests per phase (p50/p90 over them)."
+    ),
+    rounds: int = typer.Option(
+        3,
+        "--rounds",
+        min=1,
+        help="Create / measure / delete / measure cycles; each held phase is compared with its "
+        "neighbours in time without trajectories, and the median over rounds is reported.",
+    ),
+    prompt_tokens: int = typer.Option(
+        200, "--prompt-tokens", min=1, help="Prompt length of each plain request."
+    ),
+    output_tokens: int = typer.Option(
+        16, "--output-tokens", min=1, help="Greedy output tokens of each plain request."
+    ),
+    concurrency: int = typer.Option(
+        8, "--concurrency", min=1, help="Idle trajectories created (and deleted) at a time."
+    ),
+    preset: str = typer.Option("tiny", "--preset", help="Embedded model: tiny or small."),
+    host_capacity_gib: float = typer.Option(
+        2.0,
+        "--host-capacity-gib",
+        min=0.1,
+        help="Host tier size; each idle trajectory keeps one 128-token block there "
+        "(256 KiB with the tiny model).",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompts."),
+    out: Path = typer.Option(
+        Path("bench/results/scale"), "--out", help="Folder for report.json, report.md, the log."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the phases' figures, ratios and targets as JSON on stdout."
+    ),
+) -> None:
+    """Measure what idle trajectories cost requests that do not use them.
+
+    Starts one vLLM + agentkv server (embedded model, host tier). Each phase times sequential
+    plain requests (no trajectory; p50, p90) and takes the connector's CPU per engine step (the
+    change of connector_cpu.step in GET /agentkv/v1/status over the phase, over the engine steps
+    vLLM's /metrics counted).
+
+    Phases: "none" on the fresh server; then --rounds times "held" (after --idle trajectories
+    were created, one chat turn each with max_tokens 1, and their grace periods expired, their
+    KV offloaded to the host tier) and "deleted" (after DELETE /agentkv/v1/trajectories/{id} for
+    each of them).
+
+    Reports held/none (each held phase over the mean of its neighbours without trajectories,
+    median over rounds; target: within 5% for p50 latency and CPU per step), deleted/none and
+    the absolute numbers, as report.json and report.md in --out.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from agentkv.errors import AgentKVError
+    from agentkv_bench.scale import ScaleOptions, run_scale
+
+    argv = sys.argv
+    opts = ScaleOptions(
+        idle=idle,
+        requests=requests,
+        rounds=rounds,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        concurrency=concurrency,
+        preset=preset,
+        host_capacity_gib=host_capacity_gib,
+        seed=seed,
+        out=out,
+        command="agentkv bench scale " + shlex.join(argv[argv.index("scale") + 1 :])
+        if "scale" in argv
+        else "agentkv bench scale",
+    )
+    stderr = Console(stderr=True)
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=stderr,
+            transient=not stderr.is_terminal,
+        ) as progress:
+            task = progress.add_task("starting", total=None)
+
+            def on_progress(phase: str, done: int, total: int) -> None:
+                progress.update(task, description=phase, completed=done, total=total or None)
+
+            report = run_scale(opts, on_progress)
+    except (AgentKVError, RuntimeError) as exc:
+        fail(str(exc))
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "out": str(out),
+                    "summary": report["summary"],
+                    "ratios": report["ratios"],
+                    "targets": report["targets"],
+                    "idle_rounds": report["idle_rounds"],
+                }
+            )
+        )
+        return
+    from rich.markdown import Markdown
+
+    Console().print(Markdown((out / "report.md").read_text()))
+    stderr.print(f"report: {out / 'report.json'}, {out / 'report.md'}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``scale`` to the ``bench`` sub-app."""
+    app.command("scale")(scale)
