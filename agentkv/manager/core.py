@@ -139,6 +139,9 @@ class _Request:
     plan: _LoadPlan | None = None
     load_job: int | None = None
     load_state: LoadState = "none"
+    # What the last lookup told vLLM: False = it waits for the load (WAITING_FOR_REMOTE_KVS);
+    # True = it runs the forward this step, the load must happen layer by layer inside it.
+    layerwise: bool = False
     key_cache: list[bytes] = field(default_factory=list)
 
 
@@ -198,8 +201,11 @@ class TrajectoryManager:
         self.tombstones: dict[int, Trajectory] = {}  # deleted, requests still running
         self.requests: dict[str, _Request] = {}
         self.jobs: dict[int, _Job] = {}
-        self._timed_out: dict[int, list[bytes]] = {}  # job -> keys a late rank may still publish
-        self._poisoned: set[bytes] = set()
+        # Timed-out store/move jobs: (keys, tier, ranks still to report). A late rank may still
+        # publish those keys (a late store, possibly from reused blocks): each late report drops
+        # them again, and they are not written anew until every rank reported.
+        self._timed_out: dict[int, tuple[list[bytes], TierName, int]] = {}
+        self._poisoned: Counter[bytes] = Counter()
         self._job_ids = itertools.count(1)
         self._timer_seq = itertools.count()
         self._timers: list[_Timer] = []
@@ -207,6 +213,7 @@ class TrajectoryManager:
         self._pin_ops: list[tuple[str, Any]] = []  # queued by non-engine threads
         self._pins: Counter[int] = Counter()  # block id -> pins held (all reasons)
         self._releasing = 0  # pinned blocks of store jobs in flight (about to be unpinned)
+        self._unpins_queued = 0  # pinned blocks whose unpin waits for the engine thread
         self._retained: dict[tuple[int, str], tuple[Trajectory, Branch]] = {}
         self.counters: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
@@ -253,6 +260,8 @@ class TrajectoryManager:
                 )
                 req = self.requests[req_id] = _Request(req_id, traj, params.branch, turn, now)
                 branch = traj.branch(params.branch)
+                if branch.state is not BranchState.ACTIVE:
+                    branch.pending = None  # a decision for the pause that this turn ends
                 self._note_resume(traj, branch, now)
                 branch.running.add(req_id)
                 self._set_state(traj, branch, BranchState.ACTIVE)
@@ -267,6 +276,7 @@ class TrajectoryManager:
             req.device_hit = num_computed
             req.turn.device_hit_tokens = num_computed
             req.load_state = "none"
+            req.layerwise = False
             bs = self.config.block_size
             n_max = min((len(prompt_token_ids) - 1) // bs, len(block_hashes))
             start = num_computed // bs
@@ -288,6 +298,7 @@ class TrajectoryManager:
                 self.index.begin_read(key)
             layerwise = self.config.layerwise and tiers == {"host"}
             req.plan = _LoadPlan(start, plan_keys, "disk" if "disk" in tiers else "host", layerwise)
+            req.layerwise = layerwise
             req.load_state = "planned"
             return LookupAnswer(count * bs, load_async=not layerwise)
 
@@ -315,7 +326,9 @@ class TrajectoryManager:
                     self._drain_doomed()
                 req.load_state = "none"
                 if num_external > 0:
-                    self._queue_failing_load(req_id, block_ids, req.device_hit, num_external)
+                    self._queue_failing_load(
+                        req_id, block_ids, req.device_hit, num_external, req.layerwise
+                    )
                 return
             bs = self.config.block_size
             n = num_external // bs
@@ -328,7 +341,9 @@ class TrajectoryManager:
                 for key in keys:
                     self.index.end_read(key)
                 self._drain_doomed()
-                self._queue_failing_load(req_id, block_ids, plan.start_block * bs, num_external)
+                self._queue_failing_load(
+                    req_id, block_ids, plan.start_block * bs, num_external, plan.layerwise
+                )
                 req.load_state = "failed"
                 return
             job = self._new_job("load", keys, plan.tier, req_id=req_id)  # type: ignore[arg-type]
@@ -357,10 +372,11 @@ class TrajectoryManager:
         with self.lock:
             req = self.requests.get(req_id)
             start = req.device_hit if req is not None else 0
+            layerwise = req.layerwise if req is not None else False
             if req is not None:
                 self._release_plan(req)
                 req.load_state = "failed"
-            self._queue_failing_load(req_id, block_ids, start, num_external)
+            self._queue_failing_load(req_id, block_ids, start, num_external, layerwise)
 
     def on_finish(
         self,
@@ -439,13 +455,16 @@ class TrajectoryManager:
             except Exception:
                 self.counters["internal_errors"] += 1
                 log.exception("agentkv: manager tick failed; queued jobs still go out")
+            # Drops of keys that went idle go out no later than any new write of the same key.
+            self._drain_doomed()
             plan, self._outbox = self._outbox, StepPlan()
             return plan
 
     def on_report(self, report: WorkerReport) -> None:
         """Engine thread: a step's merged worker reports. Contract: never raises on unknown or
-        late jobs (a job that timed out: its keys are dropped again, since a late rank may have
-        published them)."""
+        late jobs. A store or move that timed out keeps its tier slots and its keys unwritable
+        until every rank reported it; each late rank's copies are dropped again. A write that
+        failed (or that a drop overtook) is dropped from the ranks that did write it."""
         with self.lock:
             self._apply_pin_ops()
             now = self.clock.now()
@@ -461,10 +480,7 @@ class TrajectoryManager:
             for job_id, n in report.jobs_done.items():
                 job = self.jobs.get(job_id)
                 if job is None:
-                    late = self._timed_out.pop(job_id, None)
-                    if late:
-                        self._outbox.drops.append(DropOp(list(late)))
-                        self._poisoned.difference_update(late)
+                    self._late_report(job_id, n)
                     continue
                 job.ranks += n
                 if job.ranks >= self.config.tp_size:
@@ -572,9 +588,10 @@ class TrajectoryManager:
                 action,
                 decision.rationale,
             )
+            token = branch.timer_token
             applied, note = self._apply_decision(traj, branch, action, decision.lease_s, now)
-            if branch.prefetch_due is not None:
-                self._add_timer(branch.prefetch_due, "prefetch", (traj, branch), branch.timer_token)
+            if branch.timer_token == token:  # no state change (which arms it when due)
+                self._arm_prefetch(traj, branch)
             reply: dict[str, Any] = {
                 "trajectory_id": trajectory_id,
                 "branch": branch.name,
@@ -661,8 +678,15 @@ class TrajectoryManager:
             self._drain_doomed()
 
     def _queue_failing_load(
-        self, req_id: str, block_ids: Sequence[int], start_token: int, num_external: int
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        start_token: int,
+        num_external: int,
+        layerwise: bool = False,
     ) -> None:
+        """``layerwise`` as the lookup told vLLM: a request it runs this step must see the
+        failure inside this step's forward, not after it computed on unloaded blocks."""
         bs = self.config.block_size
         first = start_token // bs
         targets = list(block_ids[first : first + max(0, num_external) // bs]) or list(
@@ -671,7 +695,7 @@ class TrajectoryManager:
         job_id = next(self._job_ids)
         # Empty keys are held by no tier: every rank reports each block as failed to load.
         self._outbox.loads.append(
-            LoadJob(job_id, req_id, [BlockTransfer(b"", b) for b in targets], layerwise=False)
+            LoadJob(job_id, req_id, [BlockTransfer(b"", b) for b in targets], layerwise=layerwise)
         )
         self.counters["failed_closed_loads"] += 1
 
@@ -737,9 +761,8 @@ class TrajectoryManager:
                 return False, "the device blocks were released before the decision"
             return True, None
         # drop: release the tier copies only this trajectory holds
-        self._set_state(traj, branch, BranchState.DROPPED)
         branch.tier = None
-        self._reown(traj)
+        self._set_state(traj, branch, BranchState.DROPPED)
         return True, None
 
     def _apply(
@@ -775,13 +798,11 @@ class TrajectoryManager:
         pinned = branch.pinned
         for key, bid in zip(branch.keys[: len(pinned)], pinned, strict=False):
             entry = self.index.get(key)
-            have = (
-                entry is not None
-                and not entry.doomed
-                and (entry.has(tier) or tier in entry.writing or (tier == "host" and entry.disk))
+            have = entry is not None and (
+                entry.has(tier) or tier in entry.writing or (tier == "host" and entry.disk)
             )
-            if have or key in self._poisoned or key in queued:
-                self.index.own(key, owner)
+            if have or self._poisoned[key] or key in queued:
+                self._own(traj, key)
             else:
                 copy.append((key, bid))
                 queued.add(key)
@@ -795,6 +816,7 @@ class TrajectoryManager:
             return
         for key, _ in copy:
             self.index.begin_write(key, tier, owner)
+            traj.owned.add(key)
         job = self._new_job(
             "store",
             [k for k, _ in copy],
@@ -835,6 +857,8 @@ class TrajectoryManager:
             e = self.index.get(key)
             if e is None or e.doomed or e.disk or "disk" in e.writing or not e.host:
                 continue
+            if self._poisoned[key]:
+                continue
             keys.append(key)
         keys = keys[: self._make_room("disk", len(keys))]
         branch.tier = "disk"
@@ -844,6 +868,7 @@ class TrajectoryManager:
         for key in keys:
             self.index.begin_write(key, "disk", traj.trajectory_id)
             self.index.begin_read(key)
+            traj.owned.add(key)
         job = self._new_job("copy_down", keys, "disk", trajectory=traj, branch=branch.name)
         self._outbox.moves.append(MoveJob(job.job_id, "demote", keys))
         self._set_state(traj, branch, BranchState.OFFLOADING)
@@ -852,18 +877,26 @@ class TrajectoryManager:
     def _promote(self, traj: Trajectory, branch: Branch, now: float) -> None:
         """Disk -> host copies of the branch's disk-only blocks (a prefetch or a resume)."""
         keys = []
+        in_flight = False
         for key in branch.keys:
             e = self.index.get(key)
-            if e is None or e.doomed or e.host or "host" in e.writing or not e.disk:
+            if e is None or e.doomed or e.host or not e.disk:
+                continue
+            if "host" in e.writing:
+                in_flight = True  # an earlier promote: done when it completes
+                continue
+            if self._poisoned[key]:
                 continue
             keys.append(key)
         keys = keys[: self._make_room("host", len(keys))]
         if not keys:
-            branch.prefetch_done_at = branch.prefetch_done_at or now
+            if not in_flight:
+                branch.prefetch_done_at = branch.prefetch_done_at or now
             return
         for key in keys:
             self.index.begin_write(key, "host", traj.trajectory_id)
             self.index.begin_read(key)
+            traj.owned.add(key)
         job = self._new_job("promote", keys, "host", trajectory=traj, branch=branch.name)
         self._outbox.moves.append(MoveJob(job.job_id, "promote", keys))
         self.counters["prefetches"] += 1
@@ -882,6 +915,7 @@ class TrajectoryManager:
             for k in self.index.victims("host", want * 2)
             if not self.index.get(k).disk  # type: ignore[union-attr]
             and "disk" not in self.index.get(k).writing  # type: ignore[union-attr]
+            and not self._poisoned[k]
         ][:want]
         keys = keys[: self._make_room("disk", len(keys))]
         if not keys:
@@ -912,11 +946,11 @@ class TrajectoryManager:
     def _complete(self, job: _Job, now: float, timed_out: bool = False) -> None:
         self.jobs.pop(job.job_id, None)
         ok = not job.failed and not timed_out
+        unwritten: list[bytes] = []  # copies that did not become readable: partial on some ranks
         if job.kind == "store":
             self._unpin(job.block_ids)
             self._releasing -= len(job.block_ids)
-            for key in job.keys:
-                self.index.end_write(key, job.tier, ok)
+            unwritten = [k for k in job.keys if not self.index.end_write(k, job.tier, ok)]
             if not ok:
                 self.counters["store_failures" if not timed_out else "store_timeouts"] += 1
         elif job.kind == "load":
@@ -929,15 +963,22 @@ class TrajectoryManager:
                 self.counters["load_failures"] += 1
         else:  # promote / copy_down
             for key in job.keys:
-                self.index.end_write(key, job.tier, ok)
+                if not self.index.end_write(key, job.tier, ok):
+                    unwritten.append(key)
                 self.index.end_read(key)
-        if timed_out:
-            self._timed_out[job.job_id] = list(job.keys)
+        if unwritten:
+            # Ranks that did write keep no copy the index does not know (a failed job, a drop
+            # that overtook the write, a timeout).
+            self._outbox.drops.append(DropOp(unwritten, job.tier))
+        if timed_out and job.kind != "load":
+            # Loads write no tier; a store or move may still land on a late rank.
+            self._timed_out[job.job_id] = (
+                list(job.keys),
+                job.tier,
+                self.config.tp_size - job.ranks,
+            )
             self._poisoned.update(job.keys)
-            if job.kind != "load":
-                for key in job.keys:
-                    self.index.remove_copy(key, job.tier)
-                self._outbox.drops.append(DropOp(list(job.keys), job.tier))
+            self.index.hold_late(job.tier, len(job.keys))
         traj, name = job.trajectory, job.branch
         branch = traj.branches.get(name) if traj is not None and name is not None else None
         if branch is None or traj is None or traj.deleted:
@@ -948,6 +989,8 @@ class TrajectoryManager:
             branch.store_job = None
             if branch.state is BranchState.OFFLOADING:
                 if ok:
+                    if job.kind == "copy_down":
+                        self._drop_host_copies(traj, job.keys)
                     self._set_state(traj, branch, BranchState.OFFLOADED)
                 else:
                     branch.demoted_by = "job_timeout" if timed_out else "store_failed"
@@ -959,18 +1002,65 @@ class TrajectoryManager:
         if job.kind == "store" and ok:
             self._maybe_copy_down_lru()
 
+    def _drop_host_copies(self, traj: Trajectory, keys: Sequence[bytes]) -> None:
+        """After a disk decision's copy-down: host copies that disk now also holds, that no
+        other trajectory owns and nothing reads, leave host."""
+        gone = []
+        for key in keys:
+            e = self.index.get(key)
+            if e is None or not (e.host and e.disk) or e.busy:
+                continue
+            if e.owners - {traj.trajectory_id}:
+                continue
+            self.index.remove_copy(key, "host")
+            gone.append(key)
+        if gone:
+            self._outbox.drops.append(DropOp(gone, "host"))
+
+    def _late_report(self, job_id: int, ranks: int) -> None:
+        """Ranks reported a job after it timed out: what they wrote is dropped again (the index
+        does not list it); its keys may be written anew once every rank reported."""
+        late = self._timed_out.get(job_id)
+        if late is None:
+            return
+        keys, tier, left = late
+        stray = []
+        for key in keys:
+            e = self.index.get(key)
+            if e is None or not (e.has(tier) or tier in e.writing):
+                stray.append(key)
+        if stray:
+            self._outbox.drops.append(DropOp(stray, tier))
+        left -= ranks
+        if left > 0:
+            self._timed_out[job_id] = (keys, tier, left)
+            return
+        del self._timed_out[job_id]
+        self.index.release_late(tier, len(keys))
+        self._poisoned.subtract(keys)
+        for key in keys:
+            if self._poisoned[key] <= 0:
+                del self._poisoned[key]
+
     def _lose_key(self, key: bytes) -> None:
         """A rank could not serve or keep ``key``: no tier is trusted for it any more."""
         e = self.index.get(key)
         if e is None:
             return
         self.index.remove_copy(key, None)
+        self.index.spoil_writes(key)  # the drop may overtake writes in flight
         self._outbox.drops.append(DropOp([key]))
 
     def _drain_doomed(self) -> None:
         doomed = self.index.take_doomed()
         if doomed:
             self._outbox.drops.append(DropOp(doomed))
+
+    def _own(self, traj: Trajectory, key: bytes) -> None:
+        """``traj`` takes a reference on an indexed key, and remembers it (DELETE releases
+        exactly ``traj.owned``)."""
+        if self.index.own(key, traj.trajectory_id):
+            traj.owned.add(key)
 
     def _reown(self, traj: Trajectory) -> None:
         """The trajectory owns exactly the indexed keys its branches' contexts reference."""
@@ -1078,9 +1168,11 @@ class TrajectoryManager:
             self._promote(traj, branch, now)
 
     def _pressure(self) -> float:
-        """Pool use, minus the pinned blocks of store jobs already on their way out."""
+        """Pool use, minus the pinned blocks already on their way out (store jobs in flight,
+        unpins queued for the engine thread): a demotion is counted once, not again on every
+        tick until the engine applies it."""
         total = max(1, self.pinner.total_blocks())
-        return max(0.0, self.pinner.usage() - self._releasing / total)
+        return max(0.0, self.pinner.usage() - (self._releasing + self._unpins_queued) / total)
 
     def _check_pressure(self, now: float) -> None:
         if not self._retained:
@@ -1121,6 +1213,7 @@ class TrajectoryManager:
     def _unpin_later(self, ids: Sequence[int]) -> None:
         if ids:
             self._pin_ops.append(("unpin", list(ids)))
+            self._unpins_queued += len(ids)
 
     def _unpin(self, ids: Sequence[int]) -> None:
         """Now on the engine thread, queued on any other (the pool is not thread-safe)."""
@@ -1146,11 +1239,12 @@ class TrajectoryManager:
         ops, self._pin_ops = self._pin_ops, []
         for op, arg in ops:
             if op == "unpin":
+                self._unpins_queued -= len(arg)
                 self._unpin_now(arg)
                 continue
             traj, branch = arg
-            if traj.deleted or branch.state is not BranchState.RETAINED:
-                continue
+            if traj.deleted or branch.state is not BranchState.RETAINED or branch.pinned:
+                continue  # gone, moved on, or pinned by an earlier repin of the same branch
             held = self._still_cached(branch)
             ids = branch.block_ids[:held]
             self._pin_now(ids)
@@ -1169,6 +1263,20 @@ class TrajectoryManager:
         branch.timer_token += 1
         if state is not BranchState.RETAINED:
             self._retained.pop((id(traj), branch.name), None)
+        if state is BranchState.OFFLOADED:
+            self._arm_prefetch(traj, branch)
+        elif state is BranchState.DROPPED and not traj.deleted:
+            self._reown(traj)  # nothing kept: tier copies only this branch held go
+
+    def _arm_prefetch(self, traj: Trajectory, branch: Branch) -> None:
+        """The pause's prefetch timer, valid while the branch stays OFFLOADED (a store still in
+        flight arms it when it completes)."""
+        if (
+            branch.state is BranchState.OFFLOADED
+            and branch.prefetch_due is not None
+            and branch.prefetch_done_at is None
+        ):
+            self._add_timer(branch.prefetch_due, "prefetch", (traj, branch), branch.timer_token)
 
     # ================================================================== views and metrics
 

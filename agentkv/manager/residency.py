@@ -6,13 +6,15 @@ Primitives:
   ResidencyIndex.usable(key)  'host' | 'disk' | None: a complete, readable copy exists
   begin_write / end_write     two-phase: a store (or promote/demote) reserves its slot, then the
                               copy becomes readable only when every rank reported it written
+  spoil_writes                a drop overtook writes in flight: they never become readable
   begin_read / end_read       loads and moves in flight pin the key: never evicted or dropped
                               mid-copy (a drop while pinned is deferred)
   own / disown                ownership by reference, in flight included; disown returns the keys
-                              no one owns any more (the caller drops them)
+                              no one owns any more (the caller drops them); own revives a doomed key
   victims(tier, n)            eviction order: least recently used, unowned first, idle keys only
   remove_copy                 a tier no longer holds the key (evicted, corrupt, missing)
   count(tier), reserved(tier) O(1) per-tier counts (read on every pause and scrape)
+  hold_late / release_late    slots of a timed-out write stay taken until every rank reported
 
 Pure bookkeeping under the manager's lock. The tier stores execute what the manager decides from
 this index; they never evict on their own, so index and stores cannot drift.
@@ -37,6 +39,7 @@ class Entry:
     readers: int = 0
     owners: set[str] = field(default_factory=set)
     doomed: bool = False  # unowned while busy: dropped once idle
+    spoiled: set[TierName] = field(default_factory=set)  # writes a drop overtook: never readable
 
     def has(self, tier: TierName) -> bool:
         return self.host if tier == "host" else self.disk
@@ -57,6 +60,7 @@ class ResidencyIndex:
         # per tier: keys with a complete copy, least recently used first
         self._lru: dict[TierName, OrderedDict[bytes, None]] = {t: OrderedDict() for t in TIERS}
         self._writing: dict[TierName, int] = {t: 0 for t in TIERS}
+        self._late: dict[TierName, int] = {t: 0 for t in TIERS}  # slots a late rank may fill
         self._doomed_idle: list[bytes] = []
 
     # ------------------------------------------------------------------ queries
@@ -89,8 +93,16 @@ class ResidencyIndex:
         return len(self._lru[tier])
 
     def reserved(self, tier: TierName) -> int:
-        """Slots in ``tier`` taken: complete copies plus writes in flight."""
-        return len(self._lru[tier]) + self._writing[tier]
+        """Slots in ``tier`` taken: complete copies, writes in flight, and writes of timed-out
+        jobs a late rank may still land."""
+        return len(self._lru[tier]) + self._writing[tier] + self._late[tier]
+
+    def hold_late(self, tier: TierName, n: int) -> None:
+        """Keep ``n`` slots of a timed-out write reserved until every rank reported it."""
+        self._late[tier] += n
+
+    def release_late(self, tier: TierName, n: int) -> None:
+        self._late[tier] = max(0, self._late[tier] - n)
 
     def free(self, tier: TierName) -> int:
         return max(0, self.capacity.get(tier, 0) - self.reserved(tier))
@@ -112,16 +124,28 @@ class ResidencyIndex:
         if owner:
             e.owners.add(owner)
 
-    def end_write(self, key: bytes, tier: TierName, ok: bool) -> None:
-        """The write finished on every rank (``ok``) or failed on one (the slot is released)."""
+    def end_write(self, key: bytes, tier: TierName, ok: bool) -> bool:
+        """The write finished on every rank (``ok``) or failed on one (the slot is released).
+        Returns whether the copy became readable; when not, some ranks may hold a partial copy
+        the caller drops from ``tier``."""
         e = self._entries.get(key)
         if e is None or tier not in e.writing:
-            return
+            return False
         e.writing.discard(tier)
         self._writing[tier] -= 1
+        ok = ok and tier not in e.spoiled
+        e.spoiled.discard(tier)
         if ok:
             self._set_copy(key, e, tier, True)
         self._gc(key, e)
+        return ok
+
+    def spoil_writes(self, key: bytes) -> None:
+        """A drop of ``key`` goes out while writes of it are in flight: ranks that already wrote
+        lose their copy, so those writes must not become readable."""
+        e = self._entries.get(key)
+        if e is not None:
+            e.spoiled |= e.writing
 
     def touch(self, key: bytes) -> None:
         e = self._entries.get(key)
@@ -146,10 +170,12 @@ class ResidencyIndex:
     # ------------------------------------------------------------------ ownership
 
     def own(self, key: bytes, owner: str) -> bool:
-        """Add ``owner`` to an indexed key; False when the key is not indexed."""
+        """Add ``owner`` to an indexed key; False when the key is not indexed. A doomed key
+        (unowned while busy) is revived: its copies are as good as ever."""
         e = self._entries.get(key)
-        if e is None or e.doomed:
+        if e is None:
             return False
+        e.doomed = False
         e.owners.add(owner)
         return True
 
@@ -243,3 +269,4 @@ class ResidencyIndex:
         for tier in e.writing:
             self._writing[tier] -= 1
         e.writing.clear()
+        e.spoiled.clear()

@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from agentkv_vllm.block_copy import BlockViews  # noqa: E402
 from agentkv.manager.jobs import BlockTransfer, LoadJob, StepPlan, StoreJob  # noqa: E402
+from agentkv_vllm.block_copy import BlockViews  # noqa: E402
 from agentkv_vllm.metadata import AgentKVStepMetadata  # noqa: E402
 from agentkv_vllm.settings import ConnectorSettings  # noqa: E402
 from agentkv_vllm.worker_side import WorkerSide  # noqa: E402

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from agentkv.manager.jobs import WorkerReport  # noqa: E402
-from agentkv_vllm.metadata import AgentKVWorkerReport  # noqa: E402
+from agentkv.manager.jobs import WorkerReport
+from agentkv_vllm.metadata import AgentKVWorkerReport
 
 
 def test_aggregate_counts_ranks_per_job_and_merges_failures() -> None:

@@ -1,0 +1,754 @@
+"""A simulated engine for the TrajectoryManager: no vllm, no torch.
+
+Primitives:
+  chain_hashes(tokens, bs)   vLLM-style block hashes: chained content ids, so identical prefixes
+                             give identical hashes (the hash *is* the content id of a full block)
+  key_of(hash)               the tier key of a block hash (blake2b of b"fp" + hash)
+  SimPool                    the device block pool (ports.BlockPinner): reference counts, a prefix
+                             cache by hash, a free queue (least recently freed first), the KV
+                             content each TP rank holds in each block (a content id, or garbage)
+  SimWorkers                 tp_size ranks executing StepPlans into per-rank host/disk dicts;
+                             jobs complete only when a test says so; a silent rank never reports
+  FakeClock                  ports.Clock the test advances
+  SimEngine                  the request driver that mimics vLLM's scheduler around the manager:
+                             lookup -> alloc -> (async load | layerwise load) -> compute -> finish,
+                             abort (also while WAITING_FOR_REMOTE_KVS: blocks freed only when the
+                             load reports), preemption, pressure spikes (non-agent requests)
+
+Ground truth: block content is the hash of the tokens it holds; a tier copy under key k is true
+iff ``key_of(content) == k``. ``SimEngine.violations`` collects every breach the sim can see on
+its own (a load of a wrong copy, a finished request with wrong KV, a tier over capacity, a hole
+in a counted load); the stateful test adds the manager-side invariants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from agentkv.manager import (
+    DropOp,
+    LoadJob,
+    MoveJob,
+    RequestParams,
+    StepPlan,
+    StoreJob,
+    TrajectoryManager,
+    WorkerReport,
+)
+
+GARBAGE = b"garbage"
+TierName = Literal["host", "disk"]
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    data = parent + b"".join(int(t).to_bytes(4, "little") for t in tokens)
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def chain_hashes(tokens: Sequence[int], bs: int, parent: bytes = b"root") -> list[bytes]:
+    out: list[bytes] = []
+    h = parent
+    for i in range(len(tokens) // bs):
+        h = block_hash(h, tokens[i * bs : (i + 1) * bs])
+        out.append(h)
+    return out
+
+
+def key_of(h: bytes) -> bytes:
+    return hashlib.blake2b(b"fp" + h, digest_size=16).digest()
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+# ====================================================================== device pool
+
+
+class SimPool:
+    """vLLM's BlockPool, reduced: ref counts, hash metadata, a free queue, per-rank content."""
+
+    def __init__(self, num_blocks: int, tp_size: int = 1) -> None:
+        self.n = num_blocks
+        self.tp = tp_size
+        self.ref = [0] * num_blocks
+        self.pins = [0] * num_blocks  # references taken through the BlockPinner port
+        self.hash: list[bytes | None] = [None] * num_blocks  # vLLM metadata (prefix cache)
+        self.content: list[list[bytes | None]] = [[None] * num_blocks for _ in range(tp_size)]
+        self.cached: dict[bytes, dict[int, None]] = {}
+        self.free_q: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.grow_events = 0  # blocks that went from unreferenced to referenced
+        self.usage_error: Exception | None = None  # raise once from usage() (fault injection)
+
+    # ---------------------------------------------------------------- BlockPinner port
+    def pin(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            self._ref(b)
+            self.pins[b] += 1
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            assert self.pins[b] > 0, f"unpin of block {b} below zero"
+            self.pins[b] -= 1
+            self._unref(b)
+
+    def holds(self, block_id: int, block_hash: bytes) -> bool:
+        return self.hash[block_id] == block_hash
+
+    def usage(self) -> float:
+        if self.usage_error is not None:
+            err, self.usage_error = self.usage_error, None
+            raise err
+        return (self.n - len(self.free_q)) / self.n
+
+    def total_blocks(self) -> int:
+        return self.n
+
+    # ---------------------------------------------------------------- vLLM side
+    def _ref(self, b: int) -> None:
+        if self.ref[b] == 0:
+            self.free_q.pop(b, None)
+            self.grow_events += 1
+        self.ref[b] += 1
+
+    def _unref(self, b: int) -> None:
+        assert self.ref[b] > 0, f"free of block {b} below zero"
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.free_q[b] = None
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """A request releases its blocks (tail first, as vLLM does)."""
+        for b in reversed(blocks):
+            self._unref(b)
+
+    def computed_prefix(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
+        out: list[int] = []
+        for h in hashes[:max_blocks]:
+            blocks = self.cached.get(h)
+            if not blocks:
+                break
+            out.append(next(iter(blocks)))
+        return out
+
+    def num_free(self) -> int:
+        return len(self.free_q)
+
+    def allocate(self, hit: Sequence[int], n_new: int) -> list[int] | None:
+        """Touch the hit blocks, then take ``n_new`` blocks from the free queue's head (evicting
+        their cached hash). None (and nothing changed) when the pool is short."""
+        free_hit = sum(1 for b in hit if self.ref[b] == 0)
+        if self.num_free() - free_hit < n_new:
+            return None
+        for b in hit:
+            self._ref(b)
+        new: list[int] = []
+        for _ in range(n_new):
+            b = next(iter(self.free_q))
+            self._evict(b)
+            self._ref(b)
+            new.append(b)
+        return new
+
+    def _evict(self, b: int) -> None:
+        h = self.hash[b]
+        if h is not None:
+            blocks = self.cached.get(h)
+            if blocks is not None:
+                blocks.pop(b, None)
+                if not blocks:
+                    del self.cached[h]
+            self.hash[b] = None
+
+    def cache(self, b: int, h: bytes) -> None:
+        if self.hash[b] == h:
+            return
+        self._evict(b)
+        self.hash[b] = h
+        self.cached.setdefault(h, {})[b] = None
+
+    def write(self, b: int, content: bytes | None, rank: int | None = None) -> None:
+        for r in range(self.tp) if rank is None else (rank,):
+            self.content[r][b] = content
+
+
+# ====================================================================== workers
+
+
+@dataclass
+class Pending:
+    rank: int
+    kind: Literal["store", "load", "move"]
+    job: Any
+    snapshot: list[bytes | None] = field(default_factory=list)  # store: content at start
+
+
+@dataclass
+class LoadEvent:
+    req_id: str
+    job_id: int
+    rank: int
+    failed_blocks: list[int]
+
+
+class SimWorkers:
+    """tp_size ranks; each holds host and disk dicts {key: content}. Stores never evict."""
+
+    def __init__(self, pool: SimPool, tp_size: int, capacity: dict[str, int]) -> None:
+        self.pool = pool
+        self.tp = tp_size
+        self.capacity = capacity
+        self.tiers: list[dict[str, dict[bytes, bytes | None]]] = [
+            {"host": {}, "disk": {}} for _ in range(tp_size)
+        ]
+        self.pending: list[Pending] = []
+        self.silent: set[int] = set()
+        self.reports: list[WorkerReport] = []
+        self.load_events: list[LoadEvent] = []
+        self.violations: list[str] = []
+
+    # ---------------------------------------------------------------- plans
+    def deliver(self, plan: StepPlan) -> None:
+        for rank in range(self.tp):
+            for drop in plan.drops:
+                self._drop(rank, drop)
+        for rank in range(self.tp):
+            for store in plan.stores:
+                snap = [self.pool.content[rank][t.block_id] for t in store.blocks]
+                self.pending.append(Pending(rank, "store", store, snap))
+            for load in plan.loads:
+                if load.layerwise:
+                    # Copied during this step's forward, on every rank (a stuck rank would stall
+                    # the forward itself); a silent rank just never reports it.
+                    self._run(Pending(rank, "load", load), ok=True, report=rank not in self.silent)
+                else:
+                    self.pending.append(Pending(rank, "load", load))
+            for move in plan.moves:
+                self.pending.append(Pending(rank, "move", move))
+
+    def _drop(self, rank: int, drop: DropOp) -> None:
+        tiers = ("host", "disk") if drop.tier is None else (drop.tier,)
+        for tier in tiers:
+            for key in drop.keys:
+                self.tiers[rank][tier].pop(key, None)
+
+    def completable(self) -> list[Pending]:
+        return [p for p in self.pending if p.rank not in self.silent]
+
+    def complete(self, p: Pending, ok: bool = True) -> None:
+        self.pending.remove(p)
+        self._run(p, ok, report=True)
+
+    def wake(self, rank: int, newest_first: bool = False) -> None:
+        """A silent rank finishes its stores and moves late, in either order; its loads are
+        cancelled (reported failed, nothing copied: a late load could land in reused device
+        blocks, which no manager can prevent)."""
+        self.silent.discard(rank)
+        late = [p for p in self.pending if p.rank == rank]
+        for p in reversed(late) if newest_first else late:
+            self.pending.remove(p)
+            if p.kind != "load":
+                self._run(p, ok=True, report=True)
+                continue
+            load: LoadJob = p.job
+            failed = [t.block_id for t in load.blocks]
+            self.reports.append(WorkerReport(jobs_done={load.job_id: 1}, jobs_failed={load.job_id}))
+            self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
+
+    def _put(self, rank: int, tier: str, key: bytes, content: bytes | None) -> None:
+        store = self.tiers[rank][tier]
+        if key not in store and len(store) >= self.capacity[tier]:
+            self.violations.append(
+                f"rank {rank} {tier} over capacity {self.capacity[tier]} writing {key.hex()[:8]}"
+            )
+        store[key] = content
+
+    def _run(self, p: Pending, ok: bool, report: bool) -> None:
+        rank = p.rank
+        rep = WorkerReport(jobs_done={p.job.job_id: 1})
+        pool = self.pool
+        if p.kind == "store":
+            job: StoreJob = p.job
+            if ok:
+                for t, before in zip(job.blocks, p.snapshot, strict=True):
+                    now = pool.content[rank][t.block_id]
+                    self._put(rank, job.tier, t.key, now if now == before else GARBAGE)
+            else:
+                rep.jobs_failed.add(job.job_id)
+            rep.transfers[("offload", job.tier, str(job.job_id))] = (len(job.blocks), 0.001)
+        elif p.kind == "load":
+            load: LoadJob = p.job
+            failed: list[int] = []
+            for t in load.blocks:
+                tiers = self.tiers[rank]
+                src = tiers["host"].get(t.key) if t.key in tiers["host"] else None
+                if src is None and t.key in tiers["disk"]:
+                    src = tiers["disk"][t.key]
+                if (
+                    not ok
+                    or not t.key
+                    or (t.key not in tiers["host"] and t.key not in tiers["disk"])
+                ):
+                    rep.bad_keys[t.key] = "miss" if ok or not t.key else "error"
+                    failed.append(t.block_id)
+                    continue
+                if src is None or key_of(src) != t.key:
+                    self.violations.append(
+                        f"load {load.job_id} rank {rank}: copy of {t.key.hex()[:8]} is not its "
+                        f"true content ({src!r:.20})"
+                    )
+                pool.write(t.block_id, src, rank)
+            if failed:
+                rep.jobs_failed.add(load.job_id)
+            rep.transfers[("reload", "host", str(load.job_id))] = (len(load.blocks), 0.001)
+            self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
+        else:
+            move: MoveJob = p.job
+            src_t, dst_t = ("disk", "host") if move.kind == "promote" else ("host", "disk")
+            tiers = self.tiers[rank]
+            for key in move.keys:
+                if not ok or key not in tiers[src_t]:
+                    rep.bad_keys[key] = "miss" if ok else "error"
+                    rep.jobs_failed.add(move.job_id)
+                    continue
+                self._put(rank, dst_t, key, tiers[src_t][key])
+            if not ok:
+                rep.jobs_failed.add(move.job_id)
+        if report:
+            self.reports.append(rep)
+
+    def take_reports(self) -> WorkerReport | None:
+        if not self.reports:
+            return None
+        out = WorkerReport()
+        for rep in self.reports:
+            out = out.merge(rep)
+        self.reports = []
+        return out
+
+
+# ====================================================================== requests
+
+
+@dataclass
+class SimRequest:
+    req_id: str
+    traj_id: str
+    branch: str
+    prompt: list[int]
+    max_new: int
+    params: RequestParams
+    status: str = "WAITING"  # WAITING | WAITING_FOR_REMOTE_KVS | RUNNING | FINISHED
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    device_hit: int = 0
+    load_from: int = 0  # first block of the counted external range
+    load_n: int = 0  # counted external blocks
+    load_jobs: set[int] = field(default_factory=set)  # jobs covering the counted blocks
+    load_reports: dict[int, set[int]] = field(default_factory=dict)  # job -> ranks reported
+    load_failed: set[int] = field(default_factory=set)  # block ids some rank failed
+    load_async: bool = False
+    layerwise: bool = False
+    covered: bool = True  # every counted block has a LoadJob
+    aborted_waiting: bool = False  # aborted in WAITING_FOR_REMOTE_KVS: free when the load ends
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class SimEngine:
+    """The manager, the pool, the workers and a scheduler that drives requests like vLLM."""
+
+    def __init__(self, mgr: TrajectoryManager, pool: SimPool, workers: SimWorkers) -> None:
+        self.mgr = mgr
+        self.pool = pool
+        self.workers = workers
+        self.bs = mgr.config.block_size
+        self.requests: dict[str, SimRequest] = {}
+        self.spikes: list[list[int]] = []
+        self.violations = workers.violations
+        self._seq = 0
+        self._awaiting_cover: list[SimRequest] = []
+        self.finished_contexts: dict[tuple[str, str], list[int]] = {}
+
+    # ---------------------------------------------------------------- helpers
+    def hashes(self, tokens: Sequence[int]) -> list[bytes]:
+        return chain_hashes(tokens, self.bs)
+
+    def new_request(
+        self, traj_id: str, branch: str, prompt: list[int], max_new: int = 4, **kw: Any
+    ) -> SimRequest:
+        self._seq += 1
+        rid = f"r{self._seq}"
+        req = SimRequest(
+            rid, traj_id, branch, list(prompt), max_new, RequestParams(traj_id, branch, **kw)
+        )
+        self.requests[rid] = req
+        return req
+
+    def active(self, *status: str) -> list[SimRequest]:
+        return [r for r in self.requests.values() if r.status in status]
+
+    # ---------------------------------------------------------------- scheduling
+    def schedule(self, req: SimRequest, adapter_error: bool = False) -> bool:
+        """One scheduling attempt of a WAITING request: lookup, allocate, on_alloc (or, when
+        the adapter failed after the lookup, ``fail_load``)."""
+        assert req.status == "WAITING"
+        bs = self.bs
+        tokens = req.tokens  # a preempted request resumes with its output so far
+        hashes = self.hashes(tokens)
+        hit = self.pool.computed_prefix(hashes, (len(tokens) - 1) // bs)
+        num_computed = len(hit) * bs
+        # Like the adapter: the prompt's token ids, the hashes of every full block.
+        answer = self.mgr.on_lookup(req.req_id, req.params, req.prompt, hashes, num_computed)
+        if answer.tokens is None:
+            return False
+        ext = answer.tokens
+        if ext % bs or (ext and num_computed + ext > len(req.prompt) - 1):
+            self.violations.append(f"{req.req_id}: lookup counted {ext} tokens past {num_computed}")
+        need = -(-len(tokens) // bs)
+        new = self.pool.allocate(hit, need - len(hit))
+        if new is None:
+            return False
+        req.blocks = list(hit) + new
+        req.device_hit = num_computed
+        req.load_from = num_computed // bs
+        req.load_n = ext // bs
+        req.load_jobs = set()
+        req.load_reports = {}
+        req.load_failed = set()
+        req.load_async = bool(ext) and answer.load_async
+        req.layerwise = bool(ext) and not answer.load_async
+        if adapter_error:
+            self.mgr.fail_load(req.req_id, req.blocks, ext)
+        else:
+            self.mgr.on_alloc(req.req_id, req.blocks, ext)
+        if ext:
+            req.covered = False
+            self._awaiting_cover.append(req)
+        if req.load_async:
+            req.status = "WAITING_FOR_REMOTE_KVS"
+            req.num_computed = 0
+        else:
+            req.status = "RUNNING"
+            req.num_computed = num_computed + ext
+        return True
+
+    # ---------------------------------------------------------------- engine step
+    def step(self) -> StepPlan:
+        """build_connector_meta: take the manager's plan, check it covers every counted load,
+        ship it; layerwise loads run during this step's forward."""
+        plan = self.mgr.take_step()
+        self._check_cover(plan)
+        self.workers.deliver(plan)
+        self._absorb_load_events()
+        return plan
+
+    def _check_cover(self, plan: StepPlan) -> None:
+        by_req: dict[str, list[LoadJob]] = {}
+        for load in plan.loads:
+            by_req.setdefault(load.req_id, []).append(load)
+        for req in self._awaiting_cover:
+            want = set(req.blocks[req.load_from : req.load_from + req.load_n])
+            got: set[int] = set()
+            for load in by_req.get(req.req_id, []):
+                got.update(t.block_id for t in load.blocks)
+                req.load_jobs.add(load.job_id)
+            if not want <= got:
+                self.violations.append(
+                    f"{req.req_id}: counted blocks {sorted(want - got)} have no LoadJob"
+                )
+            req.covered = True
+        self._awaiting_cover = []
+
+    def deliver_reports(self) -> None:
+        """update_from_output: the workers' reports reach the manager; async loads that every
+        rank reported become ready (or are failed), aborted ones free their blocks."""
+        rep = self.workers.take_reports()
+        if rep is not None:
+            self.mgr.on_report(rep)
+        self._absorb_load_events()
+        self._settle_loads()
+
+    def _absorb_load_events(self) -> None:
+        for ev in self.workers.load_events:
+            req = self.requests.get(ev.req_id)
+            if req is None or ev.job_id not in req.load_jobs:
+                continue
+            req.load_reports.setdefault(ev.job_id, set()).add(ev.rank)
+            req.load_failed.update(ev.failed_blocks)
+            if req.layerwise and req.status == "RUNNING" and ev.failed_blocks:
+                self._truncate(req)
+        self.workers.load_events = []
+
+    def _truncate(self, req: SimRequest) -> None:
+        """vLLM recomputes from the first block whose load failed."""
+        idx = [req.blocks.index(b) for b in req.load_failed if b in req.blocks]
+        if idx:
+            req.num_computed = min(req.num_computed, min(idx) * self.bs)
+
+    def _load_done(self, req: SimRequest) -> bool:
+        if not req.covered:
+            return False
+        for job in req.load_jobs:
+            ranks = req.load_reports.get(job, set())
+            if len(ranks) >= self.workers.tp:
+                continue
+            if job in self.mgr.jobs:  # still waited for (a silent rank: until its timeout)
+                return False
+            if len(ranks | self.workers.silent) < self.workers.tp:
+                return False
+            # The manager timed it out: the adapter fails it, vLLM recomputes.
+            req.load_failed.update(req.blocks[req.load_from : req.load_from + req.load_n])
+        return True
+
+    def _settle_loads(self) -> None:
+        for req in list(self.requests.values()):
+            if req.status != "WAITING_FOR_REMOTE_KVS" or not self._load_done(req):
+                continue
+            if req.aborted_waiting:
+                self.pool.free(req.blocks)
+                req.blocks = []
+                req.status = "FINISHED"
+                del self.requests[req.req_id]
+                continue
+            n_ok = req.load_n
+            for i in range(req.load_from, req.load_from + req.load_n):
+                if req.blocks[i] in req.load_failed:
+                    n_ok = i - req.load_from
+                    break
+            req.num_computed = (req.load_from + n_ok) * self.bs
+            hashes = self.hashes(req.tokens)
+            for i in range(req.load_from, req.load_from + n_ok):
+                self.pool.cache(req.blocks[i], hashes[i])
+            req.status = "RUNNING"
+
+    # ---------------------------------------------------------------- compute / finish
+    def compute(self, req: SimRequest, n_tokens: int | None = None) -> bool:
+        """One forward of a RUNNING request: the rest of its prompt, else one decode token per
+        call (appending tokens until max_new). Full computed blocks get their true content and
+        enter the prefix cache. False when a new block could not be allocated."""
+        assert req.status == "RUNNING"
+        bs = self.bs
+        target = len(req.tokens)
+        if req.num_computed >= len(req.tokens):
+            if len(req.output) >= req.max_new:
+                return True
+            seed = f"{req.req_id}:{len(req.output)}".encode()  # deterministic across processes
+            token = (
+                int.from_bytes(hashlib.blake2b(seed, digest_size=4).digest(), "little") % 50_000 + 1
+            )
+            if len(req.tokens) + 1 > len(req.blocks) * bs:
+                new = self.pool.allocate([], 1)
+                if new is None:
+                    return False
+                req.blocks += new
+            req.output.append(token)
+            target = len(req.tokens) - 1  # the new token's KV is computed next step
+        if n_tokens is not None:
+            target = min(target, req.num_computed + n_tokens)
+        start = req.num_computed
+        hashes = self.hashes(req.tokens)
+        for i in range(start // bs, min(target // bs, len(hashes))):
+            self.pool.write(req.blocks[i], hashes[i])
+            self.pool.cache(req.blocks[i], hashes[i])
+        req.num_computed = max(req.num_computed, target)
+        return True
+
+    def can_compute(self, req: SimRequest) -> bool:
+        """RUNNING, and a layerwise load (if any) went out with this step's plan."""
+        return req.status == "RUNNING" and req.covered
+
+    def can_finish(self, req: SimRequest) -> bool:
+        return self.can_compute(req) and req.num_computed >= len(req.prompt)
+
+    def finish(self, req: SimRequest) -> dict[str, Any] | None:
+        """A normal finish: every computed full block must hold its true content."""
+        assert self.can_finish(req)
+        bs = self.bs
+        tokens = req.tokens
+        hashes = self.hashes(tokens)
+        for i in range(min(req.num_computed // bs, len(hashes))):
+            b = req.blocks[i]
+            for r in range(self.pool.tp):
+                if self.pool.content[r][b] != hashes[i]:
+                    self.violations.append(
+                        f"{req.req_id} finished with wrong KV in block {i} (id {b}) rank {r}"
+                    )
+        stats = self.mgr.on_finish(
+            req.req_id,
+            req.blocks,
+            computed_tokens=req.num_computed,
+            token_ids=tokens,
+            block_hashes=hashes,
+            aborted=False,
+        )
+        self.finished_contexts[(req.traj_id, req.branch)] = list(tokens)
+        self._release(req)
+        return stats
+
+    def abort(self, req: SimRequest) -> dict[str, Any] | None:
+        tokens = req.tokens
+        hashes = self.hashes(tokens)
+        computed = req.num_computed
+        if req.status == "WAITING_FOR_REMOTE_KVS":
+            computed = (req.load_from + req.load_n) * self.bs  # optimistic: the worst case
+        stats = self.mgr.on_finish(
+            req.req_id,
+            req.blocks,
+            computed_tokens=computed,
+            token_ids=tokens,
+            block_hashes=hashes,
+            aborted=True,
+        )
+        if req.status == "WAITING_FOR_REMOTE_KVS":
+            req.aborted_waiting = True  # vLLM frees its blocks when the load reports
+            self._settle_loads()
+            return stats
+        self._release(req)
+        return stats
+
+    def _release(self, req: SimRequest) -> None:
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.status = "FINISHED"
+        self.requests.pop(req.req_id, None)
+        if req in self._awaiting_cover:
+            self._awaiting_cover.remove(req)
+
+    def preempt(self, req: SimRequest) -> None:
+        assert req.status == "RUNNING"
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.status = "WAITING"
+        req.load_n = 0
+        req.load_jobs = set()
+
+    # ---------------------------------------------------------------- pressure
+    def spike(self, n: int) -> bool:
+        new = self.pool.allocate([], n)
+        if new is None:
+            return False
+        for b in new:
+            self.pool.write(b, GARBAGE)
+        self.spikes.append(new)
+        return True
+
+    def release_spike(self) -> None:
+        if self.spikes:
+            self.pool.free(self.spikes.pop(0))
+
+
+# ====================================================================== a ready-made rig
+
+
+@dataclass
+class Rig:
+    """A manager wired to a SimPool, SimWorkers and a SimEngine on a FakeClock."""
+
+    mgr: TrajectoryManager
+    pool: SimPool
+    workers: SimWorkers
+    eng: SimEngine
+    clock: FakeClock
+
+    def settle(self, rounds: int = 4) -> None:
+        """Ship the plan, every rank finishes every job, reports come back (a few times)."""
+        for _ in range(rounds):
+            self.eng.step()
+            for p in self.workers.completable():
+                self.workers.complete(p, True)
+            self.eng.deliver_reports()
+
+    def run(self, req: SimRequest, steps: int = 8, jobs: bool = True) -> SimRequest:
+        """Engine iterations until ``req`` finished (jobs done each step unless ``jobs`` is
+        False)."""
+        for _ in range(steps):
+            if req.status == "WAITING":
+                self.eng.schedule(req)
+            self.eng.step()
+            if self.eng.can_compute(req) and not self.eng.compute(req):
+                self.eng.preempt(req)
+            if self.eng.can_finish(req) and len(req.output) >= req.max_new:
+                self.eng.finish(req)
+            if jobs:
+                for p in self.workers.completable():
+                    self.workers.complete(p, True)
+            self.eng.deliver_reports()
+            if req.status == "FINISHED":
+                break
+        return req
+
+    def turn(
+        self, traj: str, prompt: list[int], branch: str = "main", max_new: int = 0, **kw: Any
+    ) -> SimRequest:
+        return self.run(self.eng.new_request(traj, branch, prompt, max_new=max_new), **kw)
+
+    def flush(self) -> None:
+        """Other traffic takes every free block for a moment: unpinned device copies go."""
+        if self.eng.spike(self.pool.num_free()):
+            self.pool.free(self.eng.spikes.pop())
+
+    def host_keys(self, rank: int = 0) -> set[bytes]:
+        return set(self.workers.tiers[rank]["host"])
+
+    def disk_keys(self, rank: int = 0) -> set[bytes]:
+        return set(self.workers.tiers[rank]["disk"])
+
+
+def make_rig(
+    *,
+    tp: int = 1,
+    blocks: int = 40,
+    host: int = 32,
+    disk: int = 0,
+    grace: float = 0.5,
+    costs: Any = None,
+    policy: Any = None,
+    **config: Any,
+) -> Rig:
+    from agentkv.manager import ManagerConfig
+    from agentkv.policy import CostModel, PolicyParams
+
+    clock = FakeClock()
+    pool = SimPool(blocks, tp)
+    cfg = ManagerConfig(
+        block_size=4,
+        block_bytes=1 << 20,
+        tp_size=tp,
+        host_capacity_blocks=host,
+        disk_capacity_blocks=disk,
+        grace_s=grace,
+        job_timeout_s=10.0,
+        **config,
+    )
+    mgr = TrajectoryManager(
+        cfg,
+        pool,
+        key_of=key_of,
+        costs=costs
+        or CostModel(
+            host_link_bytes_per_s=1e8,
+            disk_write_bytes_per_s=5e8,
+            disk_read_bytes_per_s=5e8,
+            prefill_tokens_per_s=100.0,
+        ),
+        policy=policy or PolicyParams(disk_after_s=100.0),
+        clock=clock,
+    )
+    workers = SimWorkers(pool, tp, {"host": host, "disk": disk})
+    return Rig(mgr, pool, workers, SimEngine(mgr, pool, workers), clock)

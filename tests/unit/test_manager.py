@@ -1,0 +1,629 @@
+"""Deterministic regression tests of the TrajectoryManager, on the simulated engine.
+
+Each test pins down one fixed behaviour (the numbers follow the issue's list; B1.. are bugs the
+stateful test found). The rig: 4-token blocks, a 40-block pool, 1 MiB blocks (a 4-block context
+reloads from host in 0.04 s and recomputes in 0.17 s), grace 0.5 s, job timeout 10 s.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from agentkv.manager import BranchState
+from agentkv.manager.state import Branch
+from agentkv.policy import CostModel, PolicyParams, lease_seconds
+from tests.unit.sim_engine import GARBAGE, Rig, key_of, make_rig
+
+SYS = [7, 7, 7, 7, 9, 9, 9, 9]  # two blocks every trajectory shares
+P1 = [*SYS, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 17 tokens: 4 full blocks
+
+
+def keys_of(rig: Rig, tokens: list[int]) -> list[bytes]:
+    return [key_of(h) for h in rig.eng.hashes(tokens)]
+
+
+def in_thread(fn: Any, *args: Any) -> Any:
+    """Run ``fn`` on another thread (the control channel), return its result."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def offloaded(rig: Rig, traj: str = "t1", prompt: list[int] = P1) -> None:
+    """One finished turn of ``traj``, its grace expired, its host copy written."""
+    rig.turn(traj, prompt)
+    rig.clock.advance(1.0)
+    rig.settle()
+    assert rig.mgr.table[traj].branches["main"].state is BranchState.OFFLOADED
+
+
+def branch(rig: Rig, traj: str = "t1", name: str = "main") -> Branch:
+    return rig.mgr.table[traj].branches[name]
+
+
+# ============================================================================ (1) abort + load
+
+
+def test_abort_during_async_load_pins_only_the_device_hit_and_stores_nothing_unloaded() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    rig.turn("t2", [*SYS, 3])  # the shared prefix is back on the device: a 2-block device hit
+    req = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4])
+    rig.eng.schedule(req)
+    assert req.status == "WAITING_FOR_REMOTE_KVS"
+    assert req.device_hit == 8 and req.load_n == 2
+    hit, loading = req.blocks[:2], req.blocks[2:4]
+    rig.eng.step()
+    rig.eng.abort(req)  # the client gave up while the load was in flight
+    assert branch(rig).pinned == hit
+    assert rig.mgr._pins == Counter(hit) + Counter(branch(rig, "t2").pinned)
+    assert rig.mgr.counters["aborted_loads"] == 1
+    # The load fails on the worker: those blocks never held anything.
+    for p in rig.workers.completable():
+        rig.workers.complete(p, ok=False)
+    rig.eng.deliver_reports()
+    assert all(
+        rig.pool.content[0][b] != h for b, h in zip(loading, rig.eng.hashes(P1)[2:4], strict=True)
+    )
+    rig.clock.advance(1.0)  # grace expires: write-back of what the branch holds
+    plans = [rig.eng.step() for _ in range(3)]
+    stored = {t.block_id for plan in plans for job in plan.stores for t in job.blocks}
+    assert not stored & set(loading)
+    rig.settle()
+    # The next turn loads nothing bogus and ends with the true KV.
+    rig.flush()
+    nxt = rig.turn("t1", [*P1, 4, 4, 4, 5, 5])
+    assert nxt.status == "FINISHED"
+    assert not rig.eng.violations
+    for tier in ("host", "disk"):
+        for key, content in rig.workers.tiers[0][tier].items():
+            assert content is not None and key_of(content) == key
+
+
+# ============================================================================ (2) fail closed
+
+
+def test_fail_load_queues_a_load_covering_every_counted_block_with_unheld_keys() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4])
+    answer = rig.mgr.on_lookup(req.req_id, req.params, req.prompt, rig.eng.hashes(req.tokens), 0)
+    assert answer.tokens == 16
+    blocks = rig.pool.allocate([], 5)
+    assert blocks is not None
+    rig.mgr.fail_load(req.req_id, blocks, 16)  # the adapter hit an error after the lookup
+    plan = rig.mgr.take_step()
+    (load,) = plan.loads
+    assert [t.block_id for t in load.blocks] == blocks[:4]
+    held = rig.host_keys() | rig.disk_keys()
+    assert all(t.key not in held for t in load.blocks)
+    rig.workers.deliver(plan)
+    for p in rig.workers.completable():
+        rig.workers.complete(p)
+    report = rig.workers.take_reports()
+    assert report is not None and load.job_id in report.jobs_failed
+    rig.mgr.on_report(report)
+    assert rig.mgr.index.usable(keys_of(rig, P1)[0]) == "host"  # an empty key loses nothing
+
+
+def test_plan_mismatch_fails_closed_over_every_counted_block() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4, 4, 4])
+    hashes = rig.eng.hashes(req.tokens)
+    answer = rig.mgr.on_lookup(req.req_id, req.params, req.prompt, hashes, 0)
+    assert answer.tokens == 16
+    blocks = rig.pool.allocate([], 6)
+    assert blocks is not None
+    rig.mgr.on_alloc(req.req_id, blocks, 20)  # vLLM counted one block more than the plan
+    (load,) = rig.mgr.take_step().loads
+    assert [t.block_id for t in load.blocks] == blocks[:5]
+    assert all(t.key == b"" for t in load.blocks)
+    assert all(rig.mgr.index.get(k).readers == 0 for k in keys_of(rig, P1))  # type: ignore[union-attr]
+
+
+def test_take_step_returns_queued_loads_when_the_tick_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4])
+    rig.eng.schedule(req)
+
+    def boom(now: float) -> None:
+        raise RuntimeError("timer bug")
+
+    monkeypatch.setattr(rig.mgr, "_check_pressure", boom)
+    plan = rig.mgr.take_step()
+    assert [job.req_id for job in plan.loads] == [req.req_id]
+    assert rig.mgr.counters["internal_errors"] == 1
+
+
+# ============================================================================ (3) pressure
+
+
+def _three_retained(rig: Rig) -> list[str]:
+    ids = []
+    for i in range(3):
+        tid = f"t{i}"
+        rig.turn(tid, [10 + i] * 12 + [1])  # 3 blocks each, nothing shared
+        code, body = rig.mgr.pause(tid, "main", "fast", 0.001)
+        assert code == 200 and body["state"] == "retained", body
+        ids.append(tid)
+    return ids
+
+
+def test_one_spike_with_write_back_offloads_in_flight_demotes_exactly_one_branch() -> None:
+    rig = make_rig(blocks=20, high_water=0.75)
+    ids = _three_retained(rig)
+    assert rig.mgr.pinned_blocks() == 9
+    assert rig.eng.spike(8)  # 17 of 20 blocks used: 2 blocks over the high-water mark
+    for _ in range(5):  # several steps; the store jobs (holding their pins) never finish
+        rig.eng.step()
+        rig.eng.deliver_reports()
+    assert rig.mgr.counters["pressure_demotions"] == 1
+    states = sorted(branch(rig, t).state.value for t in ids)
+    assert states == ["offloading", "retained", "retained"]
+
+
+def test_control_thread_ticks_do_not_cascade_before_the_engine_unpins() -> None:
+    # No host room: a demotion only unpins, and unpins wait for the engine thread.
+    rig = make_rig(blocks=20, high_water=0.75, host=0)
+    ids = _three_retained(rig)
+    assert rig.eng.spike(8)
+    for _ in range(4):
+        in_thread(rig.mgr.tick)
+    assert rig.mgr.counters["pressure_demotions"] == 1
+    rig.eng.step()  # the engine applies the unpins: the spike is absorbed
+    rig.eng.step()
+    assert rig.mgr.counters["pressure_demotions"] == 1
+    assert sum(branch(rig, t).state is BranchState.RETAINED for t in ids) == 2
+
+
+# ============================================================================ (4) co-ownership
+
+
+def test_prefix_blocks_in_flight_for_a_are_owned_by_b_and_survive_deleting_a() -> None:
+    rig = make_rig(grace=0.0)
+    rig.turn("A", [*SYS, 1], jobs=False)  # A's grace is 0: its store job is in flight
+    shared = keys_of(rig, SYS)
+    assert all("host" in rig.mgr.index.get(k).writing for k in shared)  # type: ignore[union-attr]
+    rig.turn("B", [*SYS, 2], jobs=False)
+    assert all(rig.mgr.index.owners(k) == {"A", "B"} for k in shared)
+    assert set(shared) <= rig.mgr.table["B"].owned
+    assert rig.mgr.delete("A")[0] == 200
+    rig.settle()
+    assert all(rig.mgr.index.usable(k) == "host" for k in shared)
+    assert set(shared) <= rig.host_keys()
+    assert rig.mgr.delete("B")[0] == 200
+    rig.settle()
+    assert len(rig.mgr.index) == 0 and not rig.host_keys()
+
+
+def test_delete_drops_keys_a_trajectory_wrote_itself() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    assert rig.mgr.table["t1"].owned == set(keys_of(rig, P1))
+    code, body = rig.mgr.delete("t1")
+    assert code == 200 and body["dropped_tier_blocks"] == 4
+    rig.settle()
+    assert len(rig.mgr.index) == 0 and not rig.host_keys()
+
+
+# ============================================================================ (5) DELETE mid-request
+
+
+def test_delete_while_a_request_runs_pins_and_stores_nothing_and_never_comes_back() -> None:
+    rig = make_rig(grace=0.0)
+    offloaded(rig)
+    req = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4])
+    rig.eng.schedule(req)
+    rig.eng.step()
+    assert rig.mgr.delete("t1")[0] == 200
+    assert rig.mgr.get("t1")[0] == 404
+    assert len(rig.mgr.tombstones) == 1
+    rig.run(req)
+    assert req.status == "FINISHED"
+    assert rig.mgr.get("t1")[0] == 404 and "t1" not in rig.mgr.table
+    assert not rig.mgr.tombstones
+    assert rig.mgr.pinned_blocks() == 0 and not any(rig.pool.pins)
+    plans = [rig.eng.step() for _ in range(3)]
+    assert not any(plan.stores for plan in plans)
+    rig.settle()
+    assert len(rig.mgr.index) == 0 and not rig.host_keys()
+
+
+# ============================================================================ (6) index == stores
+
+
+def test_the_manager_evicts_and_the_stores_follow_the_index_exactly() -> None:
+    rig = make_rig(host=6, tp=2)
+    for i in range(5):
+        offloaded(rig, f"t{i}", [20 + i] * 8 + [1])  # 2 blocks each, 10 blocks > 6 slots
+    assert rig.mgr.counters["evictions_host"] >= 4
+    index_host = {k for k in rig.mgr.index if rig.mgr.index.get(k).host}  # type: ignore[union-attr]
+    for rank in range(2):
+        assert rig.host_keys(rank) == index_host
+        assert len(rig.host_keys(rank)) <= 6
+    assert not rig.eng.violations
+
+
+def _disk_offloaded(rig: Rig, wait: float = 400.0) -> dict[str, Any]:
+    rig.turn("t1", P1)
+    code, body = rig.mgr.pause("t1", "main", "human", wait)
+    assert code == 200 and body["decision"]["action"] == "offload_disk", body
+    rig.settle()
+    assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "disk"
+    return body
+
+
+def test_prefetch_outcome_is_scored_from_the_promote_completion_time() -> None:
+    rig = make_rig(disk=32)
+    _disk_offloaded(rig)
+    b = branch(rig)
+    assert b.prefetch_due is not None
+    rig.clock.t = b.prefetch_due + 0.01
+    rig.eng.step()  # the prefetch fires: a promote goes out
+    (move,) = [m for m in rig.workers.pending if m.kind == "move"]
+    assert move.job.kind == "promote"
+    rig.clock.advance(5.0)  # the promote takes 5 s
+    rig.workers.complete(move)
+    rig.eng.deliver_reports()
+    done = rig.clock.now()
+    assert b.prefetch_done_at == done
+    rig.clock.advance(0.5)
+    rig.mgr.resume("t1", "main")
+    assert rig.mgr.prefetch_outcomes.counts()["on_time"] == 1  # from the queue time: 'early'
+
+
+def test_a_resume_during_the_promote_is_late_not_done() -> None:
+    rig = make_rig(disk=32)
+    _disk_offloaded(rig)
+    rig.clock.t = branch(rig).prefetch_due + 0.01  # type: ignore[operator]
+    rig.eng.step()
+    assert rig.mgr.counters["prefetches"] == 1
+    rig.clock.advance(0.2)
+    rig.mgr.resume("t1", "main")  # the promote is still copying
+    assert rig.mgr.prefetch_outcomes.counts()["late"] == 1
+
+
+# ============================================================================ (7) bounded
+
+
+def test_idle_trajectories_expire_and_the_table_is_capped() -> None:
+    rig = make_rig(idle_ttl_s=60.0, max_trajectories=3)
+    offloaded(rig, "old")
+    rig.clock.advance(61.0)
+    in_thread(rig.mgr.tick)
+    assert rig.mgr.get("old")[0] == 404
+    assert rig.mgr.counters["trajectories_expired"] == 1
+    rig.settle()
+    assert len(rig.mgr.index) == 0
+    for i in range(5):
+        rig.turn(f"c{i}", [30 + i] * 5)
+        assert len(rig.mgr.table) <= 3
+    assert rig.mgr.counters["trajectories_evicted_cap"] == 2
+    assert list(rig.mgr.table) == ["c2", "c3", "c4"]
+
+
+def test_per_step_work_never_touches_idle_branches(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(blocks=64, host=0, grace=0.0)
+    for i in range(2000):
+        rig.turn(f"idle{i}", [i % 50 + 1] * 5)
+    idle = {id(b) for t in rig.mgr.table.values() for b in t.branches.values()}
+    assert len(idle) == 2000
+    touched: set[int] = set()
+    original = Branch.__getattribute__
+
+    def spy(self: Branch, name: str) -> Any:
+        touched.add(id(self))
+        return original(self, name)
+
+    monkeypatch.setattr(Branch, "__getattribute__", spy)
+    live = rig.eng.new_request("busy", "main", [99] * 9, max_new=2)
+    for _ in range(6):
+        rig.run(live, steps=1)
+        rig.mgr.take_step()
+        rig.clock.advance(0.1)
+    monkeypatch.setattr(Branch, "__getattribute__", original)
+    assert live.status == "FINISHED"
+    assert not touched & idle
+
+
+# ============================================================================ (8) timers
+
+
+def test_a_control_thread_tick_fires_the_prefetch_at_its_due_time() -> None:
+    rig = make_rig(disk=32)
+    _disk_offloaded(rig)
+    due = branch(rig).prefetch_due
+    assert due is not None
+    assert rig.mgr.next_deadline() == pytest.approx(due - rig.clock.now())
+    rig.clock.t = due - 0.01
+    in_thread(rig.mgr.tick)
+    assert not rig.mgr.engine_work_pending()
+    rig.clock.t = due
+    in_thread(rig.mgr.tick)
+    assert rig.mgr.engine_work_pending()
+    (move,) = rig.mgr.take_step().moves
+    assert move.kind == "promote" and set(move.keys) == set(keys_of(rig, P1))
+
+
+def test_a_control_thread_tick_expires_a_lease() -> None:
+    rig = make_rig()
+    rig.turn("t1", P1)
+    _code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
+    assert body["state"] == "retained"
+    lease_until = branch(rig).lease_until
+    assert rig.mgr.next_deadline() == pytest.approx(lease_until - rig.clock.now())
+    rig.clock.t = lease_until
+    in_thread(rig.mgr.tick)
+    assert rig.mgr.engine_work_pending()
+    assert branch(rig).demoted_by == "lease_expired"
+    plan = rig.mgr.take_step()
+    assert [t.block_id for job in plan.stores for t in job.blocks] == branch(rig).block_ids
+
+
+# ============================================================================ (10) late pause
+
+
+def test_a_late_retain_repins_the_blocks_still_cached() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
+    assert code == 200 and body["applied"] and body["state"] == "retained"
+    assert rig.mgr.pinned_blocks() == 0  # pinned by the engine thread, at its next hook
+    rig.eng.step()
+    assert branch(rig).pinned == branch(rig).block_ids and len(branch(rig).pinned) == 4
+    assert rig.mgr._pins == Counter(branch(rig).block_ids)
+
+
+def test_a_late_retain_after_eviction_is_not_applied_and_says_why() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
+    assert code == 200 and not body["applied"] and "evicted" in body["reason"]
+
+
+def test_a_late_disk_decision_copies_host_copies_down_then_drops_them_from_host() -> None:
+    rig = make_rig(disk=32)
+    offloaded(rig)
+    keys = set(keys_of(rig, P1))
+    assert rig.host_keys() == keys
+    code, body = rig.mgr.pause("t1", "main", "human", 400.0)
+    assert code == 200 and body["applied"] and body["decision"]["action"] == "offload_disk"
+    plan = rig.eng.step()
+    assert [(m.kind, set(m.keys)) for m in plan.moves] == [("demote", keys)]
+    rig.settle()
+    assert rig.disk_keys() == keys
+    assert not rig.host_keys() & keys
+    assert all(rig.mgr.index.usable(k) == "disk" for k in keys)
+    assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "disk"
+
+
+def test_two_late_retains_pin_once() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    assert rig.mgr.pause("t1", "main", "fast", 0.001)[1]["state"] == "retained"
+    assert rig.mgr.pause("t1", "main", "slow", None)[1]["state"] == "offloaded"
+    assert rig.mgr.pause("t1", "main", "fast", 0.001)[1]["state"] == "retained"
+    rig.eng.step()  # two repins queued: the second finds the branch pinned
+    assert rig.mgr._pins == Counter(branch(rig).block_ids)
+    rig.turn("t1", [*P1, 3])
+    assert rig.mgr._pins == Counter(branch(rig).pinned)
+
+
+# ============================================================================ (13) lease
+
+
+@pytest.mark.parametrize("wait", [0.0, 0.001, 0.05])
+def test_the_lease_is_policy_lease_seconds(wait: float) -> None:
+    policy = PolicyParams(disk_after_s=100.0, lease_margin_s=0.02)
+    rig = make_rig(policy=policy)
+    rig.turn("t1", P1)
+    now = rig.clock.now()
+    _code, body = rig.mgr.pause("t1", "main", "tool", wait)
+    decision = body["decision"]
+    assert decision["action"] == "retain"
+    expected = lease_seconds(decision["break_even_wait_s"], decision["wait_p50_s"], policy)
+    assert decision["lease_s"] == pytest.approx(expected)
+    assert branch(rig).lease_until - now == pytest.approx(expected)
+
+
+# ============================================================================ bugs the state machine found
+
+
+def test_b1_a_key_revived_while_its_store_is_in_flight_is_not_written_twice() -> None:
+    """A branch's new context drops its old keys (doomed while their store runs); the next
+    turn wants them again: they are revived, not written a second time (which raised)."""
+    rig = make_rig(grace=0.0)
+    rig.turn("t1", [*SYS, 1], jobs=False)  # store of the SYS blocks in flight
+    rig.turn("t1", [1], jobs=False)  # the branch's context no longer holds them
+    assert all(rig.mgr.index.get(k).doomed for k in keys_of(rig, SYS))  # type: ignore[union-attr]
+    rig.turn("t1", [*SYS, 2], jobs=False)  # wants them again
+    assert all(not rig.mgr.index.get(k).doomed for k in keys_of(rig, SYS))  # type: ignore[union-attr]
+    rig.settle()
+    assert all(rig.mgr.index.usable(k) == "host" for k in keys_of(rig, SYS))
+    assert rig.mgr.pinned_blocks() == 0 and not any(rig.pool.pins)
+
+
+def test_b2_a_store_failed_on_one_rank_leaves_no_copy_on_the_others() -> None:
+    rig = make_rig(tp=2, grace=0.0)
+    rig.turn("t1", P1, jobs=False)
+    rig.eng.step()
+    stores = [p for p in rig.workers.pending if p.kind == "store"]
+    rig.workers.complete(next(p for p in stores if p.rank == 0), ok=False)
+    rig.workers.complete(next(p for p in stores if p.rank == 1), ok=True)
+    assert rig.host_keys(1) == set(keys_of(rig, P1))
+    rig.eng.deliver_reports()
+    rig.eng.step()
+    assert not rig.host_keys(0) and not rig.host_keys(1)
+    assert rig.mgr.index.reserved("host") == 0
+
+
+def test_b3_late_ranks_each_get_their_copies_dropped_and_slots_stay_taken_until_then() -> None:
+    rig = make_rig(tp=2, grace=0.0, host=4)
+    rig.workers.silent.add(1)
+    rig.turn("t1", P1, jobs=False)
+    rig.eng.step()
+    for p in rig.workers.completable():  # rank 0 finishes in time, rank 1 is stuck
+        rig.workers.complete(p)
+    rig.clock.advance(11.0)
+    rig.eng.step()  # the store times out
+    rig.eng.deliver_reports()  # rank 0's report arrives after the timeout
+    rig.eng.step()
+    assert not rig.host_keys(0)
+    assert rig.mgr.index.reserved("host") == 4  # rank 1 may still write those 4 blocks
+    assert rig.mgr.index.free("host") == 0
+    rig.workers.wake(1)  # rank 1 writes late and reports
+    assert rig.host_keys(1) == set(keys_of(rig, P1))
+    rig.eng.deliver_reports()
+    rig.eng.step()
+    assert not rig.host_keys(1)
+    assert rig.mgr.index.reserved("host") == 0
+    assert not rig.mgr._poisoned and not rig.mgr._timed_out
+
+
+def test_b4_a_lost_key_spoils_its_write_in_flight() -> None:
+    """A drop of a key overtakes its write: ranks that wrote lose the copy, so the write never
+    becomes readable (the index would list a copy rank 0 lacks)."""
+    rig = make_rig(tp=2, grace=0.0)
+    rig.turn("t1", P1, jobs=False)
+    rig.eng.step()
+    key = keys_of(rig, P1)[0]
+    rank0 = next(p for p in rig.workers.pending if p.kind == "store" and p.rank == 0)
+    rig.workers.complete(rank0)
+    rig.eng.deliver_reports()
+    from agentkv.manager import WorkerReport
+
+    rig.mgr.on_report(WorkerReport(bad_keys={key: "corrupt"}))  # e.g. another job's read
+    rig.eng.step()  # the drop reaches both ranks
+    for p in rig.workers.completable():
+        rig.workers.complete(p)
+    rig.eng.deliver_reports()
+    rig.eng.step()
+    assert rig.mgr.index.usable(key) is None
+    assert key not in rig.host_keys(0) and key not in rig.host_keys(1)
+    others = set(keys_of(rig, P1)[1:])
+    assert rig.host_keys(0) == rig.host_keys(1) == others
+
+
+def test_b5_no_new_write_of_a_key_a_late_rank_may_still_publish() -> None:
+    """A disk store timed out (rank 1 stuck; its source blocks are unpinned and reused since).
+    A copy-down of the same keys must wait for rank 1's report, or rank 1's late write of
+    garbage lands on top of a copy the index lists."""
+    rig = make_rig(tp=2, disk=32)
+    offloaded(rig)  # t1's blocks on host
+    rig.turn("t2", P1)  # same content; t2 goes to disk while t1's copy sits on host
+    rig.workers.silent.add(1)
+    assert rig.mgr.pause("t2", "main", "human", 400.0)[1]["decision"]["action"] == "offload_disk"
+    rig.settle()
+    rig.clock.advance(11.0)
+    rig.settle()
+    assert rig.mgr.counters["store_timeouts"] == 1
+    keys = set(keys_of(rig, P1))
+    assert keys <= set(rig.mgr._poisoned)
+    _code, body = rig.mgr.pause("t1", "main", "human", 400.0)  # t1 goes to disk too
+    assert body["decision"]["action"] == "offload_disk"
+    plan = rig.eng.step()
+    assert not any(set(m.keys) & keys for m in plan.moves)
+    rig.settle()
+    rig.flush()  # the timed-out store's blocks are reused
+    rig.workers.wake(1, newest_first=True)  # rank 1 writes what they hold now, late
+    rig.settle()
+    assert not rig.mgr._poisoned
+    for rank in range(2):
+        for tier in ("host", "disk"):
+            for key, content in rig.workers.tiers[rank][tier].items():
+                e = rig.mgr.index.get(key)
+                assert e is not None and e.has(tier)  # type: ignore[arg-type]
+                assert content is not None and key_of(content) == key, (rank, tier)
+
+
+def test_b6_a_stray_late_write_never_reaches_a_load() -> None:
+    rig = make_rig(tp=2, grace=0.0)
+    rig.workers.silent.add(1)
+    rig.turn("t1", P1, jobs=False)
+    rig.eng.step()
+    rig.clock.advance(11.0)
+    rig.settle()  # the store timed out; its blocks were unpinned
+    rig.flush()  # and reused
+    rig.workers.wake(1)  # the late rank copies whatever the blocks hold now
+    assert GARBAGE in rig.workers.tiers[1]["host"].values()
+    req = rig.eng.new_request("t1", "main", [*P1, 1])
+    rig.run(req)
+    assert req.status == "FINISHED" and not rig.eng.violations
+    rig.settle()
+    assert GARBAGE not in rig.workers.tiers[1]["host"].values()
+
+
+def test_b7_a_pending_decision_does_not_outlive_the_pause_it_was_for() -> None:
+    rig = make_rig(disk=32)
+    rig.turn("t1", P1)
+    rig.clock.advance(1.0)
+    rig.eng.step()  # grace expired: the host store is in flight
+    assert branch(rig).state is BranchState.OFFLOADING
+    _code, body = rig.mgr.pause("t1", "main", "human", 400.0)
+    assert body["applied"] and "completes" in body["reason"]
+    assert branch(rig).pending is not None
+    req = rig.eng.new_request("t1", "main", [*P1, 2, 2])  # the agent is back before that
+    rig.eng.schedule(req)
+    assert branch(rig).pending is None
+    rig.run(req)
+    assert branch(rig).state is BranchState.HELD  # a fresh grace period, not the old decision
+    assert not any(p.kind == "store" and p.job.tier == "disk" for p in rig.workers.pending)
+
+
+def test_b8_a_drop_releases_the_tier_copies_only_the_branch_held() -> None:
+    rig = make_rig()
+    offloaded(rig)  # t1's context on host
+    fast = CostModel(host_link_bytes_per_s=1e8, prefill_tokens_per_s=1e9)  # recompute wins
+    rig.mgr.costs = fast
+    rig.turn("t1", [*P1, 2, 2, 2])
+    _code, body = rig.mgr.pause("t1", "main", "tool", 5.0)
+    assert body["decision"]["action"] == "drop" and body["state"] == "dropped"
+    assert not rig.mgr.table["t1"].owned
+    rig.settle()
+    assert len(rig.mgr.index) == 0 and not rig.host_keys()
+
+
+@pytest.mark.parametrize("via", ["fail_load", "mismatch"])
+def test_b9_a_fail_closed_load_is_layerwise_when_the_lookup_said_so(via: str) -> None:
+    """The lookup answered load_async=False (a layerwise host load): vLLM runs the forward this
+    step, so the failing load must fail inside it, not arrive later as an async job."""
+    rig = make_rig(layerwise=True)
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4])
+    hashes = rig.eng.hashes(req.tokens)
+    answer = rig.mgr.on_lookup(req.req_id, req.params, req.prompt, hashes, 0)
+    assert answer.tokens == 16 and not answer.load_async
+    blocks = rig.pool.allocate([], 5)
+    assert blocks is not None
+    if via == "fail_load":
+        rig.mgr.fail_load(req.req_id, blocks, 16)
+    else:
+        rig.mgr.on_alloc(req.req_id, blocks, 20)
+    (load,) = rig.mgr.take_step().loads
+    assert load.layerwise and all(t.key == b"" for t in load.blocks)
+
+
+def test_b9_the_engine_recomputes_what_a_layerwise_fail_closed_load_covered() -> None:
+    rig = make_rig(layerwise=True)
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4])
+    rig.eng.schedule(req, adapter_error=True)
+    rig.run(req)
+    assert req.status == "FINISHED" and not rig.eng.violations

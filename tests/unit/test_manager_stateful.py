@@ -1,0 +1,569 @@
+"""Race hunting: a hypothesis state machine over the real TrajectoryManager and a simulated engine.
+
+Rules drive requests like vLLM's scheduler (lookup, allocation, async and layerwise loads,
+compute, finish, abort also during an async load, preemption), the control channel (pause with
+tiny to huge waits, resume, DELETE, GET, a control-thread tick), the workers (each job completes
+or fails per rank; a silent rank that wakes late), pool pressure spikes and clock jumps.
+
+Invariants after every step (numbers from agentkv/manager/core.py's docstring):
+  1. no load copies a tier copy that is not its key's true content; every normally finished
+     request holds the true KV in all its computed blocks; tier copies the index lists are true
+  2. every counted external block is covered by a LoadJob in the next plan
+  3. pins in the pool == the manager's recorded pins == branch pins + store-job pins + queued
+     unpins; all balance to zero at the end (teardown)
+  4. only live trajectories own indexed keys (and know it); deleted ones hold nothing, answer
+     404, never come back through their running requests; tombstones only while running
+  5. every pressure demotion is one pressure_victims picked; a demotion that covered its excess
+     is not followed by another unless usage grew or a store completed
+  6. index == stores: what the index lists complete is on every rank; the ranks hold nothing the
+     index does not know (drops still in the outbox aside)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import agentkv.manager.core as core
+from agentkv.manager import ManagerConfig, Trajectory, TrajectoryManager
+from agentkv.policy import CostModel, PolicyParams
+from tests.unit.sim_engine import GARBAGE, FakeClock, SimEngine, SimPool, SimWorkers, key_of
+
+BS = 4
+POOL = 32
+HOST = 10
+DISK = 10
+TIMEOUT = 10.0
+WAITS = [None, 0.0, 0.001, 0.05, 2.0, 30.0, 400.0, 1e5]
+CLOCK_STEPS = [0.05, 0.3, 0.6, 3.0, 2 * TIMEOUT, 70.0, 700.0]
+SYSTEM = [7, 7, 7, 7, 9, 9, 9, 9]  # a shared system prompt: identical blocks across trajectories
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr: TrajectoryManager | None = None
+
+    # ------------------------------------------------------------------ setup
+    @initialize(
+        tp=st.sampled_from([1, 2]),
+        layerwise=st.booleans(),
+        grace=st.sampled_from([0.0, 0.5]),
+        disk=st.booleans(),
+        admission_wait=st.sampled_from([False, False, True]),
+    )
+    def setup(
+        self, tp: int, layerwise: bool, grace: float, disk: bool, admission_wait: bool
+    ) -> None:
+        self.clock = FakeClock()
+        self.pool = SimPool(POOL, tp)
+        config = ManagerConfig(
+            block_size=BS,
+            block_bytes=1 << 20,
+            tp_size=tp,
+            host_capacity_blocks=HOST,
+            disk_capacity_blocks=DISK if disk else 0,
+            grace_s=grace,
+            job_timeout_s=TIMEOUT,
+            idle_ttl_s=300.0,
+            max_trajectories=5,
+            layerwise=layerwise,
+            high_water=0.75,
+            admission_wait=admission_wait,
+        )
+        # 1 MiB blocks: a 10-block context reloads from host in 0.1 s, from disk in 0.12 s, and
+        # recomputes in 0.4 s; break-even waits are ~0.1-0.3 s, so declared waits from 0 to
+        # 1e5 s give every action (retain, offload_host, offload_disk past 100 s, drop when full).
+        costs = CostModel(
+            host_link_bytes_per_s=1e8,
+            disk_write_bytes_per_s=5e8,
+            disk_read_bytes_per_s=5e8,
+            prefill_tokens_per_s=100.0,
+        )
+        self.mgr = TrajectoryManager(
+            config,
+            self.pool,
+            key_of=key_of,
+            costs=costs,
+            policy=PolicyParams(disk_after_s=100.0, max_lease_s=60.0),
+            clock=self.clock,
+        )
+        self.workers = SimWorkers(self.pool, tp, {"host": HOST, "disk": DISK if disk else 0})
+        self.eng = SimEngine(self.mgr, self.pool, self.workers)
+        self.tp = tp
+        self.deleted: list[Trajectory] = []
+        self.deleted_ids: set[str] = set()
+        self.jobs_at_delete: dict[int, set[int]] = {}  # id(trajectory) -> its jobs then
+        self.next_traj = 0
+        # pressure bookkeeping (invariant 5)
+        self._orig_victims = core.pressure_victims
+        core.pressure_victims = self._record_victims  # type: ignore[assignment]
+        self.last_demotion: dict[str, Any] | None = None
+        self.cascades: list[str] = []
+        self.victims_picked = 0
+
+    def _record_victims(self, candidates: list[Any], excess: float) -> list[object]:
+        out = self._orig_victims(candidates, excess)
+        self.victims_picked += len(out)
+        mgr = self.mgr
+        assert mgr is not None
+        stores = {j for j, job in mgr.jobs.items() if job.kind == "store"}
+        last = self.last_demotion
+        if (
+            excess > 0
+            and last is not None
+            and last["exclusive"]
+            and last["freed"] >= last["excess"]
+            and last["grow"] == self.pool.grow_events
+            and last["stores"] <= stores
+        ):
+            self.cascades.append(
+                f"pressure demoted again (excess {excess:.1f}) with no new use since the last "
+                f"demotion of {last['n']} branch(es) at excess {last['excess']:.1f}"
+            )
+        if out:
+            pinned = [b for handle in out for b in handle[1].pinned]  # type: ignore[index]
+            self.last_demotion = {
+                "exclusive": all(self.pool.ref[b] == 1 for b in pinned),
+                "grow": self.pool.grow_events,
+                "stores": stores,
+                "n": len(out),
+                "excess": excess,
+                "freed": len(pinned),
+            }
+        return out
+
+    def teardown(self) -> None:
+        if self.mgr is None:
+            return
+        try:
+            self._drain_everything()
+        finally:
+            core.pressure_victims = self._orig_victims  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ helpers
+    def _live_ids(self) -> list[str]:
+        assert self.mgr is not None
+        return list(self.mgr.table)
+
+    def _pick_request(self, i: int, pred: Any) -> Any:
+        reqs = [r for r in self.eng.requests.values() if pred(r)]
+        return reqs[i % len(reqs)] if reqs else None
+
+    def _pick_traj(self, i: int, deleted: bool = False) -> str | None:
+        ids = self._live_ids() + (sorted(self.deleted_ids)[:1] if deleted else [])
+        return ids[i % len(ids)] if ids else None
+
+    @property
+    def quiet(self) -> bool:
+        """No schedule() in progress: its plan went out (engine-thread rules may run)."""
+        return not self.eng._awaiting_cover
+
+    # ------------------------------------------------------------------ requests
+    @precondition(lambda self: len(self.eng.requests) < 4)
+    @rule(
+        traj=st.integers(0, 5),
+        branch=st.sampled_from(["main", "main", "f1"]),
+        cut=st.integers(0, 40),
+        system=st.booleans(),
+        tail=st.lists(st.integers(1, 3), min_size=1, max_size=9),
+        max_new=st.integers(0, 5),
+    )
+    def new_request(
+        self, traj: int, branch: str, cut: int, system: bool, tail: list[int], max_new: int
+    ) -> None:
+        """A turn of a live trajectory (continuing its branch, or forking main at ``cut``), of
+        a deleted one, or of a new one (``traj`` past the candidates)."""
+        ids = self._live_ids()
+        ids = ids + ids + sorted(self.deleted_ids)[:1]
+        if traj < len(ids):
+            tid = ids[traj]
+        else:
+            self.next_traj += 1
+            tid = f"t{self.next_traj}"
+        ctx = self.eng.finished_contexts.get((tid, branch))
+        if ctx is None and branch != "main":  # a fork: a prefix of main
+            ctx = self.eng.finished_contexts.get((tid, "main"), [])[:cut]
+        if ctx is None:
+            ctx = list(SYSTEM) if system else []
+        if len(ctx) > 28:
+            ctx = ctx[:20]
+        self.eng.new_request(tid, branch, ctx + tail, max_new=max_new)
+
+    @precondition(lambda self: len(self.eng.requests) < 4)
+    @rule(
+        traj=st.integers(0, 5),
+        branch=st.sampled_from(["main", "main", "f1"]),
+        cut=st.integers(0, 40),
+        tail=st.lists(st.integers(1, 3), min_size=1, max_size=9),
+        wait=st.sampled_from([*WAITS, "no pause"]),
+        tool=st.sampled_from(["t1", "t2"]),
+        gap=st.sampled_from([0.01, 0.6, 3.0, 30.0, 150.0]),
+        jobs=st.sampled_from([0xFFFF, 0xFFFF, 0x5555, 0]),
+        flush=st.booleans(),
+    )
+    def agent_turn(
+        self,
+        traj: int,
+        branch: str,
+        cut: int,
+        tail: list[int],
+        wait: float | str | None,
+        tool: str,
+        gap: float,
+        jobs: int,
+        flush: bool,
+    ) -> None:
+        """What an agent does: one turn runs to its end (the engine loops meanwhile), the
+        harness declares the tool call (pause), the tool runs for ``gap`` seconds (meanwhile
+        other traffic may ``flush`` vLLM's prefix cache)."""
+        before = set(self.eng.requests)
+        self.new_request(traj, branch, cut, True, tail, 1)
+        (rid,) = set(self.eng.requests) - before
+        req = self.eng.requests[rid]
+        for _ in range(6):
+            self._engine_loop(1, jobs, 0.01)
+            if req.status == "FINISHED":
+                break
+        assert self.mgr is not None
+        if req.status == "FINISHED" and wait != "no pause":
+            assert not isinstance(wait, str)
+            self.mgr.pause(req.traj_id, req.branch, tool, wait)
+        self.clock.advance(gap)
+        self._engine_loop(1, jobs, 0.01)
+        if flush:
+            self.flush_cache()
+
+    agent_turn_2 = agent_turn
+
+    @precondition(lambda self: bool(self.eng.requests) or bool(self.workers.pending))
+    @rule(
+        iters=st.integers(1, 4),
+        jobs=st.sampled_from([0, 0xFFFF, 0xFFFF, 0x5555, 0x0F0F]),
+        dt=st.sampled_from([0.01, 0.01, 0.6]),
+    )
+    def engine_loop(self, iters: int, jobs: int, dt: float) -> None:
+        """A few whole engine iterations, as vLLM runs them: schedule the waiting requests,
+        ship the plan, one forward of every running request, finish the done ones, the
+        workers complete the jobs ``jobs`` (a bit mask) selects, their reports come back."""
+        self._engine_loop(iters, jobs, dt)
+
+    # The engine loop is what an engine mostly does: weigh it up (rules are drawn uniformly).
+    engine_loop_2 = engine_loop
+    engine_loop_3 = engine_loop
+
+    def _engine_loop(self, iters: int, jobs: int, dt: float) -> None:
+        eng = self.eng
+        for _ in range(iters):
+            for req in eng.active("WAITING"):
+                if not eng.schedule(req):
+                    break
+            eng.step()
+            for req in eng.active("RUNNING"):
+                if eng.can_compute(req) and not eng.compute(req):
+                    eng.preempt(req)
+            for req in eng.active("RUNNING"):
+                if eng.can_finish(req) and len(req.output) >= req.max_new:
+                    eng.finish(req)
+            for n, p in enumerate(self.workers.completable()):
+                if jobs >> (n % 16) & 1:
+                    self.workers.complete(p, True)
+            eng.deliver_reports()
+            self.clock.advance(dt)
+
+    @rule(i=st.integers(0, 3), adapter_error=st.sampled_from([False, False, True]))
+    def schedule(self, i: int, adapter_error: bool) -> None:
+        req = self._pick_request(i, lambda r: r.status == "WAITING")
+        if req is not None:
+            self.eng.schedule(req, adapter_error)
+
+    @rule(glitch=st.sampled_from([False, False, True]))
+    def engine_step(self, glitch: bool) -> None:
+        """build_connector_meta; with ``glitch`` the pool raises inside the manager's tick."""
+        if glitch:
+            self.pool.usage_error = RuntimeError("pool glitch")
+        self.eng.step()
+        self.pool.usage_error = None
+
+    @precondition(lambda self: self.quiet)
+    @rule()
+    def worker_reports(self) -> None:
+        self.eng.deliver_reports()
+
+    @precondition(lambda self: self.quiet)
+    @rule(i=st.integers(0, 3), chunk=st.sampled_from([None, BS, 1]))
+    def compute(self, i: int, chunk: int | None) -> None:
+        req = self._pick_request(i, self.eng.can_compute)
+        if req is None:
+            return
+        if not self.eng.compute(req, chunk):
+            self.eng.preempt(req)
+
+    @precondition(lambda self: self.quiet)
+    @rule(i=st.integers(0, 3))
+    def finish(self, i: int) -> None:
+        req = self._pick_request(i, self.eng.can_finish)
+        if req is not None:
+            self.eng.finish(req)
+
+    @precondition(lambda self: self.quiet)
+    @rule(i=st.integers(0, 3))
+    def abort(self, i: int) -> None:
+        req = self._pick_request(i, lambda r: not r.aborted_waiting)
+        if req is not None:
+            self.eng.abort(req)
+
+    @precondition(lambda self: self.quiet)
+    @rule(i=st.integers(0, 3))
+    def preempt(self, i: int) -> None:
+        req = self._pick_request(i, self.eng.can_compute)
+        if req is not None:
+            self.eng.preempt(req)
+
+    # ------------------------------------------------------------------ workers
+    @rule(i=st.integers(0, 15), ok=st.sampled_from([True, True, True, False]))
+    def complete_job(self, i: int, ok: bool) -> None:
+        """One rank finishes (or fails) one job."""
+        pending = self.workers.completable()
+        if pending:
+            self.workers.complete(pending[i % len(pending)], ok)
+
+    @rule()
+    def complete_all_jobs(self) -> None:
+        for p in self.workers.completable():
+            self.workers.complete(p, True)
+
+    @precondition(lambda self: self.tp == 2 and not self.workers.silent)
+    @rule()
+    def silence_rank(self) -> None:
+        self.workers.silent.add(1)
+
+    @precondition(lambda self: bool(self.workers.silent))
+    @rule(newest_first=st.booleans())
+    def wake_rank(self, newest_first: bool) -> None:
+        self.workers.wake(1, newest_first)
+
+    # ------------------------------------------------------------------ control channel
+    @rule(
+        traj=st.integers(0, 5),
+        branch=st.sampled_from(["main", "f1"]),
+        wait=st.sampled_from(WAITS),
+        tool=st.sampled_from(["t1", "t2"]),
+    )
+    def pause(self, traj: int, branch: str, wait: float | None, tool: str) -> None:
+        assert self.mgr is not None
+        tid = self._pick_traj(traj, deleted=True)
+        if tid is None:
+            return
+        code, body = self.mgr.pause(tid, branch, tool, wait)
+        if tid not in self.mgr.table:
+            assert code == 404, body
+        if code == 200 and not body["applied"]:
+            assert body.get("reason"), body
+
+    @rule(traj=st.integers(0, 5))
+    def resume(self, traj: int) -> None:
+        assert self.mgr is not None
+        tid = self._pick_traj(traj)
+        if tid is not None:
+            self.mgr.resume(tid, "main")
+
+    @rule(traj=st.integers(0, 5))
+    def delete(self, traj: int) -> None:
+        assert self.mgr is not None
+        tid = self._pick_traj(traj)
+        if tid is None:
+            return
+        gone = self.mgr.table[tid]
+        self.jobs_at_delete[id(gone)] = {
+            j for j, job in self.mgr.jobs.items() if job.trajectory is gone
+        }
+        code, _ = self.mgr.delete(tid)
+        assert code == 200
+        self.deleted.append(gone)
+        self.deleted_ids.add(tid)
+        assert self.mgr.get(tid)[0] == 404
+
+    @rule(dt=st.sampled_from(CLOCK_STEPS))
+    def advance_clock(self, dt: float) -> None:
+        self.clock.advance(dt)
+
+    @rule()
+    def control_tick(self) -> None:
+        """The control thread's tick (the engine idle): only queues engine work."""
+        assert self.mgr is not None
+        t = threading.Thread(target=self.mgr.tick)
+        t.start()
+        t.join()
+
+    # ------------------------------------------------------------------ pressure
+    @precondition(lambda self: len(self.eng.spikes) < 3)
+    @rule(n=st.integers(4, 24))
+    def spike(self, n: int) -> None:
+        self.eng.spike(n)
+
+    @rule()
+    def release_spike(self) -> None:
+        self.eng.release_spike()
+
+    @rule()
+    def flush_cache(self) -> None:
+        """Other traffic takes every free block for a moment: unpinned device copies are gone."""
+        if self.eng.spike(self.pool.num_free()):
+            self.pool.free(self.eng.spikes.pop())
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def sim_saw_nothing_wrong(self) -> None:
+        if self.mgr is None:
+            return
+        assert not self.eng.violations, self.eng.violations
+        assert not self.cascades, self.cascades
+        # every pressure demotion is one pressure_victims picked, no more
+        assert self.mgr.counters["pressure_demotions"] == self.victims_picked
+
+    @invariant()
+    def pins_balance(self) -> None:
+        mgr = self.mgr
+        if mgr is None:
+            return
+        in_pool = Counter({b: n for b, n in enumerate(self.pool.pins) if n})
+        assert in_pool == +mgr._pins, (in_pool, mgr._pins)
+        expected: Counter[int] = Counter()
+        trajs = list(mgr.table.values()) + list(mgr.tombstones.values()) + self.deleted
+        seen: set[int] = set()
+        for traj in trajs:
+            if id(traj) in seen:
+                continue
+            seen.add(id(traj))
+            for b in traj.branches.values():
+                expected.update(b.pinned)
+        for job in mgr.jobs.values():
+            if job.kind == "store":
+                expected.update(job.block_ids)
+        for op, arg in mgr._pin_ops:
+            if op == "unpin":
+                expected.update(arg)
+        assert +expected == +mgr._pins, (expected, mgr._pins)
+
+    @invariant()
+    def ownership(self) -> None:
+        mgr = self.mgr
+        if mgr is None:
+            return
+        for traj in self.deleted:
+            assert traj.deleted and not traj.owned
+            assert all(not b.pinned for b in traj.branches.values())
+        for j, job in mgr.jobs.items():  # a deleted trajectory's requests store nothing new
+            if job.trajectory is not None and id(job.trajectory) in self.jobs_at_delete:
+                assert j in self.jobs_at_delete[id(job.trajectory)], job
+        for traj in mgr.tombstones.values():
+            assert traj.deleted and traj.running > 0
+        for tid in self.deleted_ids - set(mgr.table):
+            assert mgr.get(tid)[0] == 404
+        for key in mgr.index:
+            e = mgr.index.get(key)
+            assert e is not None
+            if not e.owners:
+                assert e.doomed, f"unowned key {key.hex()[:8]} neither doomed nor dropped"
+            for owner in e.owners:
+                live = mgr.table.get(owner)
+                assert live is not None, f"key {key.hex()[:8]} owned by gone trajectory {owner}"
+                assert key in live.owned, f"{owner} owns {key.hex()[:8]} without knowing it"
+
+    @invariant()
+    def index_equals_stores(self) -> None:
+        mgr = self.mgr
+        if mgr is None:
+            return
+        pending_drops: dict[str, set[bytes]] = {"host": set(), "disk": set()}
+        for keys, tier, _ in mgr._timed_out.values():  # a late rank may still publish these:
+            pending_drops[tier].update(keys)  # dropped when its report arrives
+        for drop in mgr._outbox.drops:
+            for tier in ("host", "disk") if drop.tier is None else (drop.tier,):
+                pending_drops[tier].update(drop.keys)
+        for rank in range(self.tp):
+            for tier in ("host", "disk"):
+                store = self.workers.tiers[rank][tier]
+                assert len(store) <= (HOST if tier == "host" else DISK)
+                for key, content in store.items():
+                    e = mgr.index.get(key)
+                    known = e is not None and (e.has(tier) or tier in e.writing)  # type: ignore[arg-type]
+                    if not known:
+                        assert key in pending_drops[tier], (
+                            f"rank {rank} {tier} holds {key.hex()[:8]} the index does not know"
+                        )
+                        continue
+                    if e is not None and e.has(tier):  # type: ignore[arg-type]
+                        assert content != GARBAGE and content is not None
+                        assert key_of(content) == key, f"{tier} copy of {key.hex()[:8]} is wrong"
+        for key in mgr.index:
+            e = mgr.index.get(key)
+            assert e is not None
+            for tier in ("host", "disk"):
+                if e.has(tier) and tier not in e.writing:  # type: ignore[arg-type]
+                    for rank in range(self.tp):
+                        assert key in self.workers.tiers[rank][tier], (
+                            f"index lists {key.hex()[:8]} in {tier}, rank {rank} lacks it"
+                        )
+
+    # ------------------------------------------------------------------ the end
+    def _drain_everything(self) -> None:
+        mgr, eng = self.mgr, self.eng
+        assert mgr is not None
+        if self.workers.silent:
+            self.workers.wake(1)
+        for _ in range(6):
+            for req in list(eng.requests.values()):
+                if req.status == "FINISHED" or req.aborted_waiting:
+                    continue
+                if eng._awaiting_cover:
+                    eng.step()
+                eng.abort(req)
+            for tid in list(mgr.table):
+                mgr.delete(tid)
+            for _ in range(4):
+                eng.step()
+                for p in self.workers.completable():
+                    self.workers.complete(p, True)
+                eng.deliver_reports()
+            self.clock.advance(2 * TIMEOUT)
+            eng.step()
+            eng.deliver_reports()
+            if not eng.requests and not mgr.jobs and not mgr.has_work():
+                break
+        assert not eng.violations, eng.violations
+        assert not eng.requests, list(eng.requests)
+        assert not mgr.jobs, mgr.jobs
+        assert not mgr.tombstones
+        assert not mgr._pins, mgr._pins
+        assert not any(self.pool.pins), self.pool.pins
+        assert len(mgr.index) == 0, [k.hex()[:8] for k in mgr.index]
+        for rank in range(self.tp):
+            for tier in ("host", "disk"):
+                assert not self.workers.tiers[rank][tier], (rank, tier)
+        for tier in ("host", "disk"):
+            assert mgr.index.reserved(tier) == 0  # type: ignore[arg-type]
+
+
+# 500 examples of up to 50 steps take ~10 s on 2 cores (a failure's shrinking takes longer).
+# AGENTKV_STATEFUL_EXAMPLES / AGENTKV_STATEFUL_STEPS raise them for a longer hunt.
+ManagerMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("AGENTKV_STATEFUL_EXAMPLES", "500")),
+    stateful_step_count=int(os.environ.get("AGENTKV_STATEFUL_STEPS", "50")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestManagerStateful = ManagerMachine.TestCase
