@@ -8,6 +8,8 @@ Primitives:
   AgentKVAdapter, OpenAIAdapter, AnthropicAdapter, CacheUsage               provider adapters
   Telemetry                     OTel spans and metrics (no-op unless an SDK is configured)
   HarnessError and its tree     see ``harness_sdk.errors``
+  harness_sdk.openai.wrap       the official ``openai`` client (sync or async) bound to a
+                                trajectory: session id + params on every call, ``tool()`` waits
 
 Trajectory ids and branch names follow ``agentkv.ids`` (checked before any request is sent).
 Never imports vllm. Talks to any OpenAI-compatible server over httpx and uses the agentkv

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json as jsonlib
 import logging
+import sys
 import time
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -314,6 +316,19 @@ def _first_divergence(expected: list[dict[str, Any]], actual: list[dict[str, Any
     return None if len(actual) >= len(expected) else len(actual)
 
 
+class ToolHost(Protocol):
+    """What a ToolWait needs from its owner: a Trajectory, or a wrapped OpenAI client
+    (``harness_sdk.openai``)."""
+
+    _shared: _Shared
+    branch: str
+    tool_waits: list[ToolWait]
+
+    def _check_open(self) -> None: ...
+
+    def observe(self, content: str, role: str = "user") -> None: ...
+
+
 class ToolWait:
     """``async with traj.tool(name, expected_s=...)``: pause on enter, resume on exit.
 
@@ -321,7 +336,7 @@ class ToolWait:
     measured wait. Exceptions in the body propagate after the resume.
     """
 
-    def __init__(self, traj: Trajectory, name: str, expected_s: float | None) -> None:
+    def __init__(self, traj: ToolHost, name: str, expected_s: float | None) -> None:
         if not name or len(name) > 128:
             raise ConfigError("tool name must be 1-128 characters")
         if expected_s is not None and expected_s < 0:
@@ -722,6 +737,31 @@ class Trajectory:
         await self.close()
 
 
+@contextlib.contextmanager
+def run_tool_wait(loop: asyncio.AbstractEventLoop, wait: ToolWait) -> Iterator[ToolWait]:
+    """Enter and exit an async ToolWait from blocking code, on ``loop``.
+
+    Both halves run in one contextvars context: the tool span's OTel context token is attached
+    on enter and detached on exit, and two tasks with a context copy each would make the detach
+    fail ("was created in a different Context"). Python 3.10 has no ``create_task(context=)``;
+    there the detach error is only logged by OTel.
+    """
+    ctx = contextvars.copy_context()
+
+    def run(coro: Any) -> Any:
+        if sys.version_info >= (3, 11):
+            return loop.run_until_complete(loop.create_task(coro, context=ctx))
+        return loop.run_until_complete(coro)  # pragma: no cover
+
+    run(wait.__aenter__())
+    try:
+        yield wait
+    except BaseException as exc:
+        run(wait.__aexit__(type(exc), exc, exc.__traceback__))
+        raise
+    run(wait.__aexit__(None, None, None))
+
+
 class SyncTrajectory:
     """Blocking twin of Trajectory on a private event loop (not usable inside a running loop)."""
 
@@ -767,14 +807,8 @@ class SyncTrajectory:
 
     @contextlib.contextmanager
     def tool(self, name: str, expected_s: float | None = None) -> Iterator[ToolWait]:
-        wait = self.async_trajectory.tool(name, expected_s)
-        self._run(wait.__aenter__())
-        try:
+        with run_tool_wait(self._loop, self.async_trajectory.tool(name, expected_s)) as wait:
             yield wait
-        except BaseException as exc:
-            self._run(wait.__aexit__(type(exc), exc, exc.__traceback__))
-            raise
-        self._run(wait.__aexit__(None, None, None))
 
     def fork(self, n: int) -> list[SyncTrajectory]:
         return [SyncTrajectory(_wrap=c, _loop=self._loop) for c in self.async_trajectory.fork(n)]
@@ -813,4 +847,4 @@ class SyncTrajectory:
         self.close()
 
 
-__all__ = ["SyncTrajectory", "ToolWait", "Trajectory", "TurnResult"]
+__all__ = ["SyncTrajectory", "ToolHost", "ToolWait", "Trajectory", "TurnResult", "run_tool_wait"]

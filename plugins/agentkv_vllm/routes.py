@@ -9,6 +9,12 @@ Routes (same host, port and API key as the OpenAI API):
 Metrics: ``agentkv_*`` families on the server's own ``/metrics`` (a collector that reads the
 engine's snapshot over the same channel at scrape time; see docs/metrics.md).
 
+``attach_router`` also installs ``agentkv_vllm.hooks.AgentKVHooks`` on the app: trajectory ids
+from session hints (``x-session-id``, vllm-router's ``agentic_context``, vLLM's ``session_id``)
+and the auto-pause on tool calls. It is active only when the connector is enabled;
+``auto_pause`` (``kv_connector_extra_config``, default on) switches the pause off. ``GET
+/status`` adds the hooks' counters under ``hooks``.
+
 vLLM's auth middleware only guards ``/v1``-style prefixes, so these routes check ``--api-key``
 (or ``VLLM_API_KEY``) themselves. They reach the scheduler-side connector over the connector's
 local control channel, never through engine internals; after a change they nudge the engine
@@ -38,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
 from agentkv_vllm.control import ControlClient, ControlUnavailable
+from agentkv_vllm.hooks import AgentKVHooks, HookState
 from agentkv_vllm.params import BranchStr
 from agentkv_vllm.settings import ConnectorSettings
 
@@ -69,9 +76,12 @@ class _State:
     api_keys: list[str] = []  # noqa: RUF012 - process-wide route state
     engine_client: Any = None
     pump: asyncio.Task[None] | None = None
+    hooks: HookState = HookState()
+    hooks_client: ControlClient | None = None
+    background: set[asyncio.Task[Any]] = set()  # noqa: RUF012 - strong refs to nudge tasks
 
 
-def _settings_from_args(args: Namespace) -> ConnectorSettings:
+def _extra_config(args: Namespace) -> dict[str, Any]:
     raw = getattr(args, "kv_transfer_config", None)
     extra: dict[str, Any] = {}
     if raw is not None:
@@ -84,7 +94,15 @@ def _settings_from_args(args: Namespace) -> ConnectorSettings:
             )
             or {}
         )
-    return ConnectorSettings.model_validate(extra)
+    return extra
+
+
+def _auto_pause_setting(settings: ConnectorSettings, extra: dict[str, Any]) -> bool:
+    """``auto_pause`` (default on): the settings field once it exists, else the raw config key."""
+    value = getattr(settings, "auto_pause", extra.get("auto_pause", True))
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off")
+    return bool(value)
 
 
 def _check_api_key(request: Request) -> None:
@@ -221,7 +239,50 @@ async def get(trajectory_id: str = TrajectoryId) -> JSONResponse:
 
 @router.get("/status", summary="Pool use, tiers, decisions and prefetch outcomes")
 async def status() -> JSONResponse:
-    return await _call("status", nudge=True)
+    response = await _call("status", nudge=True)
+    if response.status_code == 200:
+        body = json.loads(bytes(response.body))
+        body["hooks"] = _State.hooks.view()
+        return JSONResponse(status_code=200, content=body)
+    return response
+
+
+async def _auto_pause(
+    trajectory_id: str, branch: str, tool: str, expected_wait_s: float | None
+) -> None:
+    """The hooks' pause: the same control op as the pause route, then a background nudge so
+    the engine starts the decision's transfers even when it is idle. Raises on failure (the
+    hook counts and logs it; the response goes out regardless)."""
+    client = _State.hooks_client
+    if client is None:
+        raise ControlUnavailable("agentkv connector is not enabled on this server")
+    status, body = await client.call(
+        "pause",
+        trajectory_id=trajectory_id,
+        branch=branch,
+        tool=tool,
+        expected_wait_s=expected_wait_s,
+    )
+    if status >= 400:
+        raise RuntimeError(f"pause answered {status}: {body.get('detail')}")
+    log.debug(
+        "agentkv: auto-pause %s/%s tool=%s -> %s",
+        trajectory_id,
+        branch,
+        tool,
+        (body.get("decision") or {}).get("action"),
+    )
+    if _State.engine_client is not None:
+        task = asyncio.get_running_loop().create_task(_nudge())
+        _State.background.add(task)
+        task.add_done_callback(_State.background.discard)
+
+
+async def _nudge() -> None:
+    try:
+        await _State.engine_client.is_sleeping()
+    except Exception as exc:
+        log.debug("agentkv: engine nudge failed: %s", exc)
 
 
 class AgentKVRoutes:
@@ -230,6 +291,9 @@ class AgentKVRoutes:
 
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(router)
+        # Innermost of the app's middleware (vLLM adds its auth middleware after this), so
+        # unauthenticated requests never reach it. Inactive until init_state enables it.
+        app.add_middleware(AgentKVHooks, state=_State.hooks)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         keys = list(getattr(args, "api_key", None) or [])
@@ -239,15 +303,22 @@ class AgentKVRoutes:
             keys.append(env_key)
         _State.api_keys = keys
         _State.engine_client = engine_client
+        _State.hooks.enabled = False
         if getattr(args, "kv_transfer_config", None) is None:
             _State.client = None
             return
         try:
-            settings = _settings_from_args(args)
+            extra = _extra_config(args)
+            settings = ConnectorSettings.model_validate(extra)
         except Exception as exc:
             log.warning("agentkv routes: cannot read kv_connector_extra_config (%s)", exc)
             return
         _State.client = ControlClient(settings.control_endpoint())
+        # A short timeout: the auto-pause holds a response's last bytes while it runs.
+        _State.hooks_client = ControlClient(settings.control_endpoint(), timeout_s=2.0)
+        _State.hooks.auto_pause = _auto_pause_setting(settings, extra)
+        _State.hooks.pause = _auto_pause
+        _State.hooks.enabled = True
         _register_metrics(_State.client)
         if _State.pump is None:
             _State.pump = asyncio.get_running_loop().create_task(_timer_pump(_State.client))
@@ -310,5 +381,15 @@ def _register_metrics(client: ControlClient) -> None:
     _metrics_registered = True
 
 
+def _keep_warnings_visible() -> None:
+    """vLLM's API server imports model_hosting_container_standards, which sets the *root*
+    logger to ERROR; every ``agentkv.*`` logger without a level of its own would then drop its
+    warnings (a malformed session hint, a failed auto-pause) in this process."""
+    pkg = logging.getLogger("agentkv")
+    if pkg.level == logging.NOTSET:
+        pkg.setLevel(logging.WARNING)
+
+
 def register_routes() -> AgentKVRoutes:
+    _keep_warnings_visible()
     return AgentKVRoutes()
