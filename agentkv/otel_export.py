@@ -154,7 +154,7 @@ class OTelExport:
         except ImportError as exc:
             log.warning(
                 "agentkv: OTEL_* asks for an OTLP export but the SDK is missing (%s); "
-                "install agentkv[otel]",
+                "install vllm-agentkv[otel]",
                 exc,
             )
         except Exception as exc:

@@ -112,6 +112,7 @@ class WaitPredictor:
         *,
         prior: WaitEstimate = DEFAULT_PRIOR,
         seed_weight: float = 5.0,
+        prior_weight: float = 0.25,
         relative_accuracy: float = 0.01,
         max_tools: int = 4096,
     ) -> None:
@@ -123,6 +124,7 @@ class WaitPredictor:
             raise ValueError(f"max_tools must be >= 1, got {max_tools}")
         self.prior = prior
         self.seed_weight = seed_weight
+        self.prior_weight = prior_weight
         self.relative_accuracy = relative_accuracy
         self.max_tools = max_tools
         self._sketches: OrderedDict[str, DDSketch] = OrderedDict()
@@ -154,7 +156,8 @@ class WaitPredictor:
                 return seed
             samples = int(sketch.count)
             observed = [sketch.get_quantile_value(q) for q in _QUANTILES]
-        weight = samples / (samples + self.seed_weight)
+        pseudo = self.seed_weight if seed.source == "declared" else self.prior_weight
+        weight = samples / (samples + pseudo)
         seed_values = (seed.p10, seed.p50, seed.p90)
         blended = [
             _log_blend(obs if obs is not None else s, s, weight)

@@ -107,7 +107,7 @@ def preflight(opts: ServeOptions) -> None:
     if not is_vllm_installed():
         raise EngineUnavailableError(
             "vllm is not installed in this environment; run `make setup` or "
-            "`pip install 'agentkv[cpu]'` (CPU) / `pip install 'agentkv[gpu]'` (CUDA)"
+            "`pip install 'vllm-agentkv[cpu]'` (CPU) / `pip install 'vllm-agentkv[gpu]'` (CUDA)"
         )
     path = Path(opts.model)
     looks_local = opts.model.startswith((".", "/", "~")) or path.exists()

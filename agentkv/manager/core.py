@@ -79,6 +79,27 @@ log = logging.getLogger("agentkv.manager")
 JobKind = Literal["store", "load", "promote", "copy_down"]
 LoadState = Literal["none", "planned", "in_flight", "ok", "failed"]
 ADMISSION_MAX_WAIT_S = 5.0
+# Counters /status always reports (0 until they happen), so dashboards and tests see every one.
+REPORTED_COUNTERS = (
+    "loads",
+    "layerwise_loads",
+    "load_failures",
+    "failed_closed_loads",
+    "aborted_loads",
+    "stores",
+    "store_failures",
+    "store_timeouts",
+    "job_timeouts",
+    "tier_misses",
+    "tier_corrupt_blocks",
+    "grace_expired",
+    "lease_expired_demotions",
+    "pressure_demotions",
+    "prefetches",
+    "evictions_host",
+    "evictions_disk",
+    "internal_errors",
+)
 # Host use above this fraction (with a disk tier) copies least recently used host blocks down.
 HOST_COPY_DOWN_AT = 0.9
 HOST_COPY_DOWN_TO = 0.8
@@ -220,6 +241,7 @@ class TrajectoryManager:
         self.prefetch_outcomes = PrefetchOutcomeCounter()
         self._admission_seen: dict[str, float] = {}
         self._engine_ident: int | None = None
+        self._bad_keys: dict[bytes, str] = {}  # keys ranks reported bad (bounded below)
 
     # ================================================================== engine-thread hooks
 
@@ -414,10 +436,22 @@ class TrajectoryManager:
                 return stats
             trusted = computed_tokens
             unconfirmed = req.load_state in ("planned", "in_flight", "failed")
+            bs = self.config.block_size
             if unconfirmed and aborted:
                 trusted = min(trusted, req.device_hit)
                 self.counters["aborted_loads"] += 1
-            bs = self.config.block_size
+                if len(branch.keys) > trusted // bs:
+                    # The aborted turn knows less than the branch's last context: keep that
+                    # context (and its tier copies) instead of shrinking it.
+                    traj.last_active = now
+                    if branch.running:
+                        return stats
+                    has_tier = any(self.index.usable(k) for k in branch.keys)
+                    branch.demoted_by = "aborted"
+                    self._set_state(
+                        traj, branch, BranchState.OFFLOADED if has_tier else BranchState.DROPPED
+                    )
+                    return stats
             n_full = max(0, min(len(block_ids), trusted // bs, len(block_hashes)))
             keys = self._keys(req, block_hashes, n_full)[:n_full]
             if branch.pinned:
@@ -468,6 +502,7 @@ class TrajectoryManager:
         with self.lock:
             self._apply_pin_ops()
             now = self.clock.now()
+            self._bad_keys.update(report.bad_keys)
             for key, why in report.bad_keys.items():
                 if not key:
                     continue  # a fail-closed load: no tier was ever asked
@@ -494,6 +529,7 @@ class TrajectoryManager:
                     self.metrics.observe(
                         m.OFFLOAD_SECONDS if off else m.RELOAD_SECONDS, seconds, tier=tier
                     )
+            self._bad_keys.clear()
             self._drain_doomed()
 
     def has_work(self) -> bool:
@@ -959,6 +995,18 @@ class TrajectoryManager:
             req = self.requests.get(job.req_id or "")
             if req is not None and req.load_job == job.job_id:
                 req.load_state = "ok" if ok else "failed"
+                if not ok:
+                    # vLLM recomputes from the first block that failed: only those before it
+                    # were served from the tier.
+                    served = 0
+                    if not timed_out:
+                        for key in job.keys:
+                            if key in self._bad_keys:
+                                break
+                            served += 1
+                    req.turn.tier_hit_tokens = served * self.config.block_size
+                    if not served:
+                        req.turn.tier = None
             if not ok:
                 self.counters["load_failures"] += 1
         else:  # promote / copy_down
@@ -1396,7 +1444,7 @@ class TrajectoryManager:
                 "branches_by_state": self.count_by_state(),
                 "decisions": dict(self.decisions),
                 "prefetch": self.prefetch_outcomes.counts(),
-                "counters": dict(self.counters),
+                "counters": {**dict.fromkeys(REPORTED_COUNTERS, 0), **self.counters},
                 "predictor": self.predictor.tools(),
             }
 

@@ -98,11 +98,8 @@ def _extra_config(args: Namespace) -> dict[str, Any]:
 
 
 def _auto_pause_setting(settings: ConnectorSettings, extra: dict[str, Any]) -> bool:
-    """``auto_pause`` (default on): the settings field once it exists, else the raw config key."""
-    value = getattr(settings, "auto_pause", extra.get("auto_pause", True))
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off")
-    return bool(value)
+    """``auto_pause`` from the connector settings (default on)."""
+    return bool(settings.auto_pause)
 
 
 def _check_api_key(request: Request) -> None:

@@ -85,6 +85,11 @@ class ConnectorSettings(BaseModel):
         ge=1,
         description="Cap on the trajectory table; the least recently active idle one goes first.",
     )
+    auto_pause: bool = Field(
+        default=True,
+        description="A trajectory's reply that ends in tool calls pauses it by itself (tool = the "
+        "called function, wait = its learned wait); an explicit pause or resume overrides.",
+    )
     debug_load_delay_s: float = Field(
         default=0.0,
         ge=0,

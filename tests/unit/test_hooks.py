@@ -539,10 +539,8 @@ def test_auto_pause_setting() -> None:
     from agentkv_vllm.routes import _auto_pause_setting
     from agentkv_vllm.settings import ConnectorSettings
 
-    s = ConnectorSettings()
-    assert _auto_pause_setting(s, {}) is True
-    assert _auto_pause_setting(s, {"auto_pause": False}) is False
-    assert _auto_pause_setting(s, {"auto_pause": "off"}) is False
+    assert _auto_pause_setting(ConnectorSettings(), {}) is True
+    assert _auto_pause_setting(ConnectorSettings(auto_pause=False), {}) is False
 
 
 async def test_explicit_params_are_parsed_only_for_a_tool_call(

@@ -59,12 +59,15 @@ def test_abort_during_async_load_pins_only_the_device_hit_and_stores_nothing_unl
     rig.eng.schedule(req)
     assert req.status == "WAITING_FOR_REMOTE_KVS"
     assert req.device_hit == 8 and req.load_n == 2
-    hit, loading = req.blocks[:2], req.blocks[2:4]
+    loading = req.blocks[2:4]
     rig.eng.step()
     rig.eng.abort(req)  # the client gave up while the load was in flight
-    assert branch(rig).pinned == hit
-    assert rig.mgr._pins == Counter(hit) + Counter(branch(rig, "t2").pinned)
+    # Nothing of the aborted turn is pinned; the branch keeps its last context and tier copy.
+    assert branch(rig).pinned == []
+    assert rig.mgr._pins == Counter(branch(rig, "t2").pinned)
     assert rig.mgr.counters["aborted_loads"] == 1
+    assert branch(rig).state is BranchState.OFFLOADED
+    assert all(rig.mgr.index.usable(k) for k in branch(rig).keys)
     # The load fails on the worker: those blocks never held anything.
     for p in rig.workers.completable():
         rig.workers.complete(p, ok=False)
