@@ -47,6 +47,8 @@ KEY_BYTES = 16
 # were most of the step (decode tokens cost far less each).
 PREFILL_SAMPLE_MIN_TOKENS = 32
 PREFILL_SAMPLE_MAX_S = 30.0
+# The adapter's own counters, always in /status (0 until they happen).
+ADAPTER_COUNTERS = ("malformed_params", "unsupported_requests", "load_failed_blocks")
 
 
 class VllmBlockPinner:
@@ -389,9 +391,11 @@ class SchedulerSide:
     def status(self) -> dict[str, Any]:
         body = self.manager.status()
         with self.lock:
-            counters = Counter(body["counters"])
-            counters.update(self.counters)
-            body["counters"] = dict(counters)
+            counters = dict.fromkeys(ADAPTER_COUNTERS, 0)
+            counters.update(body["counters"])
+            for name, n in self.counters.items():
+                counters[name] = counters.get(name, 0) + n
+            body["counters"] = counters
             body["engine"] = {
                 "pid": os.getpid(),
                 "plugin_registrations": plugin.registration_count(),
