@@ -555,8 +555,16 @@ class TrajectoryManager:
             return bool(self._outbox) or bool(self._pin_ops)
 
     def pause(
-        self, trajectory_id: str, branch_name: str, tool: str, expected_wait_s: float | None
+        self,
+        trajectory_id: str,
+        branch_name: str,
+        tool: str,
+        expected_wait_s: float | None,
+        *,
+        max_lease_s: float | None = None,
     ) -> tuple[int, dict[str, Any]]:
+        """Decide and apply (or record, while a request runs) what happens to a paused branch.
+        ``max_lease_s`` caps a retain decision's lease (a client's KV retention TTL)."""
         with self.lock:
             traj = self.table.get(trajectory_id)
             if traj is None:
@@ -625,7 +633,11 @@ class TrajectoryManager:
                 decision.rationale,
             )
             token = branch.timer_token
-            applied, note = self._apply_decision(traj, branch, action, decision.lease_s, now)
+            lease_s = decision.lease_s
+            if max_lease_s is not None and action == "retain":
+                lease_s = min(lease_s, max(0.0, max_lease_s))
+                body["lease_s"] = lease_s
+            applied, note = self._apply_decision(traj, branch, action, lease_s, now)
             if branch.timer_token == token:  # no state change (which arms it when due)
                 self._arm_prefetch(traj, branch)
             reply: dict[str, Any] = {

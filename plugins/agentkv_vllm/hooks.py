@@ -21,8 +21,8 @@ in the API server process. So this is a raw ASGI middleware on the OpenAI server
    ``agentic_context`` that is not a JSON object, makes the request vanilla (served as is), with
    one warning per distinct problem (not per request); a lower hint is not tried instead.
    ``agentic_context.expected_resume`` (seconds) becomes the auto-pause's declared wait,
-   whichever hint named the trajectory; ``kv_retention_ttl_seconds`` is parsed and kept
-   (``Identity.lease_cap_s``) but the engine's pause takes no lease cap yet.
+   whichever hint named the trajectory; ``kv_retention_ttl_seconds`` caps the lease of a
+   retain decision (the pause's ``max_lease_s``).
 
 2. **Auto-pause.** When the response of a trajectory's chat completion has tool calls
    (non-streamed: ``choices[].message.tool_calls``; streamed: ``choices[].delta.tool_calls`` in
@@ -69,8 +69,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PauseFn = Callable[[str, str, str, float | None], Awaitable[None]]
-"""``await pause(trajectory_id, branch, tool, expected_wait_s)``."""
+PauseFn = Callable[[str, str, str, float | None, float | None], Awaitable[None]]
+"""``await pause(trajectory_id, branch, tool, expected_wait_s, lease_cap_s)``."""
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -562,7 +562,13 @@ class _ResponseWatcher:
         self.state.counters["tool_call_responses"] += 1
         try:
             await asyncio.wait_for(
-                self.state.pause(ident.trajectory_id, ident.branch, tool, ident.expected_wait_s),
+                self.state.pause(
+                    ident.trajectory_id,
+                    ident.branch,
+                    tool,
+                    ident.expected_wait_s,
+                    ident.lease_cap_s,
+                ),
                 timeout=self.state.pause_timeout_s,
             )
             self.state.counters["auto_pauses"] += 1

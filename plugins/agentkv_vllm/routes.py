@@ -63,6 +63,13 @@ class PauseBody(BaseModel):
         allow_inf_nan=False,
         description="The harness's own estimate of the wait.",
     )
+    max_lease_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=30 * 86400,
+        allow_inf_nan=False,
+        description="Cap on a retain decision's lease (e.g. the client's KV retention TTL).",
+    )
     branch: BranchStr = "main"
 
 
@@ -245,7 +252,11 @@ async def status() -> JSONResponse:
 
 
 async def _auto_pause(
-    trajectory_id: str, branch: str, tool: str, expected_wait_s: float | None
+    trajectory_id: str,
+    branch: str,
+    tool: str,
+    expected_wait_s: float | None,
+    lease_cap_s: float | None = None,
 ) -> None:
     """The hooks' pause: the same control op as the pause route, then a background nudge so
     the engine starts the decision's transfers even when it is idle. Raises on failure (the
@@ -259,6 +270,7 @@ async def _auto_pause(
         branch=branch,
         tool=tool,
         expected_wait_s=expected_wait_s,
+        max_lease_s=lease_cap_s,
     )
     if status >= 400:
         raise RuntimeError(f"pause answered {status}: {body.get('detail')}")

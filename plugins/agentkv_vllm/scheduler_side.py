@@ -364,11 +364,13 @@ class SchedulerSide:
             return 200, self.metrics_snapshot()
         if op == "pause":
             wait = req.get("expected_wait_s")
+            cap = req.get("max_lease_s")
             return mgr.pause(
                 tid,
                 branch,
                 str(req.get("tool") or "unknown"),
                 float(wait) if wait is not None else None,
+                max_lease_s=float(cap) if cap is not None else None,
             )
         if op == "resume":
             return mgr.resume(tid, branch)

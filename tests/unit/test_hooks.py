@@ -307,12 +307,16 @@ class FakeApp:
 class Harness:
     def __init__(self, app: FakeApp, *, auto_pause: bool = True, pause: Any = None) -> None:
         self.events: list[Any] = []
+        self.caps: list[float | None] = []
         self.state = HookState(enabled=True, auto_pause=auto_pause, pause=pause or self._pause)
         self.app = app
         self.mw = AgentKVHooks(app, self.state)
 
-    async def _pause(self, tid: str, branch: str, tool: str, wait: float | None) -> None:
+    async def _pause(
+        self, tid: str, branch: str, tool: str, wait: float | None, cap: float | None = None
+    ) -> None:
         self.events.append(("pause", tid, branch, tool, wait))
+        self.caps.append(cap)
 
     async def request(
         self,
@@ -412,6 +416,12 @@ async def test_json_tool_call_pauses_before_the_body_goes_out() -> None:
     assert kinds == ["http.response.start", "pause", "http.response.body"]
     assert h.pauses() == [("pause", "t1", "main", "run_tests", 4.0)]
     assert h.state.counters["auto_pauses"] == 1
+
+
+async def test_retention_ttl_hint_caps_the_auto_pause_lease() -> None:
+    h = Harness(FakeApp([chat_json("run_tests")]))
+    await h.request({"model": "m", **ctx(session_id="t1", kv_retention_ttl_seconds=30)})
+    assert h.caps == [30.0]
 
 
 async def test_explicit_params_branch_is_paused() -> None:
@@ -529,7 +539,7 @@ def test_fastapi_sees_the_injected_params(monkeypatch: pytest.MonkeyPatch) -> No
         r = c.post("/v1/chat/completions", json={"model": "m"}, headers={"x-session-id": "fa"})
         assert r.status_code == 200
         assert r.json()["seen"] == {"agentkv": {"trajectory_id": "fa", "branch": "main"}}
-        assert paused == [("fa", "main", "lookup", None)]
+        assert paused == [("fa", "main", "lookup", None, None)]
         r = c.post("/v1/chat/completions", json={"model": "m"})
         assert r.json()["seen"] is None and len(paused) == 1
 

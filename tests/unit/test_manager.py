@@ -444,6 +444,17 @@ def test_the_lease_is_policy_lease_seconds(wait: float) -> None:
     assert branch(rig).lease_until - now == pytest.approx(expected)
 
 
+def test_a_client_retention_ttl_caps_the_lease() -> None:
+    policy = PolicyParams(disk_after_s=100.0, lease_margin_s=5.0)
+    rig = make_rig(policy=policy)
+    rig.turn("t1", P1)
+    now = rig.clock.now()
+    _code, body = rig.mgr.pause("t1", "main", "tool", 0.001, max_lease_s=0.5)
+    assert body["decision"]["action"] == "retain"
+    assert body["decision"]["lease_s"] == 0.5  # the policy alone would give >= 5 s
+    assert branch(rig).lease_until - now == pytest.approx(0.5)
+
+
 # ============================================================================ bugs the state machine found
 
 
