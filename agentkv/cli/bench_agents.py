@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from agentkv.cli.common import fail
+from agentkv.cli.common import fail, with_progress
 
 
 def agents(
@@ -76,7 +76,6 @@ def agents(
     offloading and LMCache need CUDA and are skipped on CPU.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agentkv.errors import AgentKVError
     from agentkv_bench.overhead import OverheadSpec
@@ -106,22 +105,8 @@ def agents(
     opts.max_model_len = min(4096 if quick else 16384, (opts.num_blocks - 1) * 128)
     if quick and opts.overhead is not None:
         opts.overhead = OverheadSpec(num_prompts=8, input_len=256, output_len=16, num_warmups=1)
-    stderr = Console(stderr=True)
     try:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=stderr,
-            transient=not stderr.is_terminal,
-        ) as progress:
-            task = progress.add_task("starting", total=None)
-
-            def on_progress(phase: str, done: int, total: int) -> None:
-                progress.update(task, description=phase, completed=done, total=total or None)
-
-            report = run_bench(opts, on_progress)
+        report = with_progress(lambda on_progress: run_bench(opts, on_progress))
     except AgentKVError as exc:
         fail(str(exc))
     summary = {
@@ -143,7 +128,9 @@ def agents(
     from rich.markdown import Markdown
 
     Console().print(Markdown((out / "report.md").read_text()))
-    stderr.print(f"report: {out / 'report.json'}, {out / 'report.md'}, plots: {out}/*.png")
+    Console(stderr=True).print(
+        f"report: {out / 'report.json'}, {out / 'report.md'}, plots: {out}/*.png"
+    )
 
 
 def register(app: typer.Typer) -> None:

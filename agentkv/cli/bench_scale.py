@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from agentkv.cli.common import fail
+from agentkv.cli.common import fail, with_progress
 
 
 def scale(
@@ -72,7 +72,6 @@ def scale(
     the absolute numbers, as report.json and report.md in --out.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agentkv.errors import AgentKVError
     from agentkv_bench.scale import ScaleOptions, run_scale
@@ -93,22 +92,8 @@ def scale(
         if "scale" in argv
         else "agentkv bench scale",
     )
-    stderr = Console(stderr=True)
     try:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=stderr,
-            transient=not stderr.is_terminal,
-        ) as progress:
-            task = progress.add_task("starting", total=None)
-
-            def on_progress(phase: str, done: int, total: int) -> None:
-                progress.update(task, description=phase, completed=done, total=total or None)
-
-            report = run_scale(opts, on_progress)
+        report = with_progress(lambda on_progress: run_scale(opts, on_progress))
     except (AgentKVError, RuntimeError) as exc:
         fail(str(exc))
     if as_json:
@@ -127,7 +112,7 @@ def scale(
     from rich.markdown import Markdown
 
     Console().print(Markdown((out / "report.md").read_text()))
-    stderr.print(f"report: {out / 'report.json'}, {out / 'report.md'}")
+    Console(stderr=True).print(f"report: {out / 'report.json'}, {out / 'report.md'}")
 
 
 def register(app: typer.Typer) -> None:

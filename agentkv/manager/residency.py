@@ -68,9 +68,6 @@ class ResidencyIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
     def __iter__(self) -> Iterator[bytes]:
         return iter(list(self._entries))
 
@@ -221,12 +218,6 @@ class ResidencyIndex:
         for t in TIERS if tier is None else (tier,):
             self._set_copy(key, e, t, False)
         self._gc(key, e)
-
-    def forget(self, key: bytes) -> None:
-        """Remove ``key`` entirely (caller made sure nothing is in flight)."""
-        e = self._entries.get(key)
-        if e is not None:
-            self._remove(key, e)
 
     def take_doomed(self) -> list[bytes]:
         """Doomed keys that became idle since the last call: removed from the index already,

@@ -194,16 +194,22 @@ def device_to_host(destination: _ByteArray, segments: DeviceSegments) -> None:
         return
     lane = _lane(segments.device)
     with torch.cuda.stream(lane.stream):
-        if segments.ready is not None:
-            lane.stream.wait_event(segments.ready)
-        if len(segments.tensors) == 1:
-            source = segments.tensors[0]
-        else:
-            source = lane.staging(segments.nbytes)
-            torch.cat(segments.tensors, out=source)
+        source = _gather_on_lane(torch, lane, segments)
         host.copy_(source, non_blocking=True)
         done = lane.done_event()
     done.synchronize()
+
+
+def _gather_on_lane(torch: Any, lane: Any, segments: DeviceSegments) -> Tensor:
+    """On ``lane``'s stream (the caller entered it): wait for the block's producer, then the block
+    as one contiguous tensor (its only segment, or the lane's staging buffer)."""
+    if segments.ready is not None:
+        lane.stream.wait_event(segments.ready)
+    if len(segments.tensors) == 1:
+        return segments.tensors[0]
+    source = lane.staging(segments.nbytes)
+    torch.cat(segments.tensors, out=source)
+    return source
 
 
 def host_to_device(source: _ByteArray, segments: DeviceSegments) -> None:
@@ -246,13 +252,7 @@ def gather_on_device(segments: DeviceSegments) -> Tensor:
         return torch.cat(segments.tensors)
     lane = _lane(segments.device)
     with torch.cuda.stream(lane.stream):
-        if segments.ready is not None:
-            lane.stream.wait_event(segments.ready)
-        if len(segments.tensors) == 1:
-            source = segments.tensors[0]
-        else:
-            source = lane.staging(segments.nbytes)
-            torch.cat(segments.tensors, out=source)
+        source = _gather_on_lane(torch, lane, segments)
         done = lane.done_event()
     done.synchronize()
     return source
