@@ -1,0 +1,1 @@
+"""Fleet simulator (agentkv simulate); see docs/simulate.md."""
