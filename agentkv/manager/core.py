@@ -11,6 +11,8 @@ Engine-thread primitives (called from the engine's scheduler hooks, through the 
   take_step()                        the step's jobs (drops, stores, loads, moves) for the workers
   on_report(report)                  jobs finished / failed per rank -> unpin, index, states
   has_work()                         the engine must keep stepping (jobs in flight, pins queued)
+  record_tier_changes, take_tier_changes, tier_keys
+                                     the residency index's copy changes, for the KV events
 Any-thread primitives (the control channel): pause, resume, delete, get, status, tick,
 next_deadline. Timers (grace, lease, prefetch, job timeouts, idle expiry) fire in ``tick``, which
 the adapter calls from the engine thread every step and from the control thread when the engine
@@ -536,6 +538,21 @@ class TrajectoryManager:
         """Whether the engine must keep stepping: jobs queued or in flight, pins to apply."""
         with self.lock:
             return bool(self._outbox) or bool(self._pin_ops) or bool(self.jobs)
+
+    def record_tier_changes(self) -> None:
+        """Log every tier copy gained or lost from now on (for KV events; off by default)."""
+        with self.lock:
+            self.index.record_changes()
+
+    def take_tier_changes(self) -> list[tuple[bytes, TierName, bool]]:
+        """(tier key, tier, present) since the last call, in order."""
+        with self.lock:
+            return self.index.take_changes()
+
+    def tier_keys(self, tier: TierName) -> list[bytes]:
+        """Keys with a complete copy in ``tier`` now (a re-announce after a cache reset)."""
+        with self.lock:
+            return self.index.keys_in(tier)
 
     # ================================================================== control (any thread)
 

@@ -15,6 +15,9 @@ Primitives:
   remove_copy                 a tier no longer holds the key (evicted, corrupt, missing)
   count(tier), reserved(tier) O(1) per-tier counts (read on every pause and scrape)
   hold_late / release_late    slots of a timed-out write stay taken until every rank reported
+  record_changes / take_changes
+                              opt-in log of (key, tier, present) whenever a tier gains or loses a
+                              complete copy, in order (the source of the connector's KV events)
 
 Pure bookkeeping under the manager's lock. The tier stores execute what the manager decides from
 this index; they never evict on their own, so index and stores cannot drift.
@@ -62,6 +65,23 @@ class ResidencyIndex:
         self._writing: dict[TierName, int] = {t: 0 for t in TIERS}
         self._late: dict[TierName, int] = {t: 0 for t in TIERS}  # slots a late rank may fill
         self._doomed_idle: list[bytes] = []
+        self._changes: list[tuple[bytes, TierName, bool]] | None = None
+
+    def record_changes(self) -> None:
+        """Start logging copy changes (off by default: nobody pays for a log nobody reads)."""
+        if self._changes is None:
+            self._changes = []
+
+    def take_changes(self) -> list[tuple[bytes, TierName, bool]]:
+        """(key, tier, present) since the last call, in the order they happened."""
+        if not self._changes:
+            return []
+        out, self._changes = self._changes, []
+        return out
+
+    def keys_in(self, tier: TierName) -> list[bytes]:
+        """Keys with a complete copy in ``tier``, least recently used first."""
+        return list(self._lru[tier])
 
     # ------------------------------------------------------------------ queries
 
@@ -240,6 +260,8 @@ class ResidencyIndex:
             self._lru[tier][key] = None
         else:
             self._lru[tier].pop(key, None)
+        if self._changes is not None:
+            self._changes.append((key, tier, present))
 
     def _gc(self, key: bytes, e: Entry) -> None:
         if e.busy:
@@ -252,7 +274,8 @@ class ResidencyIndex:
 
     def _remove(self, key: bytes, e: Entry) -> None:
         for tier in TIERS:
-            self._lru[tier].pop(key, None)
+            if self._lru[tier].pop(key, "absent") is None and self._changes is not None:
+                self._changes.append((key, tier, False))
         self._writing_release(e)
         self._entries.pop(key, None)
 

@@ -15,6 +15,7 @@ vLLM's parallel state or start-up fails.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from agentkv.manager.jobs import BlockTransfer, LoadJob, StepPlan
 from agentkv_vllm.metadata import AgentKVStepMetadata
-from agentkv_vllm.settings import ConnectorSettings
+from agentkv_vllm.settings import ConnectorSettings, base_engine_id
 
 if TYPE_CHECKING:
     from agentkv_vllm.scheduler_side import SchedulerSide
@@ -64,7 +65,10 @@ class AgentKVConnector(KVConnectorBase_V1):
             from agentkv_vllm.scheduler_side import SchedulerSide
 
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.settings)
-            endpoint = self.settings.control_endpoint()
+            dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+            endpoint = self.settings.control_endpoint(
+                base_engine_id(self._kv_transfer_config.engine_id, dp_rank), dp_rank
+            )
             try:
                 self._control = ControlServer(endpoint, self._scheduler.handle)
                 log.info("agentkv: control channel on %s", endpoint)
@@ -239,6 +243,14 @@ class AgentKVConnector(KVConnectorBase_V1):
             self._scheduler.on_worker_report(connector_output)
         except Exception:
             log.exception("agentkv: processing worker report failed")
+
+    def take_events(self) -> Iterable[Any]:
+        """Scheduler, after each step's output: KV events (BlockStored/BlockRemoved, medium CPU
+        or STORAGE) for agentkv's tier copies; empty unless --kv-events-config enables events.
+        Never raises."""
+        if self._scheduler is None:
+            return ()
+        return self._scheduler.take_events()
 
     def request_finished(
         self, request: Any, block_ids: list[int]

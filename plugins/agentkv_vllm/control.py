@@ -6,6 +6,8 @@ Primitives:
                                      a JSON object ``{"op": ..., ...}``, each reply a JSON object
                                      ``{"status": int, "body": {...}}``; a handler exception becomes
                                      a 500 reply, never a dead engine
+  ControlInUse                       a live server already answers on the endpoint: an ipc file
+                                     is removed only when no one answers on it (a dead server's)
   ControlClient(endpoint)            REQ client: ``await call(op)`` for the routes,
                                      ``call_sync(op)`` for the /metrics scrape (prometheus_client
                                      collects synchronously); both raise ControlUnavailable when
@@ -36,12 +38,39 @@ class ControlUnavailable(RuntimeError):
     """The engine-side control channel did not answer."""
 
 
+class ControlInUse(RuntimeError):
+    """Another live server answers on this control endpoint."""
+
+
+STALE_PROBE_MS = 300
+
+
 def _prepare_ipc(endpoint: str) -> None:
-    if endpoint.startswith("ipc://"):
-        path = Path(endpoint.removeprefix("ipc://"))
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if path.exists():
-            path.unlink()
+    """Make room for an ipc socket: a file left by a dead server is removed, but a live server's
+    socket is never taken over (its routes would then reach this engine)."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = Path(endpoint.removeprefix("ipc://"))
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not path.exists():
+        return
+    if _answers(endpoint):
+        raise ControlInUse(f"another agentkv engine serves {endpoint}")
+    path.unlink(missing_ok=True)
+
+
+def _answers(endpoint: str) -> bool:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(_encode("ping", {}))
+        return bool(sock.poll(STALE_PROBE_MS, zmq.POLLIN))
+    except zmq.ZMQError:
+        return False
+    finally:
+        sock.close(0)
 
 
 class ControlServer:
@@ -80,6 +109,8 @@ class ControlServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(0)
+        if self.endpoint.startswith("ipc://"):
+            Path(self.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 class ControlClient:

@@ -71,15 +71,32 @@ class PauseBody(BaseModel):
         description="Cap on a retain decision's lease (e.g. the client's KV retention TTL).",
     )
     branch: BranchStr = "main"
+    model: str | None = Field(
+        default=None,
+        max_length=512,
+        description="The served model, as in the OpenAI body: a router (vllm-router) reads it to "
+        "send control calls where the trajectory's turns go. Ignored here.",
+    )
 
 
 class ResumeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     branch: BranchStr = "main"
+    model: str | None = Field(
+        default=None, max_length=512, description=PauseBody.model_fields["model"].description
+    )
+
+
+class EndBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(
+        default=None, max_length=512, description=PauseBody.model_fields["model"].description
+    )
 
 
 class _State:
-    client: ControlClient | None = None
+    client: ControlClient | None = None  # DP rank 0: status, metrics
+    clients: list[ControlClient] = []  # noqa: RUF012 - one per DP rank
     api_keys: list[str] = []  # noqa: RUF012 - process-wide route state
     engine_client: Any = None
     pump: asyncio.Task[None] | None = None
@@ -102,6 +119,15 @@ def _extra_config(args: Namespace) -> dict[str, Any]:
             or {}
         )
     return extra
+
+
+def _engine_id(args: Namespace) -> str | None:
+    """vLLM's ``kv_transfer_config.engine_id`` of this server (set when the config is parsed,
+    before the engine cores start, so they share it)."""
+    raw = getattr(args, "kv_transfer_config", None)
+    cfg = json.loads(raw) if isinstance(raw, str) else raw
+    value = cfg.get("engine_id") if isinstance(cfg, dict) else getattr(cfg, "engine_id", None)
+    return str(value) if value else None
 
 
 def _auto_pause_setting(settings: ConnectorSettings, extra: dict[str, Any]) -> bool:
@@ -136,7 +162,16 @@ async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
             detail="agentkv connector is not enabled on this server (--kv-transfer-config)",
         )
     try:
-        status, body = await _State.client.call(op, **fields)
+        if "trajectory_id" in fields and len(_State.clients) > 1:
+            # Each DP engine core holds its own trajectories: the first rank that knows the
+            # trajectory answers; 404 only when none does.
+            status, body = 404, {"detail": f"unknown trajectory {fields['trajectory_id']!r}"}
+            for client in _State.clients:
+                status, body = await client.call(op, **fields)
+                if status != 404:
+                    break
+        else:
+            status, body = await _State.client.call(op, **fields)
     except ControlUnavailable as exc:
         raise HTTPException(status_code=503, detail=str(exc)) from None
     if nudge and status < 400 and _State.engine_client is not None:
@@ -207,7 +242,9 @@ async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResp
     body = await _parse(request, PauseBody)
     if isinstance(body, JSONResponse):
         return body
-    return await _call("pause", nudge=True, trajectory_id=trajectory_id, **body.model_dump())
+    return await _call(
+        "pause", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude={"model"})
+    )
 
 
 @router.post(
@@ -221,13 +258,19 @@ async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONRes
     body = await _parse(request, ResumeBody, optional=True)
     if isinstance(body, JSONResponse):
         return body
-    return await _call("resume", nudge=True, trajectory_id=trajectory_id, **body.model_dump())
+    return await _call(
+        "resume", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude={"model"})
+    )
 
 
 @router.delete("/trajectories/{trajectory_id}", summary="End a trajectory and release all it holds")
-async def end(trajectory_id: str = TrajectoryId) -> JSONResponse:
+async def end(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
     if bad := _check_id(trajectory_id):
         return bad
+    # An optional body ``{"model": ...}`` only serves a router; it is validated all the same.
+    body = await _parse(request, EndBody, optional=True)
+    if isinstance(body, JSONResponse):
+        return body
     return await _call("end", nudge=True, trajectory_id=trajectory_id)
 
 
@@ -322,15 +365,23 @@ class AgentKVRoutes:
         except Exception as exc:
             log.warning("agentkv routes: cannot read kv_connector_extra_config (%s)", exc)
             return
-        _State.client = ControlClient(settings.control_endpoint())
+        engine_id = _engine_id(args)
+        dp_size = max(1, int(getattr(args, "data_parallel_size", 1) or 1))
+        _State.clients = [
+            ControlClient(settings.control_endpoint(engine_id, rank)) for rank in range(dp_size)
+        ]
+        _State.client = _State.clients[0]
         # A short timeout: the auto-pause holds a response's last bytes while it runs.
-        _State.hooks_client = ControlClient(settings.control_endpoint(), timeout_s=2.0)
+        _State.hooks_client = ControlClient(settings.control_endpoint(engine_id), timeout_s=2.0)
         _State.hooks.auto_pause = _auto_pause_setting(settings, extra)
         _State.hooks.pause = _auto_pause
         _State.hooks.enabled = True
         _register_metrics(_State.client)
         if _State.pump is None:
-            _State.pump = asyncio.get_running_loop().create_task(_timer_pump(_State.client))
+            loop = asyncio.get_running_loop()
+            _State.pump = loop.create_task(_timer_pump(_State.client))
+            for client in _State.clients[1:]:
+                _State.background.add(loop.create_task(_timer_pump(client)))
 
 
 PUMP_MIN_S, PUMP_MAX_S = 0.02, 0.2

@@ -10,6 +10,8 @@ agentkv params, before any lock):
   build_step()                         -> AgentKVStepMetadata (the manager's StepPlan)
   on_worker_report(output)             -> merged worker reports into the manager
   has_pending_work()                   -> jobs queued or in flight: keep the engine stepping
+  take_events()                        -> vLLM KV events for tier copies (kv_events.py), when
+                                          the server runs with --kv-events-config
 Primitives (control thread): ``handle(op)`` with ops pause, resume, end, get, status, metrics,
 tick (fire due timers; says whether the engine must be woken and when the next timer is due).
 
@@ -36,6 +38,7 @@ from agentkv.policy import CostModel, PolicyParams
 from agentkv.profile import load_profile
 from agentkv.tiers.keys import ModelFingerprint
 from agentkv_vllm import plugin
+from agentkv_vllm.kv_events import TierEvents
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.params import AgentKVParams, parse_request_params
 from agentkv_vllm.settings import ConnectorSettings
@@ -184,6 +187,12 @@ class SchedulerSide:
             otel=self.otel,
         )
         self.lock = self.manager.lock
+        kv_events_config = getattr(vllm_config, "kv_events_config", None)
+        self.events: TierEvents | None = None
+        self._reannounce = False
+        if kv_events_config is not None and kv_events_config.enable_kv_cache_events:
+            self.events = TierEvents(self.block_size, 2 * (host_blocks + disk_blocks) + 65536)
+            self.manager.record_tier_changes()
         self.cpu = _CpuClock()
         self.worker_pids: dict[int, int] = {}
         self.counters: Counter[str] = Counter()
@@ -202,9 +211,12 @@ class SchedulerSide:
     def _key_of(self, block_hash: bytes) -> bytes:
         """Tier key of one vLLM block hash: vLLM's hash already chains the prefix and carries
         cache_salt, LoRA and multimodal extras; the fingerprint adds model, dtype and layout."""
-        return hashlib.blake2b(
+        key = hashlib.blake2b(
             bytes(block_hash), digest_size=KEY_BYTES, key=self._fp[:64], person=b"agentkv-key-v2"
         ).digest()
+        if self.events is not None:
+            self.events.note_key(key, bytes(block_hash))
+        return key
 
     # ------------------------------------------------------------------ engine-thread hooks
 
@@ -274,6 +286,9 @@ class SchedulerSide:
         try:
             from vllm.v1.request import RequestStatus
 
+            if self.events is not None:
+                self.events.note_blocks(request.block_hashes, request.all_token_ids)
+
             computed = max(
                 0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
             )
@@ -293,7 +308,38 @@ class SchedulerSide:
         start = time.thread_time_ns()
         try:
             self._sample_step(scheduler_output)
+            if self.events is not None:
+                self._watch_cache_reset()
             return AgentKVStepMetadata(self.manager.take_step())
+        finally:
+            self.cpu.add("step", start)
+
+    def _watch_cache_reset(self) -> None:
+        """vLLM queues AllBlocksCleared when its prefix cache is reset; consumers then forget this
+        engine's blocks, tier copies included, so take_events announces them again. The queue
+        is drained after this step's schedule, so it is still visible here."""
+        queue = getattr(self.block_pool, "kv_event_queue", None)
+        if queue and any(type(e).__name__ == "AllBlocksCleared" for e in queue):
+            self._reannounce = True
+
+    def take_events(self) -> list[Any]:
+        if self.events is None:
+            return []
+        start = time.thread_time_ns()
+        try:
+            out = self.events.events(self.manager.take_tier_changes())
+            if self._reannounce:
+                self._reannounce = False
+                out.extend(
+                    self.events.reannounce(
+                        {tier: self.manager.tier_keys(tier) for tier in ("host", "disk")}
+                    )
+                )
+            return out
+        except Exception:
+            # Events inform routers; a bug here must never stop the engine.
+            log.exception("agentkv: KV events for the tiers failed; dropped this batch")
+            return []
         finally:
             self.cpu.add("step", start)
 
@@ -354,6 +400,8 @@ class SchedulerSide:
         mgr = self.manager
         tid = str(req.get("trajectory_id"))
         branch = str(req.get("branch") or "main")
+        if op == "ping":
+            return 200, {"pong": True}
         if op == "tick":
             next_in = mgr.tick()
             return 200, {"next_in_s": next_in, "engine_work": mgr.engine_work_pending()}

@@ -103,7 +103,27 @@ class ConnectorSettings(BaseModel):
         "with this prefix (to test job timeouts). Never set in production.",
     )
 
-    def control_endpoint(self, engine_id: str | None = None) -> str:
+    def control_endpoint(self, engine_id: str | None = None, dp_rank: int = 0) -> str:
+        """One channel per server and per DP rank: the API server and its engine cores share
+        vLLM's ``kv_transfer_config.engine_id`` (a uuid per server), so two servers on one host
+        never reach each other's engine. An explicit ``control_socket`` gets ``-dp<r>`` appended
+        for ranks above 0."""
         if self.control_socket:
+            if dp_rank and self.control_socket.startswith("ipc://"):
+                return f"{self.control_socket}-dp{dp_rank}"
             return self.control_socket
-        return f"ipc://{Path(self.run_dir) / 'control.sock'}"
+        name = "control" if engine_id is None else f"control-{_safe_name(engine_id)}"
+        return f"ipc://{Path(self.run_dir) / f'{name}-dp{dp_rank}.sock'}"
+
+
+def base_engine_id(engine_id: str | None, dp_rank: int) -> str | None:
+    """vLLM appends ``_dp<rank>`` to the engine id in each DP engine core; the API server only
+    knows the base id."""
+    if engine_id is None:
+        return None
+    suffix = f"_dp{dp_rank}"
+    return engine_id.removesuffix(suffix) if engine_id.endswith(suffix) else engine_id
+
+
+def _safe_name(engine_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)[:64]

@@ -100,6 +100,9 @@ class ManagerMachine(RuleBasedStateMachine):
             policy=PolicyParams(disk_after_s=100.0, max_lease_s=60.0),
             clock=self.clock,
         )
+        self.mgr.record_tier_changes()
+        # What a KV-event consumer believes each tier holds, from the change log alone.
+        self.announced: dict[str, set[bytes]] = {"host": set(), "disk": set()}
         self.workers = SimWorkers(self.pool, tp, {"host": HOST, "disk": DISK if disk else 0})
         self.eng = SimEngine(self.mgr, self.pool, self.workers)
         self.tp = tp
@@ -433,6 +436,23 @@ class ManagerMachine(RuleBasedStateMachine):
         assert not self.cascades, self.cascades
         # every pressure demotion is one pressure_victims picked, no more
         assert self.mgr.counters["pressure_demotions"] == self.victims_picked
+
+    @invariant()
+    def change_log_replays_to_the_index(self) -> None:
+        """The KV events' source: replaying (key, tier, present) in order gives exactly the
+        copies the index holds (a router never believes in a copy that is gone)."""
+        mgr = self.mgr
+        if mgr is None:
+            return
+        for key, tier, present in mgr.take_tier_changes():
+            if present:
+                assert key not in self.announced[tier], f"{tier} gained {key.hex()[:8]} twice"
+                self.announced[tier].add(key)
+            else:
+                assert key in self.announced[tier], f"{tier} lost {key.hex()[:8]} never gained"
+                self.announced[tier].discard(key)
+        for tier in ("host", "disk"):
+            assert self.announced[tier] == set(mgr.tier_keys(tier)), tier  # type: ignore[arg-type]
 
     @invariant()
     def pins_balance(self) -> None:
