@@ -42,7 +42,6 @@ Invariants:
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import os
@@ -51,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from agentkv.errors import ConfigError, CorruptBlockError, TierError, TierFullError
 from agentkv.tiers import device
@@ -67,30 +66,9 @@ from agentkv.tiers.disk import BlockFiles
 from agentkv.tiers.eviction import EvictionOrder
 from agentkv.tiers.host import HostArena
 from agentkv.tiers.keys import BlockKey
+from agentkv.tiers.results import BlockResult, BlockStatus, TierName
 
 log = logging.getLogger(__name__)
-
-TierName = Literal["host", "disk"]
-
-
-class BlockStatus(enum.Enum):
-    OK = "ok"
-    MISS = "miss"
-    ERROR = "error"
-
-
-@dataclass(frozen=True, slots=True)
-class BlockResult:
-    """The outcome for one block of a transfer."""
-
-    key: BlockKey
-    status: BlockStatus
-    tier: TierName | None = None
-    error: TierError | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status is BlockStatus.OK
 
 
 class TransferHandle:
