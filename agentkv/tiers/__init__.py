@@ -4,13 +4,16 @@ Primitives (re-exported here; each lives in its own module):
     ModelFingerprint, BlockKey, chain_keys     content addresses (keys.py)
     TieredStore, TransferHandle, BlockResult,
     BlockStatus, StoreStats, TierUsage,
-    HostRead                                   the async two-tier store (store.py)
+    HostRead                                   the async tiered store (store.py)
+    TierName                                   'host' | 'disk' | 'remote' (results.py)
+    RemoteConfig, RemoteBlocks, RemoteStats    the shared Valkey/Redis tier (remote.py)
+    ValkeyProcess                              a private valkey-server (valkey_server.py)
     HostArena                                  preallocated fixed-slot host memory (host.py)
     BlockFiles                                 checksummed block files (disk.py)
     EvictionOrder                              LRU with pins and leases (eviction.py)
     gds_available                              GPUDirect Storage probe (gds.py)
 
-Nothing here imports torch, vllm or kvikio at import time.
+Nothing here imports torch, vllm, kvikio or the valkey client at import time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from agentkv.tiers.eviction import EvictionOrder
 from agentkv.tiers.gds import gds_available
 from agentkv.tiers.host import HostArena
 from agentkv.tiers.keys import BlockKey, ModelFingerprint, chain_keys
+from agentkv.tiers.remote import RemoteBlocks, RemoteConfig, RemoteStats
+from agentkv.tiers.results import TierName
 from agentkv.tiers.store import (
     BlockResult,
     BlockStatus,
@@ -29,6 +34,7 @@ from agentkv.tiers.store import (
     TierUsage,
     TransferHandle,
 )
+from agentkv.tiers.valkey_server import ValkeyProcess
 
 __all__ = [
     "BlockFiles",
@@ -39,10 +45,15 @@ __all__ = [
     "HostArena",
     "HostRead",
     "ModelFingerprint",
+    "RemoteBlocks",
+    "RemoteConfig",
+    "RemoteStats",
     "StoreStats",
+    "TierName",
     "TierUsage",
     "TieredStore",
     "TransferHandle",
+    "ValkeyProcess",
     "chain_keys",
     "gds_available",
 ]

@@ -1,9 +1,12 @@
-"""The tiered block store: host arena first, disk files second, transfers on a small thread pool.
+"""The tiered block store: host arena first, disk files second, an optional shared remote tier
+(Valkey/Redis, remote.py) third; transfers on a small thread pool.
 
 Primitives:
-    TieredStore.submit_store   copy blocks in (to 'host' or 'disk'); returns a TransferHandle at
-                               once. The caller keeps its buffers unchanged until the handle is done.
-    TieredStore.submit_load    copy blocks out (from host, else disk) into the caller's buffers.
+    TieredStore.submit_store   copy blocks in (to 'host', 'disk' or 'remote'); returns a
+                               TransferHandle at once. The caller keeps its buffers unchanged until
+                               the handle is done.
+    TieredStore.submit_load    copy blocks out (from host, else disk, else remote when the store has
+                               one) into the caller's buffers; each result's tier says which.
     TieredStore.acquire_host / release_host
                                two-phase read of host blocks in place: pin them and hand out
                                read-only views (a layer-by-layer load copies pieces of them while
@@ -11,12 +14,18 @@ Primitives:
     TieredStore.promote        disk -> host (prefetch before a tool returns).
     TieredStore.demote         host -> disk (a long pause; frees host slots).
     TieredStore.copy_to_disk   host -> disk, keeping the host copy (its owner frees it by drop).
+    TieredStore.copy_to_remote host or disk -> remote, keeping the local copies; blocks already on
+                               the server are not resent (their TTL is renewed).
+    TieredStore.lookup_remote_prefix
+                               how many leading keys the remote tier holds now: network I/O, so it
+                               must not run on an engine thread.
     TransferHandle             ``done()`` polls without blocking; ``result()`` waits and returns one
                                BlockResult per key, in order; ``cancel()`` (loads) fences: once
                                it returns, nothing more is written into the caller's buffers.
     BlockResult                ok / miss / error for one block, the tier involved, and the error.
-    lookup_prefix, tier_of     residency queries: cheap, never wait on I/O.
-    set_lease, drop (all tiers or one), drop_owner, stats, close.
+    lookup_prefix, tier_of     residency queries of the local tiers: cheap, never wait on I/O.
+    set_lease, drop (the local tiers, or one tier: 'remote' deletes on the server), drop_owner,
+    stats, close.
     ``auto_evict=False``: the store never evicts on its own (a full tier fails the block with
     TierFullError); the caller that owns the residency index decides what leaves.
 
@@ -38,6 +47,10 @@ Invariants:
     - Owners (trajectory ids) reference-count a block: ``drop_owner`` frees a block only when no
       other owner holds it. A block stored without an owner is freed by ``drop`` or eviction.
     - Metadata lives under one lock that is never held across a copy or a file read/write.
+    - The remote tier is shared (other replicas write it, TTLs expire it), so the store keeps no
+      index of it: remote presence is always a live query, owners and leases do not apply to it,
+      and ``drop(keys)`` / ``drop_owner`` never delete remote blocks (only ``drop(keys, 'remote')``
+      does). Remote failures are error results, never exceptions (remote.py).
 """
 
 from __future__ import annotations
@@ -51,6 +64,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from agentkv.errors import ConfigError, CorruptBlockError, TierError, TierFullError
 from agentkv.tiers import device
@@ -66,6 +81,7 @@ from agentkv.tiers.disk import BlockFiles
 from agentkv.tiers.eviction import EvictionOrder
 from agentkv.tiers.host import HostArena
 from agentkv.tiers.keys import BlockKey
+from agentkv.tiers.remote import RemoteBlocks, RemoteStats
 from agentkv.tiers.results import BlockResult, BlockStatus, TierName
 
 log = logging.getLogger(__name__)
@@ -178,6 +194,8 @@ class StoreStats:
     pinned_memory: bool
     direct_io: bool | None
     counters: dict[str, int]
+    remote: RemoteStats | None = None
+    """The remote client's counters (None without a remote tier)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -212,8 +230,12 @@ class TieredStore:
         clock: Callable[[], float] = time.monotonic,
         auto_evict: bool = True,
         gds: bool | None = None,
+        remote: RemoteBlocks | None = None,
     ) -> None:
         """Allocate the host arena and, with ``disk_dir``, rebuild the disk index from its files.
+
+        ``remote`` adds the shared remote tier (the caller builds it, owns it and closes it
+        after the store; several stores may share one client).
 
         ``disk_capacity_bytes`` counts whole files (a 4 KiB header plus the payload rounded up to
         4 KiB). ``pin_memory=None`` pins the arena and staging buffers when torch+CUDA are
@@ -239,6 +261,8 @@ class TieredStore:
                 "loads",
                 "hits_host",
                 "hits_disk",
+                "hits_remote",
+                "stores_remote",
                 "misses",
                 "errors",
                 "corrupt",
@@ -266,6 +290,7 @@ class TieredStore:
             self._rebuild_disk_index()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agentkv-tiers")
         self._workers = workers
+        self._remote = remote
         self._closed = False
 
     # ----------------------------------------------------------------- queries (never wait on I/O)
@@ -309,7 +334,24 @@ class TieredStore:
                 pinned_memory=self._arena.pinned,
                 direct_io=self._files.direct_io if self._files is not None else None,
                 counters=dict(self._counters),
+                remote=self._remote.stats() if self._remote is not None else None,
             )
+
+    @property
+    def remote(self) -> RemoteBlocks | None:
+        """The remote tier's client, or None."""
+        return self._remote
+
+    def lookup_remote_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """Return how many leading ``keys`` the remote tier holds now (0 without one).
+
+        Network I/O (one round trip per 512 keys): must not be called on an engine thread.
+        Never raises; an unreachable server answers 0. A live answer, not a promise: a block
+        may expire or be deleted before it is loaded (the load then misses).
+        """
+        if self._remote is None:
+            return 0
+        return self._remote.lookup_prefix(list(keys))
 
     # ---------------------------------------------------------------------------- lease and drop
 
@@ -322,8 +364,15 @@ class TieredStore:
                     block.lease_until = until_monotonic
 
     def drop(self, keys: Iterable[BlockKey], tier: TierName | None = None) -> int:
-        """Remove ``keys`` from ``tier`` (None: every tier) whoever owns them; returns how many
-        were present there. A host copy being read keeps its slot until the read ends."""
+        """Remove ``keys`` from ``tier`` (None: host and disk) whoever owns them; returns how many
+        were present there. A host copy being read keeps its slot until the read ends.
+
+        ``tier='remote'`` deletes the blocks on the shared server, for every replica (network
+        I/O: not on an engine thread; never raises; 0 without a remote tier or when it cannot
+        answer). None never touches the remote tier.
+        """
+        if tier == "remote":
+            return self._remote.delete_many(list(keys)) if self._remote is not None else 0
         doomed: list[BlockKey] = []
         present = 0
         with self._lock:
@@ -384,13 +433,16 @@ class TieredStore:
         """Start copying ``buffers`` (one per key; a block may be a list of segments) into ``tier``.
 
         Returns at once. Raises ValueError right away for mismatched counts or sizes, and
-        ConfigError for tier='disk' without a disk tier. Keys already present in that tier are not
-        copied again (content addressed); they gain the owner and lease.
+        ConfigError for tier='disk' or 'remote' without that tier. Keys already present in that
+        tier are not copied again (content addressed); they gain the owner and lease. Remote
+        stores ignore owner and lease (the server's TTL governs them).
         """
-        if tier not in ("host", "disk"):
+        if tier not in ("host", "disk", "remote"):
             raise ConfigError(f"unknown tier {tier!r}")
         if tier == "disk" and self._files is None:
             raise ConfigError("this store has no disk tier")
+        if tier == "remote":
+            return self._submit_remote_store(keys, buffers)
         if tier == "host" and self._arena.num_slots == 0:
             if self._files is None:
                 raise ConfigError("this store has neither host capacity nor a disk tier")
@@ -409,10 +461,17 @@ class TieredStore:
     ) -> TransferHandle:
         """Start copying ``keys`` into ``out_buffers`` (writable), from host else disk. Returns at once.
 
+        With a remote tier, blocks that are in neither (or whose disk copy is corrupt) are read
+        from the server, batched; a block's result then carries tier 'remote' (a remote miss is a
+        miss; a local error stays the result when the remote does not have the block either).
+        Remote blocks are not copied into the local tiers.
         Raises ValueError right away for mismatched counts, sizes or read-only buffers.
         """
         segments = self._segments(keys, out_buffers, writable=True)
         handle = TransferHandle(keys)
+        if self._remote is not None:
+            self._run_chunks(handle, lambda indices: self._load_chunk(handle, segments, indices))
+            return handle
 
         def load_one(index: int) -> BlockResult:
             if not handle._enter():
@@ -482,8 +541,19 @@ class TieredStore:
         self._run(handle, lambda index: self._copy_down_one(keys[index]))
         return handle
 
+    def copy_to_remote(self, keys: Sequence[BlockKey]) -> TransferHandle:
+        """Start copying local ``keys`` (host, else disk) to the remote tier, keeping the local
+        copies. Blocks already on the server are not resent (their TTL is renewed). A key in no
+        local tier is an error result. Raises ConfigError without a remote tier."""
+        if self._remote is None:
+            raise ConfigError("this store has no remote tier")
+        handle = TransferHandle(keys)
+        self._run_chunks(handle, lambda indices: self._copy_up_chunk(handle, indices))
+        return handle
+
     def close(self) -> None:
-        """Wait for transfers in flight, then stop the workers. Idempotent."""
+        """Wait for transfers in flight, then stop the workers. Idempotent. The remote client is
+        the caller's to close."""
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
@@ -528,6 +598,164 @@ class TieredStore:
 
         for start, stop in itertools.pairwise(bounds):
             self._pool.submit(run_chunk, start, stop)
+
+    def _run_chunks(
+        self, handle: TransferHandle, chunk: Callable[[list[int]], dict[int, BlockResult]]
+    ) -> None:
+        """Like ``_run``, for transfers that batch their blocks (the remote tier): ``chunk`` gets
+        a contiguous run of indices and returns their results; a run it leaves out or fails is
+        completed with errors, so the handle always finishes."""
+        if self._closed:
+            raise TierError("the store is closed")
+        count = len(handle.keys)
+        if count == 0:
+            return
+        chunks = min(count, self._workers)
+        bounds = [count * i // chunks for i in range(chunks + 1)]
+
+        def run(start: int, stop: int) -> None:
+            indices = list(range(start, stop))
+            results: dict[int, BlockResult] = {}
+            try:
+                results = chunk(indices)
+            except TierError as exc:
+                error: TierError = exc
+            except Exception as exc:  # a bug must still complete the handle, never hang it
+                log.exception("tier transfer failed")
+                error = TierError(f"internal error: {exc!r}")
+            else:
+                error = TierError("internal error: no result")
+            for index in indices:
+                result = results.get(index)
+                handle._set(index, result or self._failed(handle.keys[index], error))
+
+        for start, stop in itertools.pairwise(bounds):
+            self._pool.submit(run, start, stop)
+
+    def _count_remote(self, results: Iterable[BlockResult], stored: bool) -> None:
+        with self._lock:
+            for result in results:
+                if result.ok:
+                    self._counters["stores_remote" if stored else "hits_remote"] += 1
+                elif result.status is BlockStatus.MISS:
+                    self._counters["misses"] += 1
+                elif isinstance(result.error, CorruptBlockError):
+                    self._counters["corrupt"] += 1
+                else:
+                    self._counters["errors"] += 1
+
+    def _submit_remote_store(
+        self, keys: Sequence[BlockKey], buffers: Sequence[BlockBuffer]
+    ) -> TransferHandle:
+        remote = self._remote
+        if remote is None:
+            raise ConfigError("this store has no remote tier")
+        segments = self._segments(keys, buffers, writable=False)
+        handle = TransferHandle(keys)
+
+        def chunk(indices: list[int]) -> dict[int, BlockResult]:
+            with self._lock:
+                self._counters["stores"] += len(indices)
+            results = remote.put_many([keys[i] for i in indices], [segments[i] for i in indices])
+            self._count_remote(results, stored=True)
+            return dict(zip(indices, results, strict=True))
+
+        self._run_chunks(handle, chunk)
+        return handle
+
+    def _load_chunk(
+        self, handle: TransferHandle, segments: Sequence[Segments], indices: list[int]
+    ) -> dict[int, BlockResult]:
+        """Local loads block by block, then one batched remote read for what they did not find."""
+        remote = self._remote
+        assert remote is not None
+        keys = handle.keys
+        results: dict[int, BlockResult] = {}
+        fallback: list[tuple[int, BlockResult]] = []
+        for index in indices:
+            if not handle._enter():
+                results[index] = self._failed(keys[index], TierError("load cancelled"))
+                continue
+            try:
+                local = self._load_one(keys[index], segments[index], count_miss=False)
+            finally:
+                handle._leave()
+            if local.ok:
+                results[index] = local
+            else:
+                fallback.append((index, local))
+        if not fallback:
+            return results
+        if handle.cancelled:  # no network read for a load nobody waits for
+            for index, _ in fallback:
+                results[index] = self._failed(keys[index], TierError("load cancelled"))
+            return results
+        fetched = remote.fetch_many([keys[i] for i, _ in fallback], self.block_bytes)
+        delivered: list[BlockResult] = []
+        for (index, local), value in zip(fallback, fetched, strict=True):
+            if not handle._enter():
+                results[index] = self._failed(keys[index], TierError("load cancelled"))
+                continue
+            try:
+                result = remote.deliver(value, segments[index])
+            finally:
+                handle._leave()
+            if local.status is BlockStatus.ERROR and not result.ok:
+                results[index] = local  # already counted; the more telling error
+                continue
+            delivered.append(result)
+            results[index] = result
+        self._count_remote(delivered, stored=False)
+        return results
+
+    def _copy_up_chunk(self, handle: TransferHandle, indices: list[int]) -> dict[int, BlockResult]:
+        """Pin (host) or read (disk) each local copy, then one batched remote write."""
+        remote = self._remote
+        assert remote is not None
+        keys = handle.keys
+        results: dict[int, BlockResult] = {}
+        pinned: list[_Block] = []
+        sources: list[tuple[int, Segments]] = []
+        try:
+            for index in indices:
+                key = keys[index]
+                with self._lock:
+                    block = self._blocks.get(key)
+                    source: TierName | None = None
+                    if block is not None and block.host_slot is not None:
+                        self._host_order.pin(block)
+                        pinned.append(block)
+                        source = "host"
+                    elif block is not None and block.on_disk:
+                        self._disk_order.pin(block)
+                        source = "disk"
+                if block is None or source is None:
+                    results[index] = self._failed(
+                        key, TierError("block is in no local tier; nothing to copy to remote")
+                    )
+                elif source == "host":
+                    assert block.host_slot is not None
+                    sources.append((index, [self._arena.slot(block.host_slot)]))
+                else:
+                    # The disk copy is read (and verified) into a scratch buffer first: a corrupt
+                    # file must never reach the shared tier.
+                    scratch = np.empty(self.block_bytes, np.uint8)
+                    read = self._read_disk(block, [scratch], count=False)
+                    if read.ok:
+                        sources.append((index, [scratch]))
+                    else:
+                        results[index] = read
+            if sources:
+                with self._lock:
+                    self._counters["stores"] += len(sources)
+                written = remote.put_many([keys[i] for i, _ in sources], [s for _, s in sources])
+                self._count_remote(written, stored=True)
+                results.update(zip((i for i, _ in sources), written, strict=True))
+        finally:
+            with self._lock:
+                for block in pinned:
+                    self._unpin_host(block)
+        return results
 
     def _failed(self, key: BlockKey, error: TierError) -> BlockResult:
         with self._lock:
@@ -588,7 +816,7 @@ class TieredStore:
                 self._host_order.add(block)
         return BlockResult(key, BlockStatus.OK, "host")
 
-    def _load_one(self, key: BlockKey, segments: Segments) -> BlockResult:
+    def _load_one(self, key: BlockKey, segments: Segments, count_miss: bool = True) -> BlockResult:
         with self._lock:
             self._counters["loads"] += 1
             block = self._blocks.get(key)
@@ -600,7 +828,8 @@ class TieredStore:
                 source = "disk"
                 self._disk_order.pin(block)
             if block is None or source is None:
-                self._counters["misses"] += 1
+                if count_miss:  # with a remote tier, the remote read decides hit or miss
+                    self._counters["misses"] += 1
                 return BlockResult(key, BlockStatus.MISS)
         if source == "host":
             try:
@@ -611,9 +840,12 @@ class TieredStore:
                     self._host_order.touch(block)
                     self._counters["hits_host"] += 1
             return BlockResult(key, BlockStatus.OK, "host")
-        return self._read_disk(block, segments)
+        return self._read_disk(block, segments, count_miss=count_miss)
 
-    def _read_disk(self, block: _Block, segments: Segments) -> BlockResult:
+    def _read_disk(
+        self, block: _Block, segments: Segments, *, count: bool = True, count_miss: bool = True
+    ) -> BlockResult:
+        """Read a disk-pinned block (unpins it). ``count=False``: not a load (no hit/miss)."""
         assert self._files is not None
         error: TierError | None = None
         found = False
@@ -625,7 +857,8 @@ class TieredStore:
             self._disk_order.unpin(block)
             if found:
                 self._disk_order.touch(block)
-                self._counters["hits_disk"] += 1
+                if count:
+                    self._counters["hits_disk"] += 1
                 return BlockResult(block.key, BlockStatus.OK, "disk")
             # Absent or corrupt: the file is gone (read_into deleted a corrupt one); fix the index.
             if block.on_disk:
@@ -635,7 +868,8 @@ class TieredStore:
                 if block.host_slot is None:
                     self._remove_block(block)
             if error is None:
-                self._counters["misses"] += 1
+                if count and count_miss:
+                    self._counters["misses"] += 1
                 return BlockResult(block.key, BlockStatus.MISS)
             self._counters["corrupt" if isinstance(error, CorruptBlockError) else "errors"] += 1
             return BlockResult(block.key, BlockStatus.ERROR, "disk", error)
