@@ -43,6 +43,13 @@ def tiers(
         min=1,
         help="With --device: layers per block (2 segments each, K and V, as in FlashAttention).",
     ),
+    remote: str | None = typer.Option(
+        None,
+        "--remote",
+        help="Also measure the remote tier on this Valkey/Redis URL (valkey://host:port/0, "
+        "valkeys:// for TLS, options as ?query; see docs/remote-tier.md), or 'embedded' to start "
+        "a private valkey-server for the run.",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print only machine-readable JSON on stdout."
     ),
@@ -53,13 +60,17 @@ def tiers(
     mode, O_DIRECT or buffered (disk). With --device cpu|cuda, also device->host store and
     host->device load of torch-tensor blocks next to one raw torch copy of the same bytes
     (pinned host memory on CUDA), and device<->disk next to sequential I/O. Target: ratio >= 0.70
-    for blocks of 1 MiB and up.
+    for blocks of 1 MiB and up. With --remote, remote put/get next to a raw pipelined SET/GET of
+    the same values with a plain client (no target: the link decides).
     """
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from agentkv.errors import ConfigError
     from agentkv.tiers.bench import run_tier_bench
+    from agentkv.tiers.remote import RemoteConfig
+    from agentkv.tiers.valkey_server import ValkeyProcess
 
     if any(size <= 0 for size in block_kib):
         fail("--block-kib values must be positive")
@@ -67,6 +78,18 @@ def tiers(
         fail(f"--device must be cpu, cuda or none, not {device!r}")
     directory = None if no_disk else (disk_dir or Path(tempfile.gettempdir()))
     stderr = Console(stderr=True)
+    server: ValkeyProcess | None = None
+    remote_config: RemoteConfig | None = None
+    try:
+        if remote == "embedded":
+            server = ValkeyProcess().start()
+            remote_config = RemoteConfig.parse(server.url)
+        elif remote is not None:
+            remote_config = RemoteConfig.parse(remote)
+    except ConfigError as exc:
+        fail(f"--remote: {exc}")
+    except RuntimeError as exc:
+        fail(f"--remote embedded: {exc}")
     try:
         with Progress(
             SpinnerColumn(),
@@ -85,11 +108,15 @@ def tiers(
                 progress=lambda label: progress.update(task, description=label),
                 device=None if device == "none" else device,
                 layers=layers,
+                remote=remote_config,
             )
     except OSError as exc:
         fail(f"cannot benchmark the disk tier in {directory}: {exc.strerror or exc}")
     except (RuntimeError, MemoryError) as exc:
         fail(f"benchmark failed: {exc}")
+    finally:
+        if server is not None:
+            server.stop()
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(report)))
         return
@@ -112,6 +139,9 @@ def tiers(
     if report.disk_dir is not None:
         mode = "O_DIRECT" if report.direct_io else "buffered (O_DIRECT unsupported here)"
         console.print(f"disk tier in {report.disk_dir}: {mode}")
+    if report.remote is not None:
+        where = "a private valkey-server" if server is not None else report.remote
+        console.print(f"remote tier on {where}: no target (the network decides)")
     if report.device is not None:
         pinned = "pinned" if report.pinned_memory else "pageable"
         gds = {None: "n/a", True: "present", False: "absent"}[report.gds]

@@ -13,13 +13,21 @@ Primitives:
                        same bytes between device and (pinned) host memory, and to and from the
                        disk tier against sequential I/O. On CUDA with GPUDirect Storage present,
                        the disk runs are measured both staged and through GDS.
+                       With ``remote`` (a RemoteConfig), the remote tier: put (store to tier
+                       'remote') and get (a load that falls back to remote) through a store with no
+                       local tiers, against a raw pipelined SET/GET of values of the same size
+                       with a plain client on one connection (no header, checksum or gather), so
+                       the ratio is agentkv's overhead, not the network. Keys live under a private
+                       ``<key_prefix>:bench:<random>`` prefix and are deleted afterwards.
 
-Targets (issue 5): ratio >= 0.7 for blocks of 1 MiB and up. GB/s means 1e9 bytes per second.
+Targets (issue 5): ratio >= 0.7 for blocks of 1 MiB and up (host and disk; the remote tier has no
+target: its link decides). GB/s means 1e9 bytes per second.
 Blocking and CPU-heavy: run it from a command, never from the engine loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import shutil
@@ -35,6 +43,8 @@ import numpy as np
 
 from agentkv.tiers.disk import ALIGN, probe_direct_io
 from agentkv.tiers.keys import ModelFingerprint, chain_keys
+from agentkv.tiers.remote import RemoteBlocks, RemoteConfig
+from agentkv.tiers.results import TierName
 from agentkv.tiers.store import TieredStore
 
 TARGET_RATIO = 0.7
@@ -65,6 +75,8 @@ class TierBenchReport:
     layers: int | None = None
     pinned_memory: bool | None = None
     gds: bool | None = None
+    remote: str | None = None
+    """The remote tier's URL (no credentials), when measured."""
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -137,6 +149,8 @@ def sequential_file_baseline(
 def _measure_store(
     store: TieredStore, block_bytes: int, total_bytes: int, tier: str, repeats: int, salt: str
 ) -> tuple[float, float]:
+    # The remote tier skips blocks already on the server, so each store run starts without them.
+    drop_tier: TierName | None = "remote" if tier == "remote" else None
     count = max(1, total_bytes // block_bytes)
     keys = chain_keys(ModelFingerprint("bench", "uint8", 16, 1), salt, range(count))
     source = _touched(count * block_bytes, 7).reshape(count, block_bytes)
@@ -144,7 +158,7 @@ def _measure_store(
     nbytes = count * block_bytes
 
     def store_once() -> float:
-        store.drop(keys)  # stores of present keys are skipped, so start empty each time
+        store.drop(keys, tier=drop_tier)  # stores of present keys are skipped: start empty
         start = time.perf_counter()
         results = store.submit_store(keys, list(source), tier=tier).result()  # type: ignore[arg-type]
         elapsed = time.perf_counter() - start
@@ -164,8 +178,85 @@ def _measure_store(
     load_s = _best(repeats, load_once)
     if not np.array_equal(source, destination):
         raise RuntimeError("bench round trip was not bit-exact")
-    store.drop(keys)
+    store.drop(keys, tier=drop_tier)
     return _gbps(nbytes, store_s), _gbps(nbytes, load_s)
+
+
+def raw_remote_baseline(
+    config: RemoteConfig, block_bytes: int, total_bytes: int, repeats: int
+) -> tuple[float, float]:
+    """Return (SET GB/s, GET GB/s) of ``total_bytes`` in values of ``block_bytes`` with a plain
+    client on one connection, pipelined in batches of ``max_batch_bytes`` (best of repeats)."""
+    import valkey
+
+    count = max(1, total_bytes // block_bytes)
+    per_batch = max(1, config.max_batch_bytes // block_bytes)
+    value = _touched(block_bytes, 3).tobytes()
+    names = [f"{config.key_prefix}:raw:{i}" for i in range(count)]
+    client = valkey.Valkey(
+        host=config.host,
+        port=config.port,
+        db=config.db,
+        username=config.username,
+        password=config.resolved_password(),
+        ssl=config.tls,
+        ssl_ca_certs=config.tls_ca,
+        ssl_certfile=config.tls_cert,
+        ssl_keyfile=config.tls_key,
+        socket_timeout=config.op_timeout_s,
+        single_connection_client=True,
+    )
+
+    def run(queue: Callable[[Any, str], object]) -> float:
+        start = time.perf_counter()
+        for first in range(0, count, per_batch):
+            pipe = client.pipeline(transaction=False)
+            for name in names[first : first + per_batch]:
+                queue(pipe, name)
+            pipe.execute()
+        return time.perf_counter() - start
+
+    try:
+        set_s = _best(repeats, lambda: run(lambda pipe, name: pipe.set(name, value, px=600_000)))
+        get_s = _best(repeats, lambda: run(lambda pipe, name: pipe.get(name)))
+        for first in range(0, count, 1000):
+            client.delete(*names[first : first + 1000])
+    finally:
+        client.close()
+    nbytes = count * block_bytes
+    return _gbps(nbytes, set_s), _gbps(nbytes, get_s)
+
+
+def _measure_remote(
+    config: RemoteConfig,
+    block_sizes: Sequence[int],
+    total_bytes: int,
+    workers: int,
+    repeats: int,
+    step: Callable[[str], None],
+    report: TierBenchReport,
+) -> None:
+    # A private prefix: the bench never reads, overwrites or deletes a deployment's blocks.
+    prefix = f"{config.key_prefix}:bench:{uuid.uuid4().hex[:8]}"
+    config = dataclasses.replace(config, key_prefix=prefix)
+    report.remote = config.url
+    with RemoteBlocks(config) as client:
+        if not client.ping():
+            raise RuntimeError(f"the remote tier at {config.url} does not answer PING")
+        for block_bytes in block_sizes:
+            step(f"raw client baseline ({block_bytes >> 10} KiB values)")
+            raw_set, raw_get = raw_remote_baseline(config, block_bytes, total_bytes, repeats)
+            step(f"remote tier, {block_bytes >> 10} KiB blocks")
+            with TieredStore(0, None, 0, block_bytes, workers=workers, remote=client) as store:
+                put, get = _measure_store(
+                    store, block_bytes, total_bytes, "remote", repeats, "remote"
+                )
+            report.measurements.append(
+                _measurement("remote put", block_bytes, put, "raw pipelined SET", raw_set, False)
+            )
+            report.measurements.append(
+                _measurement("remote get", block_bytes, get, "raw pipelined GET", raw_get, False)
+            )
 
 
 class _DeviceBlocks:
@@ -290,10 +381,15 @@ def _device_torch(device: str) -> Any:
 
 
 def _measurement(
-    operation: str, block_bytes: int, gbps: float, baseline: str, baseline_gbps: float
+    operation: str,
+    block_bytes: int,
+    gbps: float,
+    baseline: str,
+    baseline_gbps: float,
+    has_target: bool = True,
 ) -> Measurement:
     ratio = gbps / baseline_gbps if baseline_gbps > 0 else 0.0
-    target = TARGET_RATIO if block_bytes >= TARGET_MIN_BLOCK_BYTES else None
+    target = TARGET_RATIO if has_target and block_bytes >= TARGET_MIN_BLOCK_BYTES else None
     return Measurement(
         operation,
         block_bytes,
@@ -316,11 +412,12 @@ def run_tier_bench(
     progress: Callable[[str], None] | None = None,
     device: str | None = None,
     layers: int = 32,
+    remote: RemoteConfig | None = None,
 ) -> TierBenchReport:
     """Measure every tier at every block size; ``disk_dir=None`` skips the disk tier.
 
     ``device`` ('cpu' or 'cuda') adds the torch path (see module docstring) with ``layers``
-    layers per block. Blocks for seconds. Creates and removes a private subdirectory of
+    layers per block; ``remote`` adds the remote tier (RuntimeError when it does not answer). Blocks for seconds. Creates and removes a private subdirectory of
     ``disk_dir``. Raises OSError when ``disk_dir`` is not writable and RuntimeError when a
     transfer fails, a round trip is not bit-exact or the device is unusable.
     """
@@ -364,6 +461,8 @@ def run_tier_bench(
         report.measurements.append(
             _measurement("host load", block_bytes, loaded, "memory copy", copy_gbps)
         )
+    if remote is not None:
+        _measure_remote(remote, block_sizes, total_bytes, workers, repeats, step, report)
     if disk_dir is None:
         return report
     disk_dir.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import valkey
 from typer.testing import CliRunner
 
 from agentkv.cli import app
+from tests.valkey_fixture import valkey_server, valkey_url  # noqa: F401
 
 
 def test_bench_tiers_json_measures_every_tier(tmp_path: Path) -> None:
@@ -84,3 +86,33 @@ def test_bench_tiers_device_cpu_reports_torch_path_ratios(tmp_path: Path) -> Non
 def test_bench_tiers_rejects_an_unknown_device() -> None:
     result = CliRunner().invoke(app, ["bench", "tiers", "--device", "tpu", "--no-disk"])
     assert result.exit_code == 2 and "--device must be" in result.output
+
+
+def test_bench_tiers_remote_measures_put_and_get_and_leaves_nothing(valkey_url: str) -> None:  # noqa: F811
+    args = ["bench", "tiers", "--no-disk", "--total-mib", "1", "--block-kib", "256"]
+    args += ["--remote", f"{valkey_url}?key_prefix=benchtest", "--repeats", "1", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["remote"] == valkey_url
+    seen = {m["operation"]: m for m in report["measurements"]}
+    assert seen["remote put"]["baseline"] == "raw pipelined SET"
+    assert seen["remote get"]["baseline"] == "raw pipelined GET"
+    for op in ("remote put", "remote get"):
+        assert seen[op]["gbps"] > 0 and seen[op]["baseline_gbps"] > 0 and seen[op]["target"] is None
+    client = valkey.Valkey.from_url(valkey_url)
+    try:
+        assert list(client.scan_iter("benchtest*")) == []  # bench keys are deleted afterwards
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("http://x", "scheme 'http' is not supported"), ("valkey://127.0.0.1:1/0", "does not answer")],
+)
+def test_bench_tiers_bad_remote_is_one_line_exit_2(url: str, message: str) -> None:
+    args = ["bench", "tiers", "--no-disk", "--total-mib", "1", "--block-kib", "64"]
+    result = CliRunner().invoke(app, [*args, "--remote", url, "--repeats", "1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert message in result.output
