@@ -686,30 +686,45 @@ class TieredStore:
                 fallback.append((index, local))
         if not fallback:
             return results
-        if handle.cancelled:  # no network read for a load nobody waits for
-            for index, _ in fallback:
-                results[index] = self._failed(keys[index], TierError("load cancelled"))
-            return results
-        fetched = remote.fetch_many([keys[i] for i, _ in fallback], self.block_bytes)
-        delivered: list[BlockResult] = []
-        for (index, local), value in zip(fallback, fetched, strict=True):
-            if not handle._enter():
-                results[index] = self._failed(keys[index], TierError("load cancelled"))
+        # A batch at a time: only one batch of fetched payloads is in memory per worker.
+        step = self._remote_batch_blocks()
+        for first in range(0, len(fallback), step):
+            batch = fallback[first : first + step]
+            if handle.cancelled:  # no network read for a load nobody waits for
+                for index, _ in batch:
+                    results[index] = self._failed(keys[index], TierError("load cancelled"))
                 continue
-            try:
-                result = remote.deliver(value, segments[index])
-            finally:
-                handle._leave()
-            if local.status is BlockStatus.ERROR and not result.ok:
-                results[index] = local  # already counted; the more telling error
-                continue
-            delivered.append(result)
-            results[index] = result
-        self._count_remote(delivered, stored=False)
+            fetched = remote.fetch_many([keys[i] for i, _ in batch], self.block_bytes)
+            delivered: list[BlockResult] = []
+            for (index, local), value in zip(batch, fetched, strict=True):
+                if not handle._enter():
+                    results[index] = self._failed(keys[index], TierError("load cancelled"))
+                    continue
+                try:
+                    result = remote.deliver(value, segments[index])
+                finally:
+                    handle._leave()
+                if local.status is BlockStatus.ERROR and not result.ok:
+                    results[index] = local  # already counted; the more telling error
+                    continue
+                delivered.append(result)
+                results[index] = result
+            self._count_remote(delivered, stored=False)
         return results
 
+    def _remote_batch_blocks(self) -> int:
+        assert self._remote is not None
+        return max(1, self._remote.config.max_batch_bytes // self.block_bytes)
+
     def _copy_up_chunk(self, handle: TransferHandle, indices: list[int]) -> dict[int, BlockResult]:
-        """Pin (host) or read (disk) each local copy, then one batched remote write."""
+        """Batch by batch: pin (host) or read (disk) each local copy, then one remote write."""
+        results: dict[int, BlockResult] = {}
+        step = self._remote_batch_blocks()
+        for first in range(0, len(indices), step):
+            results.update(self._copy_up_batch(handle, indices[first : first + step]))
+        return results
+
+    def _copy_up_batch(self, handle: TransferHandle, indices: list[int]) -> dict[int, BlockResult]:
         remote = self._remote
         assert remote is not None
         keys = handle.keys

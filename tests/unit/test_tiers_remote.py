@@ -489,3 +489,42 @@ def test_store_with_remote_down_gives_error_results(store: Any, remote: Any) -> 
         assert not s.submit_store([elsewhere], [content(elsewhere)], tier="remote").result(10)[0].ok
         assert s.lookup_remote_prefix([in_host]) == 0
         assert s.tier_of(in_host) == "host"  # the local copy is untouched
+
+
+def test_store_remote_transfers_are_batched_by_max_batch_bytes(remote: Any, tmp_path: Path) -> None:
+    client = remote(max_batch_bytes=2 * BLOCK)
+    with TieredStore(4 * BLOCK, None, 0, BLOCK, workers=1, remote=client) as s:
+        ks = keys(4)
+        trips = client.stats().round_trips
+        assert all(
+            r.ok for r in s.submit_store(ks, [content(k) for k in ks], tier="remote").result(10)
+        )
+        assert client.stats().round_trips == trips + 4  # 2 batches x (PEXPIRE probe + SET)
+        out = zeros(4)
+        assert all(r.ok for r in s.submit_load(ks, out).result(10))
+        assert client.stats().round_trips == trips + 6  # 2 batches x (GET + PEXPIRE)
+        s.submit_store(ks, [content(k) for k in ks]).result(10)  # now in host too
+        assert all(r.ok for r in s.copy_to_remote(ks).result(10))
+        assert client.stats().round_trips == trips + 8  # present: the probes only
+        assert client.stats().put_skipped == 4
+
+
+@pytest.mark.parametrize("fast_reads", [True, False])
+def test_both_read_paths_round_trip_and_report_server_errors(
+    remote: Any, raw: Any, fast_reads: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The direct reply reader and valkey-py's own pipeline give the same results; a server
+    error for one key (a key of the wrong type) is that block's error, the others are fine."""
+    monkeypatch.setattr(RemoteBlocks, "fast_reads", fast_reads)
+    r = remote()
+    ks = keys(5, salt=f"paths-{fast_reads}")
+    sizes = [1, 70_000, BLOCK, 3 * BLOCK, 5]  # values below and above one socket read
+    assert all(r.put_many([k], [content(k, n)])[0].ok for k, n in zip(ks[:4], sizes, strict=False))
+    raw.lpush(r.name_of(ks[4]), b"not a block")
+    out = [np.zeros(n, np.uint8) for n in sizes]
+    results = r.get_many(ks, out)
+    assert [x.status for x in results] == [BlockStatus.OK] * 4 + [BlockStatus.ERROR]
+    assert "WRONGTYPE" in str(results[4].error)
+    for key, n, got in zip(ks[:4], sizes, out, strict=False):
+        assert np.array_equal(got, content(key, n))
+    assert r.get_many(ks[:1], out[:1])[0].ok  # the connection is still in a clean state
