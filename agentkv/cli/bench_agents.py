@@ -1,5 +1,8 @@
 """``agentkv bench agents``: an agent workload with tool waits, vanilla vLLM vs vLLM + agentkv.
 
+With ``--trace FILE`` it replays a recorded workload (TraceLab CSV or JSONL, ``agentkv.traces``)
+instead, on vanilla vLLM, agentkv and an oracle (``agentkv_bench.trace_runner``).
+
 Only typer is imported at module level; the benchmark (``agentkv_bench``) and its dependencies
 load inside the command, so ``agentkv --help`` stays fast.
 """
@@ -31,7 +34,31 @@ def agents(
         "--time-scale",
         min=0.0,
         help="Multiplies every tool wait (compile ~3 s, test suite ~30 s, human approval ~180 s "
-        "medians) and the start stagger. Default 0.1.",
+        "medians) and the start stagger. Default 0.1. With --trace: multiplies the trace's "
+        "arrival times and tool waits (default 1).",
+    ),
+    trace: Path | None = typer.Option(
+        None,
+        "--trace",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        help="Replay this recorded workload instead of the generated one: TraceLab session CSV "
+        "(session_id,arrival_time,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms), "
+        "its canonical form (id,input_len,...,prefix_len) or round-trace JSONL (.gz read too); "
+        "the format is detected. A closed loop per session (send a round, read the whole reply, "
+        "wait tool_wait_after_ms, send the next), prompts as token ids whose prefix is the "
+        "session's history. Runs vanilla vLLM, agentkv and an oracle (vanilla with enough "
+        "blocks that nothing is evicted) and takes each resume stall apart.",
+    ),
+    token_scale: float = typer.Option(
+        1.0,
+        "--token-scale",
+        min=0.0001,
+        help="With --trace: multiplies every prefix, input and output length (fit the machine).",
+    ),
+    sessions: int | None = typer.Option(
+        None, "--sessions", min=1, help="With --trace: replay only the first N sessions."
     ),
     seed: int = typer.Option(0, "--seed", help="Workload seed: same seed, same workload."),
     fork_prob: float | None = typer.Option(
@@ -42,19 +69,25 @@ def agents(
         "--num-blocks",
         min=8,
         help="Device KV blocks (128 tokens each), the same for both configurations; small "
-        "enough that paused trajectories do not all fit (default 128).",
+        "enough that paused trajectories do not all fit (default 128). With --trace: for "
+        "vanilla and agentkv (default: a quarter of the oracle's, at least two of the longest "
+        "context); the oracle's is computed from the trace.",
     ),
     host_capacity_gib: float = typer.Option(
         2.0, "--host-capacity-gib", min=0.1, help="agentkv host tier size."
     ),
-    out: Path = typer.Option(
-        Path("bench/results/agents"), "--out", help="Folder for report.json, report.md, PNGs, logs."
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Folder for report.json, report.md, PNGs, logs (default bench/results/agents, "
+        "with --trace bench/results/trace).",
     ),
     quick: bool = typer.Option(
         False,
         "--quick",
         help="CI smoke run: tiny model, 3 trajectories x 3 turns, sub-second waits, no "
-        "overhead benchmark. Checks completion and a well-formed report, not the targets.",
+        "overhead benchmark. Checks completion and a well-formed report, not the targets. "
+        "With --trace: the tiny model (the trace's sizes as given).",
     ),
     skip_overhead: bool = typer.Option(
         False, "--skip-overhead", help="Skip the no-pause overhead run (`vllm bench serve`)."
@@ -74,9 +107,44 @@ def agents(
     time, with agentkv/vanilla ratios, as report.json, report.md and PNG plots in --out. Also
     runs `vllm bench serve` on both servers for the overhead without pauses. vLLM's native
     offloading and LMCache need CUDA and are skipped on CPU.
+
+    With --trace FILE: replays a recorded agent workload on vanilla vLLM, agentkv and an
+    oracle (vanilla vLLM with a pool so large nothing is evicted), reports agentkv/vanilla and
+    agentkv/oracle for resume TTFT and job completion time, and takes each resume stall apart
+    (KV load per tier, prefill, queueing) next to a raw memcpy of the same bytes. Example:
+    agentkv bench agents --trace multi_session_large.csv --token-scale 0.5 --num-blocks 160
     """
     from rich.console import Console
 
+    argv_tail = sys.argv[sys.argv.index("agents") + 1 :] if "agents" in sys.argv else []
+    if trace is not None:
+        clash = [
+            flag
+            for flag, given in (
+                ("--trajectories", trajectories is not None),
+                ("--turns", turns is not None),
+                ("--fork-prob", fork_prob is not None),
+                ("--overhead", overhead),
+            )
+            if given
+        ]
+        if clash:
+            fail(f"{', '.join(clash)} shape the generated workload; they do not apply with --trace")
+        _trace(
+            trace,
+            token_scale=token_scale,
+            time_scale=1.0 if time_scale is None else time_scale,
+            sessions=sessions,
+            seed=seed,
+            preset=preset or ("tiny" if quick else "small"),
+            num_blocks=num_blocks,
+            host_capacity_gib=host_capacity_gib,
+            out=out or Path("bench/results/trace"),
+            as_json=as_json,
+            command="agentkv bench agents " + shlex.join(argv_tail),
+        )
+        return
+    out = out or Path("bench/results/agents")
     from agentkv.errors import AgentKVError
     from agentkv_bench.overhead import OverheadSpec
     from agentkv_bench.runner import BenchOptions, run_bench
@@ -130,6 +198,61 @@ def agents(
     Console().print(Markdown((out / "report.md").read_text()))
     Console(stderr=True).print(
         f"report: {out / 'report.json'}, {out / 'report.md'}, plots: {out}/*.png"
+    )
+
+
+def _trace(
+    trace: Path,
+    *,
+    token_scale: float,
+    time_scale: float,
+    sessions: int | None,
+    seed: int,
+    preset: str,
+    num_blocks: int | None,
+    host_capacity_gib: float,
+    out: Path,
+    as_json: bool,
+    command: str,
+) -> None:
+    from rich.console import Console
+
+    from agentkv.errors import AgentKVError
+    from agentkv_bench.trace_runner import TraceBenchOptions, run_trace_bench
+
+    opts = TraceBenchOptions(
+        trace=trace,
+        token_scale=token_scale,
+        time_scale=time_scale,
+        sessions=sessions,
+        seed=seed,
+        preset=preset,
+        num_blocks=num_blocks,
+        host_capacity_gib=host_capacity_gib,
+        out=out,
+        command=command,
+    )
+    try:
+        report = with_progress(lambda on_progress: run_trace_bench(opts, on_progress))
+    except AgentKVError as exc:
+        fail(str(exc))
+    if as_json:
+        summary = {
+            "out": str(out),
+            "summaries": {k: v["summary"] for k, v in report["configs"].items()},
+            **{k: v for k, v in report.items() if k.startswith("ratios_")},
+            "oracle_check": report.get("oracle_check"),
+            "stall_decomposition": {
+                k: v for k, v in report["stall_decomposition"].items() if k != "rows"
+            },
+        }
+        typer.echo(json.dumps(summary))
+        return
+    from rich.markdown import Markdown
+
+    Console().print(Markdown((out / "report.md").read_text()))
+    Console(stderr=True).print(
+        f"report: {out / 'report.json'}, {out / 'report.md'}, plots: {out}/trace_*.png"
     )
 
 

@@ -8,4 +8,11 @@ Modules:
   plots      PNG plots (matplotlib, Agg)
   overhead   ``vllm bench serve`` plugin vs vanilla on a workload without pauses
   runner     one invocation: start servers in turn, run, collect, write the report
+
+Recorded traces (``agentkv bench agents --trace FILE``; the parser is ``agentkv.traces``):
+  trace_prompts  token-id prompts whose prefix is the session's history; the oracle's pool size
+  trace_replay   a closed loop per session against one server (vanilla, agentkv or oracle)
+  trace_report   summaries, agentkv/vanilla and agentkv/oracle ratios, the resume stall taken
+                 apart (load per tier, prefill, queue) against a raw memcpy, JSON and markdown
+  trace_runner   one invocation: the three configurations in turn, the report and the plots
 """

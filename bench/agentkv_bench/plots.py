@@ -4,6 +4,12 @@ ttft_cdf.png        CDF of TTFT, resume turns and all turns, one line per config
 kv_occupancy.png    over time: device KV usage (both), agentkv's bytes pinned on the device /
                     in host RAM / on disk, and how many trajectories are waiting on a tool
 hit_rate_by_turn.png  prefix hit rate (cached / prompt tokens) per turn index
+
+For a trace replay (``write_trace_plots``, vanilla, agentkv and the oracle):
+trace_ttft_cdf.png      CDF of TTFT, resume rounds and all rounds
+trace_stall.png         the mean resume round taken apart: load per tier, prefill, queue + rest,
+                        next to the memcpy time of the loaded bytes
+trace_kv_occupancy.png  device KV usage over time and how many sessions are waiting
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COLORS = {"vanilla": "tab:red", "agentkv": "tab:blue"}
+COLORS = {"vanilla": "tab:red", "agentkv": "tab:blue", "oracle": "tab:gray"}
 
 
 def _cdf(ax: Any, xs: list[float], label: str, color: str) -> None:
@@ -116,6 +122,83 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     ax.legend()
     fig.tight_layout()
     paths.append(out / "hit_rate_by_turn.png")
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
+    return paths
+
+
+def write_trace_plots(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write the trace replay's three PNGs into ``out``; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    configs = report["configs"]
+    paths: list[Path] = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, kind, title in ((axes[0], "resume", "resume rounds"), (axes[1], None, "all rounds")):
+        for name, cfg in configs.items():
+            xs = [r["ttft_s"] for r in cfg["rounds"] if kind is None or r["kind"] == kind]
+            _cdf(ax, xs, name, COLORS.get(name, "black"))
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s, log)")
+        ax.set_title(f"TTFT CDF, {title}")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("fraction of rounds")
+    axes[0].legend()
+    fig.tight_layout()
+    paths.append(out / "trace_ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
+
+    by_config = report["stall_decomposition"]["by_config"]
+    names = [n for n in configs if (by_config.get(n) or {}).get("resume_rounds")]
+    tiers = sorted({t for n in names for t in by_config[n]["load_mean_s_by_tier"]})
+    fig, ax = plt.subplots(figsize=(7, 4))
+
+    def part(m: dict[str, Any], label: str) -> float:
+        if label.startswith("load ("):
+            return float(m["load_mean_s_by_tier"].get(label[6:-1], 0.0))
+        return float(m["prefill_mean_s" if label == "prefill" else "queue_mean_s"])
+
+    labels = [f"load ({t})" for t in tiers] + ["prefill", "queue + rest"]
+    shades = ["tab:green", "tab:olive", "tab:orange", "tab:purple"]
+    bottoms = [0.0] * len(names)
+    for i, label in enumerate(labels):
+        vals = [1000 * part(by_config[n], label) for n in names]
+        ax.bar(names, vals, bottom=bottoms, label=label, color=shades[i % len(shades)])
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+    memcpy = [1000 * by_config[n]["memcpy_mean_s"] for n in names]
+    if any(memcpy):
+        ax.scatter(names, memcpy, marker="_", s=400, color="black", label="memcpy of loaded bytes")
+    ax.set_ylabel("ms, mean per resume round")
+    ax.set_title("resume stall, taken apart")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "trace_stall.png")
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for name, cfg in configs.items():
+        samples = cfg["samples"]
+        ts = [s["t_s"] for s in samples]
+        color = COLORS.get(name, "black")
+        ax1.plot(ts, [100 * (s["kv_usage"] or 0.0) for s in samples], label=name, color=color)
+        ax2.plot(ts, [s["paused_trajectories"] for s in samples], label=name, color=color)
+    ax1.set_ylabel("device KV usage (%)")
+    ax1.set_title("KV occupancy over time")
+    ax1.legend(fontsize=7)
+    ax1.grid(True, alpha=0.3)
+    ax2.set_ylabel("sessions waiting")
+    ax2.set_xlabel("time since start (s)")
+    ax2.grid(True, alpha=0.3)
+    fig.tight_layout()
+    paths.append(out / "trace_kv_occupancy.png")
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
     return paths

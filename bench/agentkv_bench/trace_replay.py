@@ -1,0 +1,282 @@
+"""Replay a recorded trace against one server: a closed loop per session, token-id prompts.
+
+Primitives:
+  MODES             "vanilla", "agentkv", "oracle" (vanilla vLLM with a pool that never evicts)
+  RoundRecord       one request's measurements (TTFT, latency, tokens, hits, pause decision)
+  SessionRecord     one session's job completion time and its rounds
+  complete_ids(client, base_url, model, prompt, max_tokens, params) -> Streamed
+  replay_session(...)  one session: start at its arrival; per round send, read the whole reply,
+                    pause (agentkv), wait ``wait_after_s``, resume (agentkv), next round
+  replay(...)       every session concurrently -> [SessionRecord]
+
+Every request is a streamed ``POST /v1/completions`` whose ``prompt`` is the round's token ids
+(built by ``trace_prompts``), ``max_tokens`` the round's ``output_len``, ``ignore_eos`` (so
+exactly that many tokens are decoded), temperature 0 and ``stream_options.include_usage``.
+TTFT is the wall time from just before the request is sent to the first SSE chunk that carries
+a choice (the first token exists: queueing + any KV load + prefill + one loopback hop).
+Prompt and cached tokens come from the final usage chunk; agentkv's per-round device and tier
+hits from ``GET /agentkv/v1/trajectories/{id}`` before the session's ``DELETE``.
+
+With agentkv each session is a trajectory (``kv_transfer_params.agentkv.trajectory_id``); every
+wait is announced with ``POST .../pause`` (tool ``trace-tool``, no expected wait: a recorded
+trace says how long the wait was, a live agent would not know) and ended with ``.../resume``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from agentkv.traces import TraceSession, TraceWorkload
+from agentkv_bench.trace_prompts import RoundPrompt
+
+MODES = ("vanilla", "agentkv", "oracle")
+TOOL = "trace-tool"
+TIMEOUT = httpx.Timeout(1800.0, connect=30.0)
+
+
+@dataclass
+class RoundRecord:
+    session_id: str
+    trajectory_id: str
+    round: int  # 0-based, as round_idx in the trace
+    kind: str  # "first" (round 0) or "resume" (every later round follows a wait)
+    wait_before_s: float
+    sent_at_s: float  # since the run started
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    planned_prefix: int  # prompt tokens taken from the session's history
+    reusable_tokens: int  # of those, the ones any cache could hold: the previous prompt's part
+    decision: str | None = None  # agentkv's pause decision before this round
+    device_hit_tokens: int | None = None
+    tier_hit_tokens: int | None = None
+    tier: str | None = None
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Prompt tokens the engine had to prefill: neither in its cache nor loaded from a tier."""
+        return max(0, self.prompt_tokens - self.cached_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "recomputed_tokens": self.recomputed_tokens}
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    trajectory_id: str
+    started_at_s: float
+    jct_s: float  # from its first request to the end of its last round, waits included
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+
+@dataclass
+class Streamed:
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+async def complete_ids(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    params: dict[str, Any] | None = None,
+) -> Streamed:
+    """One streamed completion of token ids; raises RuntimeError naming the server's answer."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if params is not None:
+        body["kv_transfer_params"] = {"agentkv": params}
+    ttft: float | None = None
+    usage: dict[str, Any] = {}
+    t0 = time.monotonic()
+    async with client.stream("POST", base_url + "/v1/completions", json=body) as r:
+        if r.status_code >= 400:
+            await r.aread()
+            raise RuntimeError(f"completion failed: {r.status_code} {r.text[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("choices") and ttft is None:
+                ttft = time.monotonic() - t0
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    latency = time.monotonic() - t0
+    details = usage.get("prompt_tokens_details") or {}
+    return Streamed(
+        ttft if ttft is not None else latency,
+        latency,
+        int(usage.get("prompt_tokens") or 0),
+        int(details.get("cached_tokens") or 0),
+        int(usage.get("completion_tokens") or 0),
+    )
+
+
+async def _control(
+    client: httpx.AsyncClient, method: str, url: str, body: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    r = await client.request(method, url, json=body)
+    if r.status_code >= 400:
+        raise RuntimeError(f"{method} {url} failed: {r.status_code} {r.text[:300]}")
+    out = r.json()
+    return out if isinstance(out, dict) else {}
+
+
+Progress = Callable[[RoundRecord], None]
+
+
+async def replay_session(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    mode: str,
+    session: TraceSession,
+    prompts: Sequence[RoundPrompt],
+    trajectory_id: str,
+    t_run: float,
+    on_round: Progress | None = None,
+    paused: dict[str, int] | None = None,
+) -> SessionRecord:
+    """Run one session's rounds in order, each after the previous reply and its wait.
+
+    ``paused`` maps the trajectories waiting right now to their context tokens (the occupancy
+    sampler reads it).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if len(prompts) != len(session.rounds):
+        raise ValueError("one prompt per round")
+    agentkv = mode == "agentkv"
+    routes = f"{base_url}/agentkv/v1/trajectories/{trajectory_id}"
+    params = {"trajectory_id": trajectory_id} if agentkv else None
+    await asyncio.sleep(max(0.0, session.arrival_s - (time.monotonic() - t_run)))
+    started = time.monotonic()
+    rec = SessionRecord(session.session_id, trajectory_id, started - t_run, 0.0)
+    sent_any = False
+    try:
+        for i, (rnd, rp) in enumerate(zip(session.rounds, prompts, strict=True)):
+            decision: str | None = None
+            wait = session.rounds[i - 1].wait_after_s if i else 0.0
+            if i:
+                if agentkv:
+                    reply = await _control(client, "POST", routes + "/pause", {"tool": TOOL})
+                    d = reply.get("decision")
+                    decision = str(d.get("action")) if isinstance(d, dict) else None
+                if paused is not None:
+                    paused[trajectory_id] = len(prompts[i - 1].context)
+                await asyncio.sleep(wait)
+                if paused is not None:
+                    paused.pop(trajectory_id, None)
+                if agentkv:
+                    await _control(client, "POST", routes + "/resume", {})
+            prev_prompt = len(prompts[i - 1].prompt) if i else 0
+            sent = time.monotonic() - t_run
+            sent_any = True
+            s = await complete_ids(client, base_url, model, rp.prompt, rnd.output_len, params)
+            r = RoundRecord(
+                session_id=session.session_id,
+                trajectory_id=trajectory_id,
+                round=i,
+                kind="resume" if i else "first",
+                wait_before_s=wait,
+                sent_at_s=sent,
+                ttft_s=s.ttft_s,
+                latency_s=s.latency_s,
+                prompt_tokens=s.prompt_tokens,
+                cached_tokens=s.cached_tokens,
+                completion_tokens=s.completion_tokens,
+                planned_prefix=rp.from_history,
+                reusable_tokens=min(rp.from_history, prev_prompt),
+                decision=decision,
+            )
+            rec.rounds.append(r)
+            if on_round is not None:
+                on_round(r)
+        rec.jct_s = time.monotonic() - started
+    finally:
+        if agentkv and sent_any:
+            state = await _control(client, "GET", routes)
+            _attach_engine_stats(rec.rounds, state.get("turns") or [])
+            await _control(client, "DELETE", routes)
+    return rec
+
+
+def _attach_engine_stats(rounds: list[RoundRecord], stats: list[Any]) -> None:
+    """Match the server's per-turn stats to rounds: turn k is round k-1 on branch main."""
+    by_turn = {
+        int(s["turn"]): s
+        for s in stats
+        if isinstance(s, dict) and s.get("branch", "main") == "main" and "turn" in s
+    }
+    for r in rounds:
+        s = by_turn.get(r.round + 1)
+        if s is None or s.get("prompt_tokens") != r.prompt_tokens:
+            continue
+        r.device_hit_tokens = int(s.get("device_hit_tokens") or 0)
+        r.tier_hit_tokens = int(s.get("tier_hit_tokens") or 0)
+        r.tier = s.get("tier")
+
+
+def trajectory_id(run_tag: str, index: int) -> str:
+    """Ids in the agentkv grammar whatever the trace's session ids look like."""
+    return f"trace-{run_tag}-{index}"
+
+
+async def replay(
+    workload: TraceWorkload,
+    prompts: Sequence[Sequence[RoundPrompt]],
+    mode: str,
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    run_tag: str,
+    on_round: Progress | None = None,
+    paused: dict[str, int] | None = None,
+    t_run: float | None = None,
+) -> list[SessionRecord]:
+    """Every session of ``workload`` at once, each from its arrival time."""
+    t0 = time.monotonic() if t_run is None else t_run
+    return list(
+        await asyncio.gather(
+            *(
+                replay_session(
+                    client,
+                    base_url,
+                    model,
+                    mode,
+                    s,
+                    prompts[i],
+                    trajectory_id(run_tag, i),
+                    t0,
+                    on_round,
+                    paused,
+                )
+                for i, s in enumerate(workload.sessions)
+            )
+        )
+    )
