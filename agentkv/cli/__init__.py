@@ -17,6 +17,7 @@ from agentkv.cli import (
     model,
     policy,
     serve,
+    simulate,
     size,
 )
 
@@ -38,6 +39,7 @@ serve.register(app)
 size.register(app)
 policy.register(app)
 diagnose.register(app)
+simulate.register(app)
 bench_tiers.register(bench_app)
 bench_agents.register(bench_app)
 bench_scale.register(bench_app)

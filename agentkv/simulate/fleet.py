@@ -67,6 +67,8 @@ class SimResult:
     summary: Summary
     samples: list[tuple[float, ...]]
     wall_s: float
+    ttft: list[float] = field(default_factory=list)
+    resume_ttft: list[float] = field(default_factory=list)
 
     def to_dict(self, with_samples: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -257,4 +259,11 @@ def simulate(
     t0 = time.perf_counter()
     fleet = _Fleet(workload, config, on_progress)
     summary = fleet.run()
-    return SimResult(config, summary, fleet.rec.samples, time.perf_counter() - t0)
+    return SimResult(
+        config,
+        summary,
+        fleet.rec.samples,
+        time.perf_counter() - t0,
+        list(fleet.rec.ttft),
+        list(fleet.rec.resume_ttft),
+    )

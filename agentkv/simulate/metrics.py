@@ -19,7 +19,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-COMPARED: tuple[str, ...] = ("resume_ttft_p50_s", "jct_mean_s", "resume_hit_rate")
+COMPARED: tuple[str, ...] = (
+    "resume_ttft_p50_s",
+    "jct_mean_s",
+    "prefix_hit_rate",
+    "resume_hit_rate",
+)
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:

@@ -146,23 +146,20 @@ class BlockPool:
         available = self.empty + self.cached_free - pre_in_lru - min(own_lru, private_hit)
         if new_blocks > available:
             return None
-        # Take the hits out of the LRU.
+        # Take the hits out of the LRU: they belong to the request now.
         if own_lru:
             self._take_from_lru(tid)
         if pre_in_lru:
             self._take_from_lru(PREFIX + group)
         self.private.pop(tid, None)
+        # Prefix blocks held by other running requests are shared, not counted twice.
+        self.active += private_hit + pre_in_lru
         evicted = 0
         if new_blocks > self.empty:
             evicted = self._evict(new_blocks - self.empty)
-        self.active += total_blocks
-        # Blocks held by other running requests are shared, not allocated twice.
+        self.active += new_blocks
         if prefix_blocks:
-            refs = self.prefix_refs.get(group, 0)
-            if refs:
-                shared = min(self.prefix_cached.get(group, 0), prefix_blocks)
-                self.active -= shared
-            self.prefix_refs[group] = refs + 1
+            self.prefix_refs[group] = self.prefix_refs.get(group, 0) + 1
             self.prefix_cached[group] = max(self.prefix_cached.get(group, 0), prefix_blocks)
         return Allocation(total_blocks, prefix_blocks, private_hit + extra_hit, prefix_hit, evicted)
 

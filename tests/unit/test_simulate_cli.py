@@ -1,0 +1,105 @@
+"""`agentkv simulate` through the root app: JSON, tables, the search, plots, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from agentkv.cli import app
+
+runner = CliRunner()
+FIXTURE = Path(__file__).parent / "fixtures/simulate/bench_agents_small_cpu.json"
+
+
+def test_json_has_every_configuration_and_the_comparison() -> None:
+    result = runner.invoke(
+        app, ["simulate", "--json", "--compare", str(FIXTURE), "--policy", "vanilla,agentkv"]
+    )
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert set(out["results"]) == {"session-affinity/vanilla", "session-affinity/agentkv"}
+    s = out["results"]["session-affinity/agentkv"]["summary"]
+    assert s["turns"] == 30 and s["resume_turns"] == 24 and s["decisions"] == {"offload_host": 24}
+    assert all(row["within"] for row in out["compare"])
+
+
+def test_table_and_plots(tmp_path: Path) -> None:
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "-n",
+            "4",
+            "-t",
+            "3",
+            "--replicas",
+            "2",
+            "--router",
+            "all",
+            "--policy",
+            "agentkv",
+            "--plot",
+            str(tmp_path),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "tokens recomputed" in result.output and "round-robin" in result.output
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "-n",
+            "4",
+            "-t",
+            "3",
+            "-r",
+            "2",
+            "--router",
+            "all",
+            "--policy",
+            "agentkv",
+            "--json",
+        ],
+    )
+    assert len(json.loads(result.stdout)["results"]) == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hit_rate_by_turn.png",
+        "kv_occupancy.png",
+        "ttft_cdf.png",
+    ]
+
+
+def test_find_replicas_answers_the_smallest_fleet() -> None:
+    args = [
+        "simulate",
+        "-n",
+        "12",
+        "-t",
+        "3",
+        "--rate",
+        "0.5",
+        "--find-replicas",
+        "--slo-ttft-p99",
+        "20",
+        "--policy",
+        "agentkv",
+        "--router",
+        "least-loaded",
+        "--json",
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (found,) = json.loads(result.stdout)["results"]
+    n = found["replicas"]
+    assert n is not None and found["ttft_p99_s"] <= 20
+    probes = {int(k): v for k, v in found["probes"].items()}
+    assert n == 1 or probes[n - 1] is None or probes[n - 1] > 20
+
+
+def test_bad_input_is_one_line() -> None:
+    result = runner.invoke(app, ["simulate", "--find-replicas"])
+    assert result.exit_code == 2 and "--rate" in result.output
+    result = runner.invoke(app, ["simulate", "--router", "magic"])
+    assert result.exit_code == 2 and "unknown router" in result.output
