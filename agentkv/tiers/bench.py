@@ -203,6 +203,7 @@ def raw_remote_baseline(
         ssl_ca_certs=config.tls_ca,
         ssl_certfile=config.tls_cert,
         ssl_keyfile=config.tls_key,
+        ssl_check_hostname=config.tls_check_hostname,
         socket_timeout=config.op_timeout_s,
         single_connection_client=True,
     )

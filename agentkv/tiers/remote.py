@@ -113,6 +113,8 @@ class RemoteConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    tls_check_hostname: bool = True
+    """Check that the server certificate names the host of the URL (an IP needs an IP SAN)."""
     key_prefix: str = "agentkv"
     ttl_s: float = 3600.0
     connect_timeout_s: float = 2.0
@@ -126,6 +128,7 @@ class RemoteConfig:
         "tls_ca",
         "tls_cert",
         "tls_key",
+        "tls_check_hostname",
         "key_prefix",
         "ttl_s",
         "connect_timeout_s",
@@ -259,6 +262,11 @@ def _coerce(fields: dict[str, Any]) -> dict[str, Any]:
         "max_batch_bytes": int,
     }
     out = dict(fields)
+    flag = out.get("tls_check_hostname")
+    if isinstance(flag, str):
+        if flag.lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise ConfigError(f"remote tls_check_hostname {flag!r} must be true or false")
+        out["tls_check_hostname"] = flag.lower() in ("1", "true", "yes")
     for name, convert in converters.items():
         if name in out and isinstance(out[name], str):
             try:
@@ -504,6 +512,7 @@ class RemoteBlocks:
                 "ssl_ca_certs": self.config.tls_ca,
                 "ssl_certfile": self.config.tls_cert,
                 "ssl_keyfile": self.config.tls_key,
+                "ssl_check_hostname": self.config.tls_check_hostname,
             }
         self._client = valkey.Valkey(
             host=self.config.host,
