@@ -49,10 +49,11 @@ Invariants:
       ``backoff_s`` so a dead server costs the engine no connect timeouts; ``ping`` always probes.
     - Commands are idempotent, so a connection found dead is retried once on a fresh one (a
       server restart costs no error); timeouts are not retried (they would double the wait).
-    - Reads bypass valkey-py's pure-Python reply parser (four copies of every value) with a small
-      RESP reader that receives each value once (_ReplyReader); with the C parser (libvalkey
-      installed) the ordinary pipeline is used. A connection left mid-reply is closed, never
-      reused.
+    - Blocks move with at most one copy in this process: writes send host segments from where
+      they are (RESP framing around them, checksum computed in place), and reads bypass valkey-py's
+      pure-Python reply parser (four copies of every value) with a small RESP reader that
+      receives each value once (_ReplyReader). With the C parser (libvalkey installed) the
+      ordinary pipeline is used. A connection left mid-reply is closed, never reused.
 """
 
 from __future__ import annotations
@@ -291,24 +292,66 @@ def remote_key(prefix: str, key: BlockKey) -> str:
     return f"{prefix}:{KEY_SPACE}:{h.hexdigest()}"
 
 
+def value_header(key: BlockKey, nbytes: int, checksum: int) -> bytes:
+    """Return the 64-byte header of a value whose payload has ``nbytes`` and xxh3 ``checksum``."""
+    header = _HEADER.pack(MAGIC, VERSION, 0, nbytes, checksum, key.digest, key.fingerprint_digest)
+    return header + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
+
+
 def encode_value(key: BlockKey, segments: Segments) -> bytearray:
     """Return header + payload for one block (one copy of the payload: the gather)."""
     nbytes = segments.nbytes if isinstance(segments, DeviceSegments) else _host_nbytes(segments)
     value = bytearray(HEADER_BYTES + nbytes)
     payload = np.frombuffer(value, np.uint8)[HEADER_BYTES:]
     gather_into(payload, segments)
-    header = _HEADER.pack(
-        MAGIC,
-        VERSION,
-        0,
-        nbytes,
-        xxhash.xxh3_64_intdigest(payload.data),
-        key.digest,
-        key.fingerprint_digest,
-    )
-    value[: _HEADER.size] = header
-    value[_HEADER.size : HEADER_BYTES] = _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
+    value[:HEADER_BYTES] = value_header(key, nbytes, xxhash.xxh3_64_intdigest(payload.data))
     return value
+
+
+_COALESCE_BYTES = 64 << 10  # segments smaller than this are joined before sending: fewer syscalls
+
+
+def _set_command(
+    name: str, key: BlockKey, segments: Segments, ttl_ms: int
+) -> tuple[list[bytes | memoryview], int]:
+    """Return ``SET name value PX ttl`` as RESP chunks, and the payload size.
+
+    Host segments are sent from where they are (the checksum reads them once; no gather, no
+    allocation per block); device segments are gathered to host first (encode_value).
+    """
+    if isinstance(segments, DeviceSegments):
+        value = encode_value(key, segments)
+        nbytes = len(value) - HEADER_BYTES
+        header = b""
+        payload: list[bytes | memoryview] = [memoryview(value)]
+    else:
+        digest = xxhash.xxh3_64()
+        for segment in segments:
+            digest.update(segment.data)
+        nbytes = _host_nbytes(segments)
+        header = value_header(key, nbytes, digest.intdigest())
+        payload = []
+        small: list[bytes] = []
+        for segment in segments:
+            if segment.size < _COALESCE_BYTES:
+                small.append(segment.tobytes())
+                continue
+            if small:
+                payload.append(b"".join(small))
+                small = []
+            payload.append(segment.data)
+        if small:
+            payload.append(b"".join(small))
+    encoded = name.encode()
+    ttl = str(ttl_ms).encode()
+    head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
+        len(encoded),
+        encoded,
+        HEADER_BYTES + nbytes,
+        header,
+    )
+    tail = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl)
+    return [head, *payload, tail], nbytes
 
 
 def decode_value(key: BlockKey, value: bytes | bytearray | memoryview) -> memoryview:
@@ -480,8 +523,9 @@ class _Unavailable(Exception):
 class RemoteBlocks:
     """A Valkey/Redis-backed block tier (see module docstring). Thread-safe."""
 
-    fast_reads = True
-    """Read GET replies with _ReplyReader under the pure-Python parser (False: plain pipeline)."""
+    direct = True
+    """Under valkey-py's pure-Python parser, send SETs from the caller's memory and read replies
+    with _ReplyReader (False: an ordinary pipeline for everything; for tests)."""
 
     def __init__(
         self, config: RemoteConfig | str, *, clock: Callable[[], float] = time.monotonic
@@ -727,29 +771,35 @@ class RemoteBlocks:
 
         return self._round_trip(run)
 
-    def _read_pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Run read commands (GET, PEXPIRE) in one round trip, reading the replies with
-        _ReplyReader when the client uses its pure-Python parser (see there), else through an
-        ordinary pipeline. Same contract as ``_pipeline``."""
+    def _direct(
+        self,
+        pack: Callable[[Any], list[bytes | memoryview]],
+        count: int,
+        plain: Callable[[Any], object],
+    ) -> list[Any]:
+        """Run one round trip of ``count`` commands that ``pack(connection)`` encodes as RESP
+        chunks, reading the replies with _ReplyReader, when the client uses its pure-Python
+        parser; otherwise (C parser, or ``direct`` off) queue them with ``plain(pipeline)`` on
+        an ordinary pipeline. Same contract as ``_pipeline``."""
 
         def run() -> list[Any]:
             pool = self._client.connection_pool
             for attempt in (0, 1):
                 conn = pool.get_connection("GET")
                 sock = getattr(conn, "_sock", None)
-                if not self.fast_reads or type(conn._parser).__name__ != "_RESP2Parser" or not sock:
+                if not self.direct or type(conn._parser).__name__ != "_RESP2Parser" or not sock:
                     pool.release(conn)  # a C parser (libvalkey) is fast already: plain pipeline
                     break
                 clean = False
                 try:
                     try:
-                        conn.send_packed_command(conn.pack_commands(commands))
+                        conn.send_packed_command(pack(conn))
                     except self._errors.ConnectionError:
                         if attempt:
                             raise
                         continue  # a dead pooled socket: once more on a fresh connection
                     reader = _ReplyReader(sock)
-                    replies = [reader.read() for _ in commands]
+                    replies = [reader.read() for _ in range(count)]
                     if reader.pending():
                         raise self._errors.InvalidResponse("unexpected data after the replies")
                     clean = True
@@ -761,8 +811,7 @@ class RemoteBlocks:
                         conn.disconnect()  # mid-stream: the connection's state is unknown
                     pool.release(conn)
             pipe = self._client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
+            plain(pipe)
             replies_: list[Any] = pipe.execute(raise_on_error=False)
             return replies_
 
@@ -816,12 +865,24 @@ class RemoteBlocks:
                     todo.append(i)
             if not todo:
                 return
-        values = {i: encode_value(keys[i], segments[i]) for i in todo}
-        replies = self._pipeline(
-            lambda pipe: [
-                pipe.set(self._name(keys[i]), memoryview(values[i]), px=self._ttl_ms) for i in todo
-            ]
-        )
+        sizes: dict[int, int] = {}
+
+        def pack(_conn: Any) -> list[bytes | memoryview]:
+            chunks: list[bytes | memoryview] = []
+            for i in todo:
+                command, sizes[i] = _set_command(
+                    self._name(keys[i]), keys[i], segments[i], self._ttl_ms
+                )
+                chunks += command
+            return chunks
+
+        def plain(pipe: Any) -> None:
+            for i in todo:
+                value = encode_value(keys[i], segments[i])
+                sizes[i] = len(value) - HEADER_BYTES
+                pipe.set(self._name(keys[i]), memoryview(value), px=self._ttl_ms)
+
+        replies = self._direct(pack, len(todo), plain)
         for i, reply in zip(todo, replies, strict=True):
             if isinstance(reply, Exception) or not reply:
                 self._count("errors")
@@ -831,7 +892,7 @@ class RemoteBlocks:
             else:
                 with self._lock:
                     self._stats.puts += 1
-                    self._stats.put_bytes += len(values[i]) - HEADER_BYTES
+                    self._stats.put_bytes += sizes[i]
                 results[i] = BlockResult(keys[i], BlockStatus.OK, "remote")
 
     def _fetch_or_fail(
@@ -852,7 +913,12 @@ class RemoteBlocks:
         commands: list[tuple[Any, ...]] = []
         for name in names:
             commands += [("GET", name), ("PEXPIRE", name, self._ttl_ms)]
-        replies = self._read_pipeline(commands)
+
+        def plain(pipe: Any) -> None:
+            for command in commands:
+                pipe.execute_command(*command)
+
+        replies = self._direct(lambda conn: conn.pack_commands(commands), len(commands), plain)
         corrupt: list[str] = []
         for n, i in enumerate(batch):
             raw = replies[2 * n]

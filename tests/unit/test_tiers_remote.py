@@ -513,15 +513,16 @@ def test_store_remote_transfers_are_batched_by_max_batch_bytes(remote: Any, tmp_
         assert client.stats().put_skipped == 4
 
 
-@pytest.mark.parametrize("fast_reads", [True, False])
-def test_both_read_paths_round_trip_and_report_server_errors(
-    remote: Any, raw: Any, fast_reads: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("direct", [True, False])
+def test_both_io_paths_round_trip_and_report_server_errors(
+    remote: Any, raw: Any, direct: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The direct reply reader and valkey-py's own pipeline give the same results; a server
-    error for one key (a key of the wrong type) is that block's error, the others are fine."""
-    monkeypatch.setattr(RemoteBlocks, "fast_reads", fast_reads)
+    """The direct path (SET from the caller's memory, the reply reader) and valkey-py's own
+    pipeline give the same results; a server error for one key (a key of the wrong type) is
+    that block's error, the others are fine."""
+    monkeypatch.setattr(RemoteBlocks, "direct", direct)
     r = remote()
-    ks = keys(5, salt=f"paths-{fast_reads}")
+    ks = keys(5, salt=f"paths-{direct}")
     sizes = [1, 70_000, BLOCK, 3 * BLOCK, 5]  # values below and above one socket read
     assert all(r.put_many([k], [content(k, n)])[0].ok for k, n in zip(ks[:4], sizes, strict=False))
     raw.lpush(r.name_of(ks[4]), b"not a block")
@@ -532,6 +533,13 @@ def test_both_read_paths_round_trip_and_report_server_errors(
     for key, n, got in zip(ks[:4], sizes, out, strict=False):
         assert np.array_equal(got, content(key, n))
     assert r.get_many(ks[:1], out[:1])[0].ok  # the connection is still in a clean state
+    # Segments small (joined before sending) and large (sent in place), interleaved, keep order.
+    [mixed] = keys(1, salt=f"mixed-{direct}")
+    whole = content(mixed, 100 + 70_000 + 10 + 65_536 + 3)
+    cuts = np.cumsum([100, 70_000, 10, 65_536])
+    assert r.put_many([mixed], [np.split(whole, cuts)], skip_present=False)[0].ok
+    got = np.zeros(whole.size, np.uint8)
+    assert r.get_many([mixed], [got])[0].ok and np.array_equal(got, whole)
 
 
 # ------------------------------------------------------------------------------------- TLS
@@ -654,20 +662,20 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return _certificates(tmp_path_factory.mktemp("tls"))
 
 
-@pytest.mark.parametrize("fast_reads", [True, False])
+@pytest.mark.parametrize("direct", [True, False])
 def test_tls_with_ca_verification(
     remote: Any,
     valkey_server: ValkeyProcess,  # noqa: F811
     certs: dict[str, str],
-    fast_reads: bool,
+    direct: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(RemoteBlocks, "fast_reads", fast_reads)
+    monkeypatch.setattr(RemoteBlocks, "direct", direct)
     proxy = _TlsProxy(valkey_server.port, certs, client_certs=False)  # type: ignore[arg-type]
     try:
         url = f"valkeys://127.0.0.1:{proxy.port}/0"
         r = remote(url, tls_ca=certs["ca_cert"])
-        ks = keys(3, salt=f"tls-{fast_reads}")
+        ks = keys(3, salt=f"tls-{direct}")
         assert all(x.ok for x in r.put_many(ks, [content(k) for k in ks]))
         out = zeros(3)
         assert all(x.ok for x in r.get_many(ks, out))
