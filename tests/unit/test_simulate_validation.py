@@ -55,10 +55,46 @@ def test_bench_agents_default_run_within_25_percent() -> None:
     _check(simulated, measured["configs"])
 
 
+def _trace_path(recorded: str) -> Path:
+    path = Path(recorded)
+    if path.exists():
+        return path
+    return ROOT.parent / "shared" / "traces" / path.name
+
+
 def test_trace_bench_run_within_25_percent() -> None:
     if not TRACE_REPORT.exists():
         pytest.skip(
             f"{TRACE_REPORT.relative_to(ROOT)} is not committed yet (issue 19's trace bench)"
         )
-    report = json.loads(TRACE_REPORT.read_text())
-    pytest.skip(f"trace report present but its setup is not wired yet: {sorted(report)}")
+    from agentkv.simulate.workload import from_trace
+    from agentkv.traces import load_trace
+
+    raw = json.loads(TRACE_REPORT.read_text())
+    srv, tr = raw["server"], raw["trace"]
+    path = _trace_path(tr["path"])
+    if not path.exists():
+        pytest.skip(f"trace {tr['path']} is not on this machine")
+    trace = load_trace(path)
+    if tr.get("sessions_kept"):
+        trace = trace.head(int(tr["sessions_kept"]))
+    wl = from_trace(trace.scaled(tr.get("token_scale", 1.0), tr.get("time_scale", 1.0)))
+    measured = load_measured(TRACE_REPORT)["configs"]
+    simulated = {
+        policy: simulate(
+            wl,
+            FleetConfig(
+                policy=policy,
+                num_blocks=srv["num_blocks"],
+                host_capacity_gib=srv["host_capacity_gib"],
+                costs=BENCH_SMALL_CPU,
+            ),
+        ).summary.to_dict()
+        for policy in ("vanilla", "agentkv")
+    }
+    keys = [k for k in COMPARED if k in measured.get("agentkv", {})]
+    rows = compare(simulated, measured, keys, tolerance=0.25)
+    bad = [r for r in rows if not r.within]
+    assert not bad, "\n".join(
+        f"{r.config} {r.metric}: simulated {r.simulated} measured {r.measured}" for r in bad
+    )
