@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import re
 import struct
@@ -96,6 +97,8 @@ SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}
 DEFAULT_PORT = 6379
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _WARN_INTERVAL_S = 30.0
+_MAX_TTL_S = 365 * 86400.0
+_MAX_BULK_BYTES = 1 << 30  # Redis and Valkey cap a string at 512 MiB; larger is a broken stream
 _LOOKUP_CHUNK = 512  # keys per EXISTS pipeline in lookup_prefix: stops early on long chains
 
 
@@ -123,7 +126,7 @@ class RemoteConfig:
     max_batch_bytes: int = 16 << 20
     backoff_s: float = 2.0
 
-    # Options a URL query may carry (``?ttl_s=600&key_prefix=prod``), with their parsers.
+    # Options a URL query may carry (``?ttl_s=600&key_prefix=prod``).
     _QUERY = (
         "password_env",
         "tls_ca",
@@ -151,7 +154,8 @@ class RemoteConfig:
         """
         if not isinstance(url, str) or "://" not in url:
             raise ConfigError(
-                f"remote URL {url!r} must look like valkey://host:port/0 "
+                f"remote URL {url if not isinstance(url, str) else _redact(url)!r} must look like "
+                "valkey://host:port/0 "
                 "(schemes: valkey, valkeys, redis, rediss)"
             )
         try:
@@ -212,9 +216,12 @@ class RemoteConfig:
                 "letters, digits, '_', '.', ':' or '-'"
             )
         for name in ("ttl_s", "connect_timeout_s", "op_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"remote {name} must be positive, got {getattr(self, name)}")
-        if self.backoff_s < 0:
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"remote {name} must be positive and finite, got {value}")
+        if self.ttl_s > _MAX_TTL_S:
+            raise ConfigError(f"remote ttl_s {self.ttl_s} is above {_MAX_TTL_S:.0f} s (a year)")
+        if not (self.backoff_s >= 0 and math.isfinite(self.backoff_s)):
             raise ConfigError(f"remote backoff_s must not be negative, got {self.backoff_s}")
         if self.max_batch_bytes <= 0:
             raise ConfigError(
@@ -447,8 +454,8 @@ class RemoteStats:
 
 
 class _ReplyReader:
-    """RESP2 replies of a read pipeline (GET, PEXPIRE: bulk strings, integers, errors) straight
-    from the socket.
+    """RESP2 replies of simple commands (GET, SET, PEXPIRE: bulk and simple strings, integers,
+    errors) straight from the socket.
 
     valkey-py's pure-Python parser copies a bulk string four times (socket -> bytes -> BytesIO ->
     bytes -> slice), which caps GET near 0.3 GB/s; here a value is received once, with
@@ -492,6 +499,8 @@ class _ReplyReader:
             length = int(rest)
             if length < 0:
                 return None
+            if length > _MAX_BULK_BYTES:
+                raise ValueError(f"bulk string of {length} bytes")
             out = bytearray(length + 2)
             view = memoryview(out)
             have = min(self.pending(), length + 2)

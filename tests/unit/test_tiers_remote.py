@@ -105,6 +105,8 @@ def test_parse_url_forms_and_options(monkeypatch: pytest.MonkeyPatch) -> None:
         ("valkey://h/0?ttl=5", {}, "option 'ttl' is unknown"),
         ("valkey://h/0?ttl_s=abc", {}, "ttl_s 'abc' is not a number"),
         ("valkey://h/0?ttl_s=0", {}, "ttl_s must be positive"),
+        ("valkey://h/0?ttl_s=inf", {}, "ttl_s must be positive and finite"),
+        ("valkey://h/0?ttl_s=1e9", {}, "above"),
         ("valkey://h/0", {"key_prefix": "has space"}, "key_prefix 'has space'"),
         ("valkey://h/0", {"max_batch_bytes": 0}, "max_batch_bytes must be positive"),
         ("valkey://h/0", {"tls_ca": "/etc/hostname"}, "need a TLS URL"),
@@ -709,3 +711,22 @@ def test_tls_client_certificate(
         assert with_cert.get_many([k], zeros(1))[0].ok
     finally:
         proxy.close()
+
+
+def test_cancelled_remote_load_writes_nothing(remote: Any) -> None:
+    import threading
+
+    client = remote()
+    ks = keys(3, salt="cancel")
+    assert all(x.ok for x in client.put_many(ks, [content(k) for k in ks]))
+    with TieredStore(4 * BLOCK, None, 0, BLOCK, workers=1, remote=client) as s:
+        gate = threading.Event()
+        s._pool.submit(gate.wait)  # the only worker is busy until the load is cancelled
+        out = zeros(3)
+        handle = s.submit_load(ks, out)
+        handle.cancel()
+        gate.set()
+        results = handle.result(10)
+        assert all(r.status is BlockStatus.ERROR and "cancelled" in str(r.error) for r in results)
+        assert not any(o.any() for o in out)
+        assert client.stats().gets == 0  # no network read for a cancelled load
