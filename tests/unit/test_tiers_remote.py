@@ -730,3 +730,30 @@ def test_cancelled_remote_load_writes_nothing(remote: Any) -> None:
         assert all(r.status is BlockStatus.ERROR and "cancelled" in str(r.error) for r in results)
         assert not any(o.any() for o in out)
         assert client.stats().gets == 0  # no network read for a cancelled load
+
+
+def test_a_hung_server_times_out_into_error_results_then_recovers(remote: Any) -> None:
+    import os
+    import signal
+    import time
+
+    with ValkeyProcess() as server:
+        r = remote(server.url, op_timeout_s=0.3, backoff_s=0.0)
+        ks = keys(2, salt="hang")
+        assert r.put_many(ks[:1], [content(ks[0])])[0].ok
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)  # accepts connections (kernel backlog), never answers
+        try:
+            start = time.monotonic()
+            got = r.get_many(ks, zeros(2))
+            put = r.put_many(ks[1:], [content(ks[1])])
+            assert all(x.status is BlockStatus.ERROR for x in got + put)
+            assert (
+                "timed out" in str(got[0].error).lower() or "timeout" in str(got[0].error).lower()
+            )
+            assert time.monotonic() - start < 5  # bounded by op_timeout_s, not hanging
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert r.ping()
+        out = zeros(1)
+        assert r.get_many(ks[:1], out)[0].ok and np.array_equal(out[0], content(ks[0]))
