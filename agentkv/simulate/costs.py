@@ -23,7 +23,6 @@ the simulated engine and the policy's recompute estimate agree on what a recompu
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -233,7 +232,3 @@ def load_calibration(path: str | Path, base: EngineCosts = BENCH_SMALL_CPU) -> E
         f"{where}: not a simulator calibration, an `agentkv calibrate` profile or an "
         "`agentkv bench agents` report"
     )
-
-
-def finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None

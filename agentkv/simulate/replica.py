@@ -47,6 +47,7 @@ class Request:
         "computed",
         "decode_left",
         "done",
+        "estimate_s",
         "finished_at",
         "first_token_at",
         "group",
@@ -97,6 +98,7 @@ class Request:
         self.finished_at = -1.0
         self.alloc: Allocation | None = None
         self.rejected = False
+        self.estimate_s = 0.0
 
     def route_view(self) -> RouteRequest:
         return RouteRequest(
@@ -156,7 +158,9 @@ class Replica:
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self.loading = 0
-        self.queued_tokens = 0
+        self.pending_prefill_s = 0.0
+        """Compute seconds of the prefill work queued here (waiting requests estimated as full
+        prefills until admitted, then exactly what is left)."""
         self.lease_gen: dict[str, int] = {}
         self.returns_at: dict[str, float] = {}
         self.copy_blocks: dict[str, int] = {}
@@ -175,7 +179,7 @@ class Replica:
         return len(self.waiting) + self.loading + len(self.prefilling) + len(self.decoding)
 
     def queued_prefill_s(self) -> float:
-        return self.queued_tokens * 2.0 * self.costs.model_params / self.costs.prefill_flops_per_s
+        return max(0.0, self.pending_prefill_s)
 
     def prefill_s(self, tokens: int, cached: int) -> float:
         return self.costs.prefill_s(tokens, cached)
@@ -218,7 +222,8 @@ class Replica:
             req.done.succeed()
             return
         self.waiting.append(req)
-        self.queued_tokens += req.prompt
+        req.estimate_s = self.costs.prefill_s(req.prompt, 0)
+        self.pending_prefill_s += req.estimate_s
         self._poke()
 
     def _poke(self) -> None:
@@ -260,7 +265,7 @@ class Replica:
             r.computed = hit + tier_n * self.bt
             r.cached_tokens = r.computed
             r.remaining = r.prompt - r.computed
-            self.queued_tokens -= r.computed
+            self.pending_prefill_s += self.costs.prefill_s(r.remaining, r.computed) - r.estimate_s
             if tier is not None and tier_n:
                 r.tier = tier.name
                 r.tier_hit_tokens = tier_n * self.bt
@@ -321,6 +326,8 @@ class Replica:
     def _apply(self, kind: int, steps: int) -> None:
         now = self.env.now
         self.steps += steps
+        # The budget the segment was planned with (decoders finishing now free it next step).
+        budget = self.costs.max_batched_tokens - len(self.decoding)
         if self.decoding:
             still: list[Request] = []
             for d in self.decoding:
@@ -330,15 +337,15 @@ class Replica:
                 else:
                     still.append(d)
             self.decoding = still
-        budget = self.costs.max_batched_tokens - len(self.decoding)
+        c = self.costs
         if kind == _HEAD:
             head = self.prefilling[0]
             n = steps * max(1, budget)
+            self.pending_prefill_s -= c.prefill_s(n, head.computed)
             head.remaining -= n
             head.computed += n
-            self.queued_tokens -= n
         elif kind == _FILL:
-            left = self.costs.max_batched_tokens - len(self.decoding)
+            left = budget
             keep: list[Request] = []
             for r in self.prefilling:
                 if left <= 0:
@@ -346,9 +353,9 @@ class Replica:
                     continue
                 n = min(r.remaining, left)
                 left -= n
+                self.pending_prefill_s -= c.prefill_s(n, r.computed)
                 r.remaining -= n
                 r.computed += n
-                self.queued_tokens -= n
                 if r.remaining > 0:
                     keep.append(r)
                     continue

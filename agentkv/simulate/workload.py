@@ -19,9 +19,7 @@ outputs).
 
 from __future__ import annotations
 
-import math
 import random
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -81,14 +79,6 @@ class SimWorkload:
             t += rng.expovariate(rate_per_s)
         return SimWorkload(tuple(out), f"{self.name} @ {rate_per_s:g}/s")
 
-    def span_s(self) -> float:
-        """Last start plus the longest trajectory's total wait: a lower bound on the makespan."""
-        if not self.trajectories:
-            return 0.0
-        return max(t.start_s for t in self.trajectories) + max(
-            sum(u.wait_before_s for u in t.turns) for t in self.trajectories
-        )
-
 
 def from_trace(trace: TraceWorkload, output_in_cache: bool = False) -> SimWorkload:
     """A TraceLab trace as a SimWorkload: round i's wait after becomes round i+1's wait before;
@@ -118,24 +108,3 @@ def from_trace(trace: TraceWorkload, output_in_cache: bool = False) -> SimWorklo
         )
     trajs.sort(key=lambda t: t.start_s)
     return SimWorkload(tuple(trajs), f"trace {trace.source}")
-
-
-def repeat(workload: SimWorkload, copies: int) -> SimWorkload:
-    """``copies`` copies of the workload's trajectories (ids suffixed), same starts."""
-    out: list[SimTrajectory] = []
-    for c in range(copies):
-        for t in workload.trajectories:
-            out.append(replace(t, trajectory_id=f"{t.trajectory_id}#{c}"))
-    return SimWorkload(tuple(out), f"{workload.name} x{copies}")
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def total_prompt_tokens(trajs: Iterable[SimTrajectory]) -> int:
-    return sum(u.prompt_tokens for t in trajs for u in t.turns)
-
-
-def lognormal(rng: random.Random, median: float, sigma: float) -> float:
-    return math.exp(rng.gauss(math.log(median), sigma))

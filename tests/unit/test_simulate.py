@@ -292,3 +292,18 @@ def test_a_prompt_larger_than_the_pool_is_rejected_not_hung() -> None:
     wl = SimWorkload((SimTrajectory("big", 0.0, (SimTurn(0, 9000, 8),)),))
     s = simulate(wl, FleetConfig(num_blocks=16)).summary
     assert s.rejected_turns == 1 and s.turns == 0
+
+
+def test_the_core_imports_no_engine_plugin_sdk_or_bench() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, agentkv.simulate.fleet, agentkv.simulate.search, agentkv.simulate.validate, "
+        "agentkv.simulate.plots\n"
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'vllm', 'torch', 'agentkv_vllm', 'harness_sdk', 'agentkv_bench', 'matplotlib'})\n"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
