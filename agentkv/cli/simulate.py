@@ -346,7 +346,7 @@ def simulate_cmd(
                         "turns": workload.turns,
                     },
                     "costs": costs.to_dict(),
-                    "results": {k: v.to_dict() for k, v in results.items()},
+                    "results": {k: v.to_dict(with_samples=True) for k, v in results.items()},
                     "compare": [r.to_dict() for r in measured_rows] if measured_rows else None,
                     "plots": plots,
                 }

@@ -307,3 +307,46 @@ def test_the_core_imports_no_engine_plugin_sdk_or_bench() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_a_remote_tier_serves_a_resume_routed_to_another_replica() -> None:
+    wl = _workload(n=4, turns=4)
+    local = simulate(wl, FleetConfig(replicas=2, router="round-robin", num_blocks=96)).summary
+    shared = simulate(
+        wl,
+        FleetConfig(replicas=2, router="round-robin", num_blocks=96, remote_capacity_gib=4.0),
+    ).summary
+    assert shared.tier_hit_tokens > local.tier_hit_tokens
+    assert (shared.resume_hit_rate or 0) > (local.resume_hit_rate or 1)
+
+
+def test_long_declared_waits_go_to_disk_and_come_back_through_the_prefetch() -> None:
+    turns = [SimTurn(1536, 2500, 24)]
+    turns.append(SimTurn(turns[-1].prompt_tokens + 24, 400, 24, 400.0, "human", 400.0))
+    other = [SimTurn(0, 9000, 24, 0.0), SimTurn(9024, 300, 24, 10.0, "t", 10.0)]
+    wl = SimWorkload(
+        (
+            SimTrajectory("slow", 0.0, tuple(turns), 1536, "g"),
+            SimTrajectory("busy", 60.0, tuple(other)),
+        )
+    )
+    cfg = FleetConfig(num_blocks=96, host_capacity_gib=1.0, disk_capacity_gib=4.0)
+    s = simulate(wl, cfg).summary
+    assert s.decisions.get("offload_disk") == 1
+    assert s.tier_hit_tokens > 0  # the busy trajectory evicted it; the copy came back
+
+
+def test_a_bench_report_calibrates_the_flop_rate(tmp_path: Path) -> None:
+    turns = [
+        {"prompt_tokens": 4000, "cached_tokens": 0, "latency_s": 20.0},
+        {"prompt_tokens": 5000, "cached_tokens": 1536, "latency_s": 20.0},
+    ]
+    report = {
+        "schema": "agentkv-bench-agents/1",
+        "configs": {"vanilla": {"summary": {"makespan_s": 40.0}, "turns": turns}},
+    }
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    c = load_calibration(path)
+    flops = BENCH_SMALL_CPU.flops(4000, 0) + BENCH_SMALL_CPU.flops(3464, 1536)
+    assert c.prefill_flops_per_s == pytest.approx(flops / 40.0)
