@@ -227,7 +227,7 @@ def simulate_cmd(
         exists=True,
         dir_okay=False,
         help="Engine costs: a simulator calibration JSON, an `agentkv calibrate` profile "
-        "(bandwidths, prefill rate) or a `bench agents` report (rate fitted to its vanilla run). "
+        "(bandwidths, prefill rate) or a `bench agents` report (a rough rate from its vanilla run). "
         "Default: the bench's engine (small model, 2-core CPU VM).",
     ),
     rate: float | None = typer.Option(
