@@ -169,6 +169,12 @@ def simulate_cmd(
         help="Simulate a recorded trace (TraceLab session CSV, canonical CSV or round JSONL, "
         "as `bench agents --trace`) instead of the bench's generator.",
     ),
+    sessions: int | None = typer.Option(
+        None,
+        "--sessions",
+        min=1,
+        help="With --trace: only the first N sessions (as `bench agents`).",
+    ),
     time_scale: float | None = typer.Option(
         None,
         "--time-scale",
@@ -282,7 +288,7 @@ def simulate_cmd(
         fail("--find-replicas needs --rate and --slo-ttft-p99")
     try:
         costs = load_calibration(calibration) if calibration is not None else BENCH_SMALL_CPU
-        workload = _workload(trace, trajectories, turns, time_scale, token_scale, seed)
+        workload = _workload(trace, sessions or trajectories, turns, time_scale, token_scale, seed)
     except (AgentKVError, ValueError) as exc:
         fail(str(exc))
     if rate is not None:

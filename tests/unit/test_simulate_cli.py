@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from agentkv.cli import app
@@ -103,3 +104,19 @@ def test_bad_input_is_one_line() -> None:
     assert result.exit_code == 2 and "--rate" in result.output
     result = runner.invoke(app, ["simulate", "--router", "magic"])
     assert result.exit_code == 2 and "unknown router" in result.output
+
+
+def test_a_trace_runs_with_the_bench_flags() -> None:
+    trace = Path(__file__).resolve().parents[3] / "shared/traces/multi_session_example.csv"
+    if not trace.exists():
+        pytest.skip(f"{trace} is not on this machine")
+    result = runner.invoke(
+        app,
+        ["simulate", "--trace", str(trace), "--sessions", "2", "--token-scale", "0.5", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["workload"]["trajectories"] == 2
+    assert (
+        out["results"]["session-affinity/agentkv"]["summary"]["turns"] == out["workload"]["turns"]
+    )
