@@ -9,7 +9,7 @@ For a trace replay (``write_trace_plots``, vanilla, agentkv and the oracle):
 trace_ttft_cdf.png      CDF of TTFT, resume rounds and all rounds
 trace_stall.png         the mean resume round taken apart: load per tier, prefill, queue + rest,
                         next to the memcpy time of the loaded bytes
-trace_kv_occupancy.png  device KV usage over time and how many sessions are waiting
+trace_kv_occupancy.png  device KV blocks in use over time and how many sessions are waiting
 """
 
 from __future__ import annotations
@@ -188,9 +188,16 @@ def write_trace_plots(report: dict[str, Any], out: Path) -> list[Path]:
         samples = cfg["samples"]
         ts = [s["t_s"] for s in samples]
         color = COLORS.get(name, "black")
-        ax1.plot(ts, [100 * (s["kv_usage"] or 0.0) for s in samples], label=name, color=color)
+        # Blocks, not %: the oracle's pool is much larger than the other two.
+        blocks = cfg.get("num_blocks") or 0
+        ax1.plot(
+            ts,
+            [(s["kv_usage"] or 0.0) * blocks for s in samples],
+            label=f"{name} ({blocks} blocks)",
+            color=color,
+        )
         ax2.plot(ts, [s["paused_trajectories"] for s in samples], label=name, color=color)
-    ax1.set_ylabel("device KV usage (%)")
+    ax1.set_ylabel("device KV blocks in use")
     ax1.set_title("KV occupancy over time")
     ax1.legend(fontsize=7)
     ax1.grid(True, alpha=0.3)
