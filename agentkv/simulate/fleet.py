@@ -135,6 +135,7 @@ class _Fleet:
     def _trajectory(self, t: SimTrajectory) -> Generator[simpy.Event, Any, None]:
         env = self.env
         bt = self.cfg.costs.block_tokens
+        overhead = self.cfg.costs.request_overhead_s
         start = env.now
         prev_cacheable = t.shared_prefix_tokens
         last: Replica | None = None
@@ -162,6 +163,8 @@ class _Fleet:
                 env.event(),
             )
             self.first_sent = min(self.first_sent, env.now)
+            if overhead > 0:
+                yield env.timeout(overhead)
             idx = self.router.choose(req.route_view(), self.replicas)
             replica = self.replicas[idx]
             used.add(idx)

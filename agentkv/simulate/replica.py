@@ -293,9 +293,9 @@ class Replica:
         """(kind, steps, seconds per step) of the next segment, None when idle."""
         c = self.costs
         dec = self.decoding
-        dec_flops = 0.0
+        dec_work = 0.0
         for d in dec:
-            dec_flops += c.flops(1, d.prompt + d.output - d.decode_left - 1)
+            dec_work += c.prefill_s(1, d.prompt + d.output - d.decode_left - 1)
         budget = c.max_batched_tokens - len(dec)
         if self.prefilling and budget > 0:
             head = self.prefilling[0]
@@ -304,23 +304,22 @@ class Replica:
                 k = min(k, min(d.decode_left for d in dec))
             if k >= 1:
                 b = budget
-                chunk = c._linear * b * k + c._attn * b * (
-                    k * (head.computed + b) + b * k * (k - 1) / 2.0
-                )
-                total = k * c.step_overhead_s + (chunk + k * dec_flops) / c.prefill_flops_per_s
+                # k chunks of b tokens, the context growing by b each step.
+                chunk = sum(c.prefill_s(b, head.computed + i * b) for i in range(k))
+                total = k * (c.step_overhead_s + dec_work) + chunk
                 return _HEAD, k, total / k
-            flops = dec_flops
+            work = dec_work
             left = budget
             for r in self.prefilling:
                 n = min(r.remaining, left)
-                flops += c.flops(n, r.computed)
+                work += c.prefill_s(n, r.computed)
                 left -= n
                 if left <= 0:
                     break
-            return _FILL, 1, c.step_s(flops)
+            return _FILL, 1, c.step_s(work)
         if dec:
             k = min(d.decode_left for d in dec)
-            return _DECODE, k, c.step_s(dec_flops)
+            return _DECODE, k, c.step_s(dec_work)
         return None
 
     def _apply(self, kind: int, steps: int) -> None:

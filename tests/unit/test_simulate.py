@@ -350,3 +350,27 @@ def test_a_bench_report_calibrates_the_flop_rate(tmp_path: Path) -> None:
     c = load_calibration(path)
     flops = BENCH_SMALL_CPU.flops(4000, 0) + BENCH_SMALL_CPU.flops(3464, 1536)
     assert c.prefill_flops_per_s == pytest.approx(flops / 40.0)
+
+
+def test_engine_costs_fitted_to_measured_turns() -> None:
+    from agentkv.simulate.costs import fit_rounds
+
+    truth = replace(BENCH_SMALL_CPU, prefill_flops_per_s=1.2e12, attention_flops_per_s=6e11)
+    rounds = []
+    for n, c in [(100 * i, 300 * (i % 5)) for i in range(1, 30)]:
+        ttft = 0.08 + truth.prefill_s(n, c)
+        rounds.append(
+            {
+                "prompt_tokens": n + c,
+                "cached_tokens": c,
+                "ttft_s": ttft,
+                "latency_s": ttft + 9 * 0.04,
+                "completion_tokens": 10,
+            }
+        )
+    fitted = fit_rounds(rounds, BENCH_SMALL_CPU, "test")
+    assert fitted.prefill_flops_per_s == pytest.approx(1.2e12, rel=1e-6)
+    assert fitted.attention_flops_per_s == pytest.approx(6e11, rel=1e-6)
+    assert fitted.step_overhead_s == pytest.approx(0.04)
+    with pytest.raises(ConfigError):
+        fit_rounds(rounds[:3], BENCH_SMALL_CPU, "test")
