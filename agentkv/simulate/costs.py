@@ -71,10 +71,6 @@ class EngineCosts:
     """FLOP rate of the attention term (4*L*d per token per context token) at short contexts;
     None: the same as ``prefill_flops_per_s``. On CPU the two differ: GEMMs run near peak,
     attention does not."""
-    attention_knee_tokens: float | None = None
-    """Context length at which attention's cost per (token, context token) pair has doubled
-    (it grows linearly with the context: 1 + context / knee); None: constant. Measured on the
-    CPU backend, where long contexts fall out of cache."""
     name: str = "custom"
     source: str = ""
 
@@ -111,10 +107,7 @@ class EngineCosts:
     def prefill_s(self, new: int, cached: int = 0) -> float:
         """Compute time of ``new`` tokens after ``cached`` cached ones (prefill chunk or one
         decode token; no step overhead, no queueing)."""
-        pair = self.attention_s_per_pair
-        if self.attention_knee_tokens:
-            pair *= 1.0 + (cached + new / 2.0) / self.attention_knee_tokens
-        return new * (self.linear_s_per_token + pair * (cached + new))
+        return new * (self.linear_s_per_token + self.attention_s_per_pair * (cached + new))
 
     def full_recompute_s(self, tokens: int) -> float:
         """The policy's own formula for rebuilding ``tokens`` tokens from nothing."""
@@ -263,7 +256,6 @@ def fit_rounds(rounds: list[dict[str, Any]], base: EngineCosts, where: str) -> E
         base,
         prefill_flops_per_s=2.0 * base.model_params / float(lin),
         attention_flops_per_s=4.0 * base.num_layers * base.hidden_size / float(attn),
-        attention_knee_tokens=None,
         step_overhead_s=step,
         request_overhead_s=0.0,
         policy_prefill_known=True,
