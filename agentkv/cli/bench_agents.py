@@ -242,9 +242,7 @@ def _trace(
             "summaries": {k: v["summary"] for k, v in report["configs"].items()},
             **{k: v for k, v in report.items() if k.startswith("ratios_")},
             "oracle_check": report.get("oracle_check"),
-            "stall_decomposition": {
-                k: v for k, v in report["stall_decomposition"].items() if k != "rows"
-            },
+            "stall_decomposition": report["stall_decomposition"],
         }
         typer.echo(json.dumps(summary))
         return
