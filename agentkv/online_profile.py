@@ -50,7 +50,12 @@ _TRANSFER_FIELDS = {
     ("reload", "host"): "host_read",
     ("offload", "disk"): "disk_write_bytes_per_s",
     ("reload", "disk"): "disk_read_bytes_per_s",
+    ("offload", "remote"): "remote_write_bytes_per_s",
+    ("reload", "remote"): "remote_read_bytes_per_s",
 }
+# Learned and shown, not yet in the cost model: the policy has no remote action of its own (every
+# host offload is written through to the remote tier).
+_REMOTE_RATES = ("remote_write_bytes_per_s", "remote_read_bytes_per_s")
 
 
 class OnlineProfile:
@@ -65,6 +70,7 @@ class OnlineProfile:
                 "host_read",
                 "disk_write_bytes_per_s",
                 "disk_read_bytes_per_s",
+                *_REMOTE_RATES,
             )
         }
         self._lock = threading.Lock()
@@ -120,4 +126,12 @@ class OnlineProfile:
                 "source": source,
                 "samples": n,
             }
+        with self._lock:
+            for name in _REMOTE_RATES:
+                value = self._measured(name)
+                out[name] = {
+                    "value": round(value, 3) if value is not None else None,
+                    "source": ONLINE if value is not None else "unknown",
+                    "samples": self._rates[name].count,
+                }
         return out

@@ -11,6 +11,8 @@ Engine-thread primitives (called from the engine's scheduler hooks, through the 
   take_step()                        the step's jobs (drops, stores, loads, moves) for the workers
   on_report(report)                  jobs finished / failed per rank -> unpin, index, states
   has_work()                         the engine must keep stepping (jobs in flight, pins queued)
+  knows, fetch_remote, job_pending  a trajectory this replica never saw: its prompt's blocks come
+                                     from the shared remote tier into host first (best effort)
   record_tier_changes, take_tier_changes, tier_keys
                                      the residency index's copy changes, for the KV events
 Any-thread primitives (the control channel): pause, resume, delete, get, status, tick,
@@ -78,7 +80,7 @@ from agentkv.predict import PrefetchOutcomeCounter, WaitPredictor, classify_pref
 
 log = logging.getLogger("agentkv.manager")
 
-JobKind = Literal["store", "load", "promote", "copy_down"]
+JobKind = Literal["store", "load", "promote", "copy_down", "fetch"]
 LoadState = Literal["none", "planned", "in_flight", "ok", "failed"]
 ADMISSION_MAX_WAIT_S = 5.0
 # Counters /status always reports (0 until they happen), so dashboards and tests see every one.
@@ -101,6 +103,9 @@ REPORTED_COUNTERS = (
     "evictions_host",
     "evictions_disk",
     "internal_errors",
+    "remote_fetches",
+    "remote_fetched_blocks",
+    "remote_missed_blocks",
 )
 # Host use above this fraction (with a disk tier) copies least recently used host blocks down.
 HOST_COPY_DOWN_AT = 0.9
@@ -182,6 +187,7 @@ class _Job:
     ranks: int = 0
     failed: bool = False
     started: float = 0.0
+    missing: set[bytes] = field(default_factory=set)  # fetch: keys some rank could not get
 
 
 @dataclass(order=True)
@@ -510,6 +516,10 @@ class TrajectoryManager:
                     continue  # a fail-closed load: no tier was ever asked
                 self.counters["tier_corrupt_blocks" if why == "corrupt" else "tier_misses"] += 1
                 self._lose_key(key)
+            for job_id, keys in report.fetch_missing.items():
+                job = self.jobs.get(job_id)
+                if job is not None:
+                    job.missing.update(keys)
             for job_id in report.jobs_failed:
                 job = self.jobs.get(job_id)
                 if job is not None:
@@ -538,6 +548,37 @@ class TrajectoryManager:
         """Whether the engine must keep stepping: jobs queued or in flight, pins to apply."""
         with self.lock:
             return bool(self._outbox) or bool(self._pin_ops) or bool(self.jobs)
+
+    def knows(self, trajectory_id: str) -> bool:
+        with self.lock:
+            return trajectory_id in self.table
+
+    def fetch_remote(self, keys: Sequence[bytes]) -> int | None:
+        """Engine thread: copy ``keys`` (a prompt's blocks, in order) from the shared remote tier
+        into the host tier, for a trajectory this replica does not hold. Keys indexed here
+        already, or known bad, are skipped; host room is made as for any write. Returns the job
+        id (the request waits until ``job_pending`` is False; then its lookup finds the fetched
+        blocks in host) or None when there is nothing to fetch. The copies are unowned until a
+        request's finish takes them, so they are the first to go under host pressure."""
+        with self.lock:
+            want = [
+                k
+                for k in dict.fromkeys(keys)
+                if self.index.get(k) is None and not self._poisoned[k]
+            ]
+            want = want[: self._make_room("host", len(want))]
+            if not want:
+                return None
+            for key in want:
+                self.index.begin_write(key, "host", None)
+            job = self._new_job("fetch", want, "host")
+            self._outbox.moves.append(MoveJob(job.job_id, "fetch", want))
+            self.counters["remote_fetches"] += 1
+            return job.job_id
+
+    def job_pending(self, job_id: int) -> bool:
+        with self.lock:
+            return job_id in self.jobs
 
     def record_tier_changes(self) -> None:
         """Log every tier copy gained or lost from now on (for KV events; off by default)."""
@@ -1038,6 +1079,15 @@ class TrajectoryManager:
                         req.turn.tier = None
             if not ok:
                 self.counters["load_failures"] += 1
+        elif job.kind == "fetch":
+            got = 0
+            for key in job.keys:
+                if self.index.end_write(key, job.tier, ok and key not in job.missing):
+                    got += 1
+                elif key not in job.missing:
+                    unwritten.append(key)
+            self.counters["remote_fetched_blocks"] += got
+            self.counters["remote_missed_blocks"] += len(job.keys) - got
         else:  # promote / copy_down
             for key in job.keys:
                 if not self.index.end_write(key, job.tier, ok):

@@ -4,7 +4,8 @@ Primitives:
   BlockTransfer   one block: its tier key and the engine block id it is copied from or into
   StoreJob        device -> tier ('host' | 'disk'); the device blocks stay pinned until done
   LoadJob         tier -> device blocks the engine allocated for a request
-  MoveJob         tier -> tier: 'promote' (disk -> host, a prefetch) or 'demote' (host -> disk)
+  MoveJob         tier -> tier: 'promote' (disk -> host, a prefetch), 'demote' (host -> disk) or
+                  'fetch' (the shared remote tier -> host: a trajectory this replica never saw)
   DropOp          forget keys in one tier or all tiers (synchronous on the worker, ordered
                   before the step's other jobs so their slots are free for this step's stores)
   StepPlan        one engine step's jobs, in the order a worker must start them
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 TierName = Literal["host", "disk"]
-MoveKind = Literal["promote", "demote"]
+MoveKind = Literal["promote", "demote", "fetch"]
 KeyProblem = Literal["miss", "corrupt", "error"]
 
 
@@ -81,6 +82,9 @@ class WorkerReport:
     jobs_failed: set[int] = field(default_factory=set)
     # keys a rank could not serve or write, with the reason (a corrupt file, a miss, an I/O error)
     bad_keys: dict[bytes, KeyProblem] = field(default_factory=dict)
+    # fetch job id -> keys the remote tier did not have (or served corrupt) on this rank: a fetch
+    # is best effort, so a miss is not a failure of the job, only of that key
+    fetch_missing: dict[int, list[bytes]] = field(default_factory=dict)
     # rank -> pid of the worker process, sent once (shows the plugin loaded in every worker)
     hello: dict[int, int] = field(default_factory=dict)
     # (kind "offload"|"reload"|"promote"|"demote", tier, job ref) -> (bytes, seconds)
@@ -99,7 +103,10 @@ class WorkerReport:
             bad_keys={**self.bad_keys, **other.bad_keys},
             hello={**self.hello, **other.hello},
             transfers=dict(self.transfers),
+            fetch_missing={k: list(v) for k, v in self.fetch_missing.items()},
         )
+        for job, keys in other.fetch_missing.items():
+            out.fetch_missing.setdefault(job, []).extend(keys)
         for job, n in other.jobs_done.items():
             out.jobs_done[job] = out.jobs_done.get(job, 0) + n
         # Ranks move their shards in parallel: bytes add up, the slowest rank sets the time.

@@ -51,7 +51,29 @@ from agentkv_vllm.settings import ConnectorSettings
 log = logging.getLogger("agentkv.routes")
 
 
-class PauseBody(BaseModel):
+class RoutingHints(BaseModel):
+    """Fields a router reads to send a control call where the trajectory's turns go; the server
+    ignores them. vllm-router drops client headers on routes it does not know, so the session
+    travels in the body: ``agent_hint.session_id`` (or ``vllm_xargs.agentic_context``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(
+        default=None,
+        max_length=512,
+        description="The served model, as in the OpenAI body (routers scope sessions by it).",
+    )
+    agent_hint: dict[str, Any] | None = Field(
+        default=None, description='Router session hint, e.g. {"session_id": "<trajectory id>"}.'
+    )
+    vllm_xargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM-style extra args carrying agentic_context (routers)."
+    )
+
+
+ROUTING_FIELDS = {"model", "agent_hint", "vllm_xargs"}
+
+
+class PauseBody(RoutingHints):
     model_config = ConfigDict(extra="forbid")
     tool: str = Field(
         min_length=1, max_length=128, description="Tool name; waits are learned per tool."
@@ -71,27 +93,15 @@ class PauseBody(BaseModel):
         description="Cap on a retain decision's lease (e.g. the client's KV retention TTL).",
     )
     branch: BranchStr = "main"
-    model: str | None = Field(
-        default=None,
-        max_length=512,
-        description="The served model, as in the OpenAI body: a router (vllm-router) reads it to "
-        "send control calls where the trajectory's turns go. Ignored here.",
-    )
 
 
-class ResumeBody(BaseModel):
+class ResumeBody(RoutingHints):
     model_config = ConfigDict(extra="forbid")
     branch: BranchStr = "main"
-    model: str | None = Field(
-        default=None, max_length=512, description=PauseBody.model_fields["model"].description
-    )
 
 
-class EndBody(BaseModel):
+class EndBody(RoutingHints):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = Field(
-        default=None, max_length=512, description=PauseBody.model_fields["model"].description
-    )
 
 
 class _State:
@@ -243,7 +253,7 @@ async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResp
     if isinstance(body, JSONResponse):
         return body
     return await _call(
-        "pause", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude={"model"})
+        "pause", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude=ROUTING_FIELDS)
     )
 
 
@@ -259,7 +269,7 @@ async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONRes
     if isinstance(body, JSONResponse):
         return body
     return await _call(
-        "resume", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude={"model"})
+        "resume", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude=ROUTING_FIELDS)
     )
 
 

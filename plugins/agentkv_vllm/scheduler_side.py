@@ -198,6 +198,10 @@ class SchedulerSide:
         self.counters: Counter[str] = Counter()
         # request id -> parsed params, for agentkv requests only (plain ones never enter)
         self._params: dict[str, AgentKVParams] = {}
+        self.remote_enabled = bool(settings.remote_url)
+        # request id -> fetch job id while its trajectory's blocks come from the remote tier;
+        # requests already checked (fetched or nothing to fetch) map to 0
+        self._remote_fetch: dict[str, int] = {}
         self.started_at = time.time()
 
     @property
@@ -251,6 +255,8 @@ class SchedulerSide:
             params = self._params_of(request)
             if params is None:
                 return 0, False
+            if self.remote_enabled and self._waits_for_remote(request, params, num_computed):
+                return None, False  # vLLM asks again next step
             zones = params.zones
             answer = self.manager.on_lookup(
                 request.request_id,
@@ -267,6 +273,25 @@ class SchedulerSide:
         finally:
             self.cpu.add("request", start)
 
+    def _waits_for_remote(self, request: Any, params: AgentKVParams, num_computed: int) -> bool:
+        """A trajectory this replica never saw may have run elsewhere (failover, rebalancing):
+        its prompt's blocks past the device hit are fetched from the remote tier into host
+        before the first lookup, which then loads them like any host hit. True while the fetch
+        runs (bounded by job_timeout_s); misses only cost the recompute vLLM would do anyway."""
+        job = self._remote_fetch.get(request.request_id)
+        if job is None:
+            self._remote_fetch[request.request_id] = 0
+            if self.manager.knows(params.trajectory_id):
+                return False
+            prompt = request.prompt_token_ids or []
+            first, last = num_computed // self.block_size, len(prompt) // self.block_size
+            hashes = list(request.block_hashes[first:last])
+            if not hashes:
+                return False
+            job = self.manager.fetch_remote([self._key_of(h) for h in hashes]) or 0
+            self._remote_fetch[request.request_id] = job
+        return bool(job) and self.manager.job_pending(job)
+
     def plan_load(self, request: Any, blocks: Any, num_external: int) -> None:
         if request.request_id not in self._params and num_external <= 0:
             return
@@ -280,6 +305,7 @@ class SchedulerSide:
         self.manager.fail_load(request.request_id, blocks.get_block_ids()[0], num_external)
 
     def finish(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._remote_fetch.pop(request.request_id, None)
         if self._params.pop(request.request_id, None) is None:
             return False, None
         start = time.thread_time_ns()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def _default_run_dir() -> str:
@@ -90,6 +91,22 @@ class ConnectorSettings(BaseModel):
         description="A trajectory's reply that ends in tool calls pauses it by itself (tool = the "
         "called function, wait = its learned wait); an explicit pause or resume overrides.",
     )
+    remote_url: str | None = Field(
+        default=None,
+        description="Shared remote tier (Valkey/Redis), e.g. valkey://host:6379/0, valkeys:// for "
+        "TLS. Every block offloaded to host is written there too, and a trajectory this replica "
+        "never saw is looked up there before its first turn here (failover, rebalancing). See "
+        "docs/remote-tier.md for the URL options (password, TLS files).",
+    )
+    remote_key_prefix: str = Field(
+        default="agentkv",
+        min_length=1,
+        max_length=64,
+        description="Key prefix of this deployment on the remote server.",
+    )
+    remote_ttl_s: float = Field(
+        default=3600.0, gt=0, description="Remote blocks expire this long after their last use."
+    )
     debug_load_delay_s: float = Field(
         default=0.0,
         ge=0,
@@ -102,6 +119,25 @@ class ConnectorSettings(BaseModel):
         description="Test knob: TP rank 1 never reports store jobs of trajectories whose id starts "
         "with this prefix (to test job timeouts). Never set in production.",
     )
+
+    @field_validator("remote_url")
+    @classmethod
+    def _remote_url_parses(cls, value: str | None) -> str | None:
+        if value:
+            from agentkv.tiers.remote import RemoteConfig
+
+            RemoteConfig.parse(value)  # ConfigError (a ValueError) names the bad part
+        return value or None
+
+    def remote_config(self) -> Any:
+        """The remote tier's RemoteConfig, or None without one."""
+        if not self.remote_url:
+            return None
+        from agentkv.tiers.remote import RemoteConfig
+
+        return RemoteConfig.parse(
+            self.remote_url, key_prefix=self.remote_key_prefix, ttl_s=self.remote_ttl_s
+        )
 
     def control_endpoint(self, engine_id: str | None = None, dp_rank: int = 0) -> str:
         """One channel per server and per DP rank: the API server and its engine cores share

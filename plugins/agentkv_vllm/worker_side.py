@@ -40,9 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from agentkv.errors import CorruptBlockError
 from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
-from agentkv.tiers import BlockStatus, HostRead, TieredStore, TransferHandle
+from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
 from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
 from agentkv_vllm.block_copy import BlockViews
 from agentkv_vllm.device_copy import LayerCopier
@@ -136,6 +138,9 @@ class WorkerSide:
     _layers: list[tuple[str, list[tuple[int, int, int]]]] = field(default_factory=list)
     # this step's layerwise load job ids, and those that failed
     _layerwise_jobs: tuple[list[int], set[int]] = field(default_factory=lambda: ([], set()))
+    _remote_puts: list[_Pending] = field(default_factory=list)
+    _fetcher: ThreadPoolExecutor | None = None
+    _remote_put_failures: int = 0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.views = BlockViews(kv_caches, self.num_blocks)
@@ -157,7 +162,14 @@ class WorkerSide:
             if disk_dir.exists():
                 shutil.rmtree(disk_dir, ignore_errors=True)
             disk_dir.mkdir(parents=True, exist_ok=True)
+        remote_config = self.settings.remote_config()
+        remote = None
+        if remote_config is not None:
+            from agentkv.tiers.remote import RemoteBlocks
+
+            remote = RemoteBlocks(remote_config)  # no I/O here; failures become results
         self.store = TieredStore(
+            remote=remote,
             host_capacity_bytes=int(self.settings.host_capacity_gib * GiB),
             disk_dir=disk_dir,
             disk_capacity_bytes=int(self.settings.disk_capacity_gib * GiB),
@@ -235,15 +247,21 @@ class WorkerSide:
         for move in plan.moves:
             keys = [self.rank_key(k) for k in move.keys]
             try:
-                handle = store.promote(keys) if move.kind == "promote" else store.copy_to_disk(keys)
+                moving: TransferHandle | Future[list[Any]]
+                if move.kind == "fetch":
+                    moving = self._fetch_pool().submit(self._fetch_remote, keys)
+                elif move.kind == "promote":
+                    moving = store.promote(keys)
+                else:
+                    moving = store.copy_to_disk(keys)
             except Exception as exc:
                 log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
                 self._done(move.job_id, ok=False)
                 continue
-            tier = "host" if move.kind == "promote" else "disk"
+            tier = "disk" if move.kind == "demote" else "host"
             self._jobs.append(
                 _Pending(
-                    handle,
+                    moving,
                     now,
                     len(keys) * self.views.block_bytes,
                     move.job_id,
@@ -423,10 +441,27 @@ class WorkerSide:
                 still.append(p)
                 continue
             results = p.handle.result()
+            if p.ref[0] == "fetch":
+                # Best effort: blocks the remote tier lacks are this rank's misses, not a
+                # failed job (the manager indexes the rest).
+                missing = [k for r, k in zip(results, p.keys, strict=True) if not r.ok]
+                if missing:
+                    self._report.fetch_missing[p.job_id] = missing
+                self._done(p.job_id, ok=True)
+                got = len(results) - len(missing)
+                if got:
+                    nbytes = got * (self.views.block_bytes if self.views is not None else 0)
+                    self._report.transfers[("reload", "remote", p.ref[2])] = (
+                        nbytes,
+                        now - p.started,
+                    )
+                continue
             ok = all(r.ok for r in results)
             for r, logical in zip(results, p.keys, strict=True):
                 if not r.ok:
                     self._bad(logical, r)
+            if ok and p.ref[0] == "offload" and p.ref[1] == "host":
+                self._write_through(p)
             if not ok:
                 log.warning(
                     "agentkv: %s job %d: %d/%d blocks failed (%s)",
@@ -439,6 +474,7 @@ class WorkerSide:
             self._done(p.job_id, ok)
             self._report.transfers[p.ref] = (p.nbytes, now - p.started)
         self._jobs = still
+        self._poll_remote(now)
         still = []
         for p in self._loads:
             assert p.load is not None
@@ -475,6 +511,73 @@ class WorkerSide:
         done, self._recving_done = self._recving_done, set()
         return done
 
+    def _fetch_pool(self) -> ThreadPoolExecutor:
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="agentkv-fetch")
+        return self._fetcher
+
+    def _fetch_remote(self, keys: list[BlockKey]) -> list[Any]:
+        """Remote -> host for a fetch job (a thread of its own: network I/O). One result per
+        key; only verified blocks of this rank's exact size are stored."""
+        store = self.store
+        assert store is not None and store.remote is not None and self.views is not None
+        size = self.views.block_bytes
+        values = store.remote.fetch_many(keys, size)
+        results: list[Any] = [v.result() for v in values]
+        good = [
+            i
+            for i, v in enumerate(values)
+            if v.status is BlockStatus.OK and v.payload is not None and len(v.payload) == size
+        ]
+        if good:
+            stored = store.submit_store(
+                [keys[i] for i in good],
+                [np.frombuffer(values[i].payload, np.uint8) for i in good],  # type: ignore[arg-type]
+                tier="host",
+            ).result()
+            for i, r in zip(good, stored, strict=True):
+                results[i] = r
+        good_set = set(good)
+        for i, v in enumerate(values):
+            if v.status is BlockStatus.OK and i not in good_set:  # another block size
+                results[i] = BlockResult(keys[i], BlockStatus.ERROR, "remote", None)
+        return results
+
+    def _write_through(self, stored: _Pending) -> None:
+        """A host offload is also written to the shared remote tier (another replica resumes
+        the trajectory from it). Fire and forget: the manager never waits on it, a failure
+        costs only that replica a recompute."""
+        if self.store is None or self.store.remote is None:
+            return
+        keys = [self.rank_key(k) for k in stored.keys]
+        try:
+            handle = self.store.copy_to_remote(keys)
+        except Exception as exc:
+            log.warning("agentkv: remote write-through failed to start: %s", exc)
+            return
+        self._remote_puts.append(
+            _Pending(
+                handle, time.monotonic(), stored.nbytes, 0, ("offload", "remote", stored.ref[2]), []
+            )
+        )
+
+    def _poll_remote(self, now: float) -> None:
+        still = []
+        for p in self._remote_puts:
+            if not p.handle.done():
+                still.append(p)
+                continue
+            results = p.handle.result()
+            written = sum(r.ok for r in results)
+            if written < len(results):
+                self._remote_put_failures += len(results) - written
+            if written:
+                self._report.transfers[p.ref] = (
+                    p.nbytes * written // len(results),
+                    now - p.started,
+                )
+        self._remote_puts = still
+
     def load_error_block_ids(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
@@ -487,7 +590,7 @@ class WorkerSide:
 
     @property
     def busy(self) -> bool:
-        return bool(self._jobs or self._loads)
+        return bool(self._jobs or self._loads or self._remote_puts)
 
     def shutdown(self) -> None:
         self.finish_step()
@@ -495,5 +598,9 @@ class WorkerSide:
             p.handle.cancel()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
         if self.store is not None:
             self.store.close()
+            if self.store.remote is not None:
+                self.store.remote.close()
