@@ -14,6 +14,7 @@ from agentkv.cli import (
     bench_scale,
     bench_tiers,
     diagnose,
+    fleet,
     model,
     policy,
     serve,
@@ -39,6 +40,7 @@ serve.register(app)
 size.register(app)
 policy.register(app)
 diagnose.register(app)
+fleet.register(app)
 simulate.register(app)
 bench_tiers.register(bench_app)
 bench_agents.register(bench_app)
