@@ -181,8 +181,10 @@ def _from_own(data: dict[str, Any], where: str) -> EngineCosts:
     if start is None:
         raise ConfigError(f"{where}: unknown base calibration {base!r}")
     values = {k: v for k, v in data.items() if k in known}
+    values.setdefault("source", where)
+    values.setdefault("name", "custom")
     try:
-        return replace(start, **values, source=values.get("source") or where)
+        return replace(start, **values)
     except TypeError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 

@@ -243,6 +243,8 @@ def test_calibration_files(tmp_path: Path) -> None:
     own = tmp_path / "cal.json"
     own.write_text(json.dumps({"schema": CALIBRATION_SCHEMA, "prefill_flops_per_s": 1e12}))
     assert load_calibration(own).prefill_flops_per_s == 1e12
+    own.write_text(json.dumps({"schema": CALIBRATION_SCHEMA, "name": "x", "source": "here"}))
+    assert (load_calibration(own).name, load_calibration(own).source) == ("x", "here")
     prof = tmp_path / "profile.json"
     prof.write_text(json.dumps({"host_copy_bytes_per_s": 8e9, "prefill_tokens_per_s": 1000.0}))
     c = load_calibration(prof)
