@@ -11,6 +11,7 @@ import typer
 
 from agentkv.cli import (
     bench_agents,
+    bench_fleet,
     bench_scale,
     bench_tiers,
     diagnose,
@@ -45,6 +46,7 @@ simulate.register(app)
 bench_tiers.register(bench_app)
 bench_agents.register(bench_app)
 bench_scale.register(bench_app)
+bench_fleet.register(bench_app)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -95,6 +95,7 @@ async def complete_ids(
     prompt: Sequence[int],
     max_tokens: int,
     params: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Streamed:
     """One streamed completion of token ids; raises RuntimeError naming the server's answer."""
     body: dict[str, Any] = {
@@ -111,7 +112,7 @@ async def complete_ids(
     ttft: float | None = None
     usage: dict[str, Any] = {}
     t0 = time.monotonic()
-    async with client.stream("POST", base_url + "/v1/completions", json=body) as r:
+    async with client.stream("POST", base_url + "/v1/completions", json=body, headers=headers) as r:
         if r.status_code >= 400:
             await r.aread()
             raise RuntimeError(f"completion failed: {r.status_code} {r.text[:300]}")
@@ -148,6 +149,8 @@ async def _control(
 
 
 Progress = Callable[[RoundRecord], None]
+# A fleet: the base URL of the replica that holds a trajectory (control calls go there).
+Locate = Callable[[str], Awaitable[str]]
 
 
 async def replay_session(
@@ -161,19 +164,27 @@ async def replay_session(
     t_run: float,
     on_round: Progress | None = None,
     paused: dict[str, int] | None = None,
+    locate: Locate | None = None,
 ) -> SessionRecord:
     """Run one session's rounds in order, each after the previous reply and its wait.
 
     ``paused`` maps the trajectories waiting right now to their context tokens (the occupancy
-    sampler reads it).
+    sampler reads it). ``locate`` (a fleet behind a router): completions carry
+    ``x-session-id: <trajectory id>`` for session affinity, and control calls go to the replica
+    ``locate`` names.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if len(prompts) != len(session.rounds):
         raise ValueError("one prompt per round")
     agentkv = mode == "agentkv"
-    routes = f"{base_url}/agentkv/v1/trajectories/{trajectory_id}"
+    path = f"/agentkv/v1/trajectories/{trajectory_id}"
     params = {"trajectory_id": trajectory_id} if agentkv else None
+    headers = {"x-session-id": trajectory_id} if locate is not None else None
+
+    async def routes() -> str:
+        return (await locate(trajectory_id) if locate is not None else base_url) + path
+
     await asyncio.sleep(max(0.0, session.arrival_s - (time.monotonic() - t_run)))
     started = time.monotonic()
     rec = SessionRecord(session.session_id, trajectory_id, started - t_run, 0.0)
@@ -184,7 +195,9 @@ async def replay_session(
             wait = session.rounds[i - 1].wait_after_s if i else 0.0
             if i:
                 if agentkv:
-                    reply = await _control(client, "POST", routes + "/pause", {"tool": TOOL})
+                    reply = await _control(
+                        client, "POST", await routes() + "/pause", {"tool": TOOL}
+                    )
                     d = reply.get("decision")
                     decision = str(d.get("action")) if isinstance(d, dict) else None
                 if paused is not None:
@@ -193,11 +206,13 @@ async def replay_session(
                 if paused is not None:
                     paused.pop(trajectory_id, None)
                 if agentkv:
-                    await _control(client, "POST", routes + "/resume", {})
+                    await _control(client, "POST", await routes() + "/resume", {})
             prev_prompt = len(prompts[i - 1].prompt) if i else 0
             sent = time.monotonic() - t_run
             sent_any = True
-            s = await complete_ids(client, base_url, model, rp.prompt, rnd.output_len, params)
+            s = await complete_ids(
+                client, base_url, model, rp.prompt, rnd.output_len, params, headers
+            )
             r = RoundRecord(
                 session_id=session.session_id,
                 trajectory_id=trajectory_id,
@@ -220,9 +235,10 @@ async def replay_session(
         rec.jct_s = time.monotonic() - started
     finally:
         if agentkv and sent_any:
-            state = await _control(client, "GET", routes)
+            url = await routes()
+            state = await _control(client, "GET", url)
             _attach_engine_stats(rec.rounds, state.get("turns") or [])
-            await _control(client, "DELETE", routes)
+            await _control(client, "DELETE", url)
     return rec
 
 
@@ -258,6 +274,7 @@ async def replay(
     on_round: Progress | None = None,
     paused: dict[str, int] | None = None,
     t_run: float | None = None,
+    locate: Locate | None = None,
 ) -> list[SessionRecord]:
     """Every session of ``workload`` at once, each from its arrival time."""
     t0 = time.monotonic() if t_run is None else t_run
@@ -275,6 +292,7 @@ async def replay(
                     t0,
                     on_round,
                     paused,
+                    locate,
                 )
                 for i, s in enumerate(workload.sessions)
             )

@@ -88,7 +88,7 @@ class Session:
         self.last_prompt_tokens = 0  # the previous turn's prompt: the prefix a resume can reuse
         self.messages: list[dict[str, Any]] = [
             {"role": "system", "content": "You are a coding agent."},
-            {"role": "user", "content": words(tid + "task", 400)},
+            {"role": "user", "content": words(tid + "task", 200)},
         ]
 
     def body(self) -> dict[str, Any]:
@@ -114,7 +114,7 @@ class Session:
         # The scripted action, not the model's reply: every configuration sends the same prompts.
         self.messages.append({"role": "assistant", "content": f"run tool {len(self.messages)}"})
         self.messages.append(
-            {"role": "user", "content": words(f"{self.tid}obs{len(self.messages)}", 100)}
+            {"role": "user", "content": words(f"{self.tid}obs{len(self.messages)}", 150)}
         )
         return out
 
@@ -399,4 +399,7 @@ def test_round_robin_without_remote_reuses_less(
     rr = sum(h for _, h, _, _ in resumes) / len(resumes)
     kv = getattr(pytest, "fleet_affinity_reuse", None)
     assert kv is not None, "runs after the affinity test"
-    assert rr <= kv - 0.2, (rr, kv)
+    # Round robin interleaves every session's turns: some resume turns land where the session
+    # has only an older context (or none), and nothing can be fetched.
+    assert any(before != after for _, _, before, after in resumes)
+    assert rr <= kv - 0.15, (rr, kv)
