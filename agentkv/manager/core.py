@@ -553,13 +553,14 @@ class TrajectoryManager:
         with self.lock:
             return trajectory_id in self.table
 
-    def fetch_remote(self, keys: Sequence[bytes]) -> int | None:
+    def fetch_remote(self, trajectory_id: str, keys: Sequence[bytes]) -> int | None:
         """Engine thread: copy ``keys`` (a prompt's blocks, in order) from the shared remote tier
-        into the host tier, for a trajectory this replica does not hold. Keys indexed here
-        already, or known bad, are skipped; host room is made as for any write. Returns the job
-        id (the request waits until ``job_pending`` is False; then its lookup finds the fetched
-        blocks in host) or None when there is nothing to fetch. The copies are unowned until a
-        request's finish takes them, so they are the first to go under host pressure."""
+        into the host tier for ``trajectory_id``, a trajectory this replica does not hold (it is
+        created here, as its first lookup would). Keys indexed here already, or known bad, are
+        skipped; host room is made as for any write. The trajectory owns the copies, so they go
+        when it is deleted or expires. Returns the job id (the request waits until
+        ``job_pending`` is False; its lookup then finds the fetched blocks in host) or None when
+        there is nothing to fetch."""
         with self.lock:
             want = [
                 k
@@ -569,9 +570,11 @@ class TrajectoryManager:
             want = want[: self._make_room("host", len(want))]
             if not want:
                 return None
+            traj = self._traj_for_request(trajectory_id, self.clock.now())
             for key in want:
-                self.index.begin_write(key, "host", None)
-            job = self._new_job("fetch", want, "host")
+                self.index.begin_write(key, "host", traj.trajectory_id)
+                traj.owned.add(key)
+            job = self._new_job("fetch", want, "host", trajectory=traj)
             self._outbox.moves.append(MoveJob(job.job_id, "fetch", want))
             self.counters["remote_fetches"] += 1
             return job.job_id

@@ -288,7 +288,8 @@ class SchedulerSide:
             hashes = list(request.block_hashes[first:last])
             if not hashes:
                 return False
-            job = self.manager.fetch_remote([self._key_of(h) for h in hashes]) or 0
+            keys = [self._key_of(h) for h in hashes]
+            job = self.manager.fetch_remote(params.trajectory_id, keys) or 0
             self._remote_fetch[request.request_id] = job
         return bool(job) and self.manager.job_pending(job)
 

@@ -212,6 +212,9 @@ class SimWorkers:
         self.tiers: list[dict[str, dict[bytes, bytes | None]]] = [
             {"host": {}, "disk": {}} for _ in range(tp_size)
         ]
+        # the shared remote tier, per rank (keys are rank-salted in the real system): every host
+        # store that completes is written through to it, as the worker does
+        self.remote: list[dict[bytes, bytes | None]] = [{} for _ in range(tp_size)]
         self.pending: list[Pending] = []
         self.silent: set[int] = set()
         self.reports: list[WorkerReport] = []
@@ -284,6 +287,8 @@ class SimWorkers:
                 for t, before in zip(job.blocks, p.snapshot, strict=True):
                     now = pool.content[rank][t.block_id]
                     self._put(rank, job.tier, t.key, now if now == before else GARBAGE)
+                    if job.tier == "host":
+                        self.remote[rank][t.key] = self.tiers[rank]["host"][t.key]
             else:
                 rep.jobs_failed.add(job.job_id)
             rep.transfers[("offload", job.tier, str(job.job_id))] = (len(job.blocks), 0.001)
@@ -313,6 +318,15 @@ class SimWorkers:
                 rep.jobs_failed.add(load.job_id)
             rep.transfers[("reload", "host", str(load.job_id))] = (len(load.blocks), 0.001)
             self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
+        elif p.job.kind == "fetch":
+            fetch: MoveJob = p.job
+            for key in fetch.keys:
+                if ok and key in self.remote[rank]:
+                    self._put(rank, "host", key, self.remote[rank][key])
+                else:
+                    rep.fetch_missing.setdefault(fetch.job_id, []).append(key)
+            if not ok:
+                rep.jobs_failed.add(fetch.job_id)
         else:
             move: MoveJob = p.job
             src_t, dst_t = ("disk", "host") if move.kind == "promote" else ("host", "disk")

@@ -292,6 +292,19 @@ class ManagerMachine(RuleBasedStateMachine):
         if req is not None:
             self.eng.schedule(req, adapter_error)
 
+    @rule(pick=st.lists(st.integers(0, 63), max_size=6), unknown=st.integers(0, 2))
+    def fetch_remote(self, pick: list[int], unknown: int) -> None:
+        """A trajectory this replica never saw: the adapter fetches its prompt's blocks from the
+        remote tier (some there, some never written) before the lookup."""
+        mgr = self.mgr
+        if mgr is None:
+            return
+        written = sorted(set().union(*(r.keys() for r in self.workers.remote)))
+        keys = [written[i % len(written)] for i in pick] if written else []
+        keys += [bytes([0xEE, n]) * 8 for n in range(unknown)]
+        self.next_traj += 1
+        mgr.fetch_remote(f"t{self.next_traj}", keys)
+
     @rule(glitch=st.sampled_from([False, False, True]))
     def engine_step(self, glitch: bool) -> None:
         """build_connector_meta; with ``glitch`` the pool raises inside the manager's tick."""
