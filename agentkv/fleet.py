@@ -30,17 +30,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from agentkv.errors import ConfigError, EngineUnavailableError
-from agentkv.launch import LaunchSpec, RunningServer, free_port, running_server
+from agentkv.errors import ConfigError
+from agentkv.launch import LaunchSpec, RunningServer, free_port, running_server, wait_healthy
 
 ROUTER_POLICIES = ("kv_aware", "cache_aware", "round_robin", "power_of_two", "random")
 BLOCK_TOKENS_CPU = 128  # vLLM's block size on CPU; on CUDA pass the engine's --block-size
@@ -207,19 +204,7 @@ def _embedded_valkey(work_dir: Path) -> Iterator[str]:
 
 
 def _wait_router(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise EngineUnavailableError(
-                f"vllm-router exited with code {proc.returncode} (log {log}):\n"
-                f"{log.read_text(errors='replace')[-3000:]}"
-            )
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise EngineUnavailableError(f"vllm-router not ready after {timeout_s:.0f} s ({log})")
-        time.sleep(0.2)
+    wait_healthy(url, proc, log, timeout_s, "vllm-router", poll_s=0.2)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -5,6 +5,7 @@ Primitives:
                             (None = vanilla vLLM with no plugin at all), extra args/env, API key
   build_launch_command()    -> (argv, env); pure, so the vanilla/agentkv difference is unit-tested
   free_port()               a port the OS just handed out on ``host``
+  wait_healthy(url, proc, ...)  poll /health until 200 (or the process exits, or time is up)
   running_server(spec)      context manager: start, poll /health, yield RunningServer, kill the
                             process group on exit (also on error or Ctrl-C)
 
@@ -176,6 +177,34 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
         proc.wait(timeout=grace_s)
 
 
+def wait_healthy(
+    base_url: str,
+    proc: subprocess.Popen[bytes],
+    log_path: Path,
+    timeout_s: float,
+    what: str = "vLLM server",
+    poll_s: float = 1.0,
+) -> None:
+    """Poll ``GET {base_url}/health`` until it answers 200. Raises EngineUnavailableError with
+    the log tail when ``proc`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise EngineUnavailableError(
+                f"{what} exited with code {proc.returncode} before it was ready "
+                f"(log {log_path}):\n{_tail(log_path, 4000)}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise EngineUnavailableError(
+                f"{what} not ready after {timeout_s:.0f} s (log {log_path}):\n"
+                f"{_tail(log_path, 4000)}"
+            )
+        time.sleep(poll_s)
+
+
 @contextlib.contextmanager
 def running_server(
     spec: LaunchSpec, ready_timeout_s: float = 600.0, poll_s: float = 1.0
@@ -195,22 +224,7 @@ def running_server(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
-            deadline = time.monotonic() + ready_timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise EngineUnavailableError(
-                        f"vLLM server exited with code {proc.returncode} before it was ready "
-                        f"(log {log_path}):\n{_tail(log_path, 4000)}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise EngineUnavailableError(
-                        f"vLLM server not ready after {ready_timeout_s:.0f} s "
-                        f"(log {log_path}):\n{_tail(log_path, 4000)}"
-                    )
-                time.sleep(poll_s)
+            wait_healthy(base_url, proc, log_path, ready_timeout_s, "vLLM server", poll_s)
             yield RunningServer(
                 base_url=base_url,
                 port=port,
