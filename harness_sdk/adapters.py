@@ -65,6 +65,10 @@ def _text(content: Any) -> str:
     return str(content)
 
 
+# The session header every call carries (the routing contract; vllm-router keys affinity on it).
+SESSION_HEADER = "x-session-id"
+
+
 class Adapter:
     """Base adapter. Subclasses set ``provider`` and ``path`` and fill the two hooks."""
 
@@ -188,6 +192,9 @@ class AgentKVAdapter(OpenAIAdapter):
                 "zones": rendered.zones_param(),
             },
         }
+        # vllm-router keys session affinity per source: the same hint on chat and control calls
+        # (where it cannot read headers) sends both to the replica holding the trajectory.
+        body.setdefault("agent_hint", {"session_id": trajectory_id})
         return body
 
     def parse_response(self, body: dict[str, Any]) -> ParsedTurn:

@@ -41,12 +41,10 @@ from typing import Any
 
 import httpx
 
-from harness_sdk.adapters import AgentKVAdapter
+from harness_sdk.adapters import SESSION_HEADER, AgentKVAdapter
 from harness_sdk.errors import ConfigError, TrajectoryClosedError
 from harness_sdk.telemetry import Telemetry
 from harness_sdk.trajectory import ToolWait, _check_id, _normalize_base, _Shared, run_tool_wait
-
-SESSION_HEADER = "x-session-id"
 
 
 class _Proxy:
@@ -152,6 +150,8 @@ class _OpenAIBase:
         """``kwargs`` plus the session header and ``kv_transfer_params.agentkv``."""
         self._check_open()
         out = dict(kwargs)
+        if isinstance(out.get("model"), str) and out["model"]:
+            self._shared.model = out["model"]  # control calls carry it (routers scope by model)
         headers = dict(out.get("extra_headers") or {})
         if not any(k.lower() == SESSION_HEADER for k in headers):
             headers[SESSION_HEADER] = self.trajectory_id
@@ -165,6 +165,8 @@ class _OpenAIBase:
             agentkv.update(trajectory_id=self.trajectory_id, branch=self.branch)
             params["agentkv"] = agentkv
             body["kv_transfer_params"] = params
+            # the same session hint as the control calls: vllm-router keys affinity per source
+            body.setdefault("agent_hint", {"session_id": self.trajectory_id})
             out["extra_body"] = body
         self.requests += 1
         return out

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from agentkv import ids as _ids
-from harness_sdk.adapters import Adapter, AgentKVAdapter, CacheUsage
+from harness_sdk.adapters import SESSION_HEADER, Adapter, AgentKVAdapter, CacheUsage
 from harness_sdk.errors import (
     AuthenticationError,
     ConfigError,
@@ -147,11 +147,22 @@ class _Shared:
         parts = urlsplit(base_url)
         self.server = (parts.hostname or "", parts.port)
 
+    def session_headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """The routing contract: every call names its session (routers such as vllm-router key
+        session affinity on it)."""
+        return {**headers, SESSION_HEADER: self.trajectory_id}
+
     async def request(self, method: str, path: str, json: Any = None) -> httpx.Response:
         if path.startswith("/agentkv/"):
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            # vllm-router drops client headers on routes it does not know: the model and the
+            # session travel in the body too, as on the trajectory's chat calls.
+            json = {**(json or {}), "agent_hint": self.agent_hint()}
+            if self.model:
+                json["model"] = self.model
         else:
             headers = self.adapter.headers(self.api_key)
+        headers = self.session_headers(headers)
         try:
             return await self.client.request(
                 method, self.base_url + path, json=json, headers=headers
@@ -160,6 +171,9 @@ class _Shared:
             raise TimeoutError_(f"{method} {path} timed out: {exc}") from exc
         except httpx.TransportError as exc:
             raise TransportError(f"{method} {path} failed: {exc!r}") from exc
+
+    def agent_hint(self) -> dict[str, str]:
+        return {"session_id": self.trajectory_id}
 
     async def stream_chat(
         self, path: str, json: Any, headers: dict[str, str]
@@ -584,7 +598,9 @@ class Trajectory:
             if stream:
                 body = {**body, "stream": True, "stream_options": {"include_usage": True}}
                 status, payload, ttft = await shared.stream_chat(
-                    shared.adapter.path, body, shared.adapter.headers(shared.api_key)
+                    shared.adapter.path,
+                    body,
+                    shared.session_headers(shared.adapter.headers(shared.api_key)),
                 )
                 latency = time.monotonic() - t0
                 if status >= 400:

@@ -10,9 +10,11 @@ The two fleets run the same model, vLLM settings and device blocks per replica:
             prefix-tree policy, the usual choice for multi-turn traffic without KV events)
   agentkv   vLLM + agentkv replicas publishing KV events, vllm-router ``kv_aware`` with session
             affinity (``x-session-id``), a shared Valkey remote tier
-Each session is a closed loop through the router (``agentkv_bench.trace_replay``); agentkv's
-pause and resume go to the replica holding the trajectory (the harness finds it with GET on each
-replica: vllm-router drops headers on routes it does not know).
+Each session is a closed loop through the router (``agentkv_bench.trace_replay``), every call
+naming its session as harness_sdk does (``x-session-id``, and ``agent_hint`` + ``model`` in the
+body, which is all vllm-router sees on agentkv's routes); agentkv's pause and resume go through
+the router too. Only the final GET of per-turn stats and the DELETE go straight to the replica
+holding the trajectory (found with GET on each replica; a GET has no body to route by).
 """
 
 from __future__ import annotations

@@ -96,6 +96,7 @@ async def complete_ids(
     max_tokens: int,
     params: dict[str, Any] | None = None,
     headers: dict[str, str] | None = None,
+    hint: dict[str, Any] | None = None,
 ) -> Streamed:
     """One streamed completion of token ids; raises RuntimeError naming the server's answer."""
     body: dict[str, Any] = {
@@ -109,6 +110,8 @@ async def complete_ids(
     }
     if params is not None:
         body["kv_transfer_params"] = {"agentkv": params}
+    if hint:
+        body.update(hint)
     ttft: float | None = None
     usage: dict[str, Any] = {}
     t0 = time.monotonic()
@@ -169,9 +172,10 @@ async def replay_session(
     """Run one session's rounds in order, each after the previous reply and its wait.
 
     ``paused`` maps the trajectories waiting right now to their context tokens (the occupancy
-    sampler reads it). ``locate`` (a fleet behind a router): completions carry
-    ``x-session-id: <trajectory id>`` for session affinity, and control calls go to the replica
-    ``locate`` names.
+    sampler reads it). ``locate`` (a fleet behind a router): every call names the session
+    (``x-session-id`` on completions, ``agent_hint.session_id`` and ``model`` in completion and
+    pause/resume bodies, which vllm-router routes by); pause and resume go through the router,
+    the final GET and DELETE (no body to route by) to the replica ``locate`` names.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -181,8 +185,12 @@ async def replay_session(
     path = f"/agentkv/v1/trajectories/{trajectory_id}"
     params = {"trajectory_id": trajectory_id} if agentkv else None
     headers = {"x-session-id": trajectory_id} if locate is not None else None
+    hint: dict[str, Any] = (
+        {"model": model, "agent_hint": {"session_id": trajectory_id}} if locate else {}
+    )
+    routes = base_url + path
 
-    async def routes() -> str:
+    async def holder_routes() -> str:
         return (await locate(trajectory_id) if locate is not None else base_url) + path
 
     await asyncio.sleep(max(0.0, session.arrival_s - (time.monotonic() - t_run)))
@@ -196,7 +204,7 @@ async def replay_session(
             if i:
                 if agentkv:
                     reply = await _control(
-                        client, "POST", await routes() + "/pause", {"tool": TOOL}
+                        client, "POST", routes + "/pause", {"tool": TOOL, **hint}
                     )
                     d = reply.get("decision")
                     decision = str(d.get("action")) if isinstance(d, dict) else None
@@ -206,12 +214,12 @@ async def replay_session(
                 if paused is not None:
                     paused.pop(trajectory_id, None)
                 if agentkv:
-                    await _control(client, "POST", await routes() + "/resume", {})
+                    await _control(client, "POST", routes + "/resume", hint)
             prev_prompt = len(prompts[i - 1].prompt) if i else 0
             sent = time.monotonic() - t_run
             sent_any = True
             s = await complete_ids(
-                client, base_url, model, rp.prompt, rnd.output_len, params, headers
+                client, base_url, model, rp.prompt, rnd.output_len, params, headers, hint
             )
             r = RoundRecord(
                 session_id=session.session_id,
@@ -235,7 +243,7 @@ async def replay_session(
         rec.jct_s = time.monotonic() - started
     finally:
         if agentkv and sent_any:
-            url = await routes()
+            url = await holder_routes()
             state = await _control(client, "GET", url)
             _attach_engine_stats(rec.rounds, state.get("turns") or [])
             await _control(client, "DELETE", url)

@@ -98,6 +98,9 @@ class Session:
             "max_tokens": 4,
             "temperature": 0,
             "ignore_eos": True,
+            # the routing contract (harness_sdk does the same): the session in the header and,
+            # for the control calls that lose their headers in the router, in the body
+            "agent_hint": {"session_id": self.tid},
         }
         if self.salt:
             body["cache_salt"] = self.salt
@@ -134,23 +137,27 @@ def holder(fleet: RunningFleet, tid: str) -> list[int]:
     ]
 
 
-def pause_on_holder(fleet: RunningFleet, tid: str, tool: str) -> None:
-    """Pause on the replicas that hold the trajectory (one with affinity; round robin spreads
-    it). Through vllm-router 0.1.17 a control call with the session in the body
-    (agent_hint.session_id) was not always sent to the session's replica in a concurrent run;
-    the replica that got it answered 404 and created nothing, which
-    ``test_wrong_replica_answers_404_and_creates_nothing`` pins down."""
-    where = holder(fleet, tid)
-    assert where, tid
-    for i in where:
+def pause_via_router(client: httpx.Client, tid: str, tool: str) -> None:
+    """Through the router: it drops client headers on routes it does not know, so the model and
+    the session travel in the body (the same agent_hint the turns carry)."""
+    r = client.post(
+        f"/agentkv/v1/trajectories/{tid}/pause",
+        json={
+            "model": "tiny",
+            "agent_hint": {"session_id": tid},
+            "tool": tool,
+            "expected_wait_s": 1.0,
+        },
+    )
+    assert r.status_code == 200, (tid, r.status_code, r.text)
+
+
+def pause_on_holders(fleet: RunningFleet, tid: str, tool: str) -> None:
+    """Round robin spreads a trajectory over replicas: pause it on each one that holds it."""
+    for i in holder(fleet, tid):
         r = httpx.post(
             f"{fleet.replica_urls[i]}/agentkv/v1/trajectories/{tid}/pause",
-            json={
-                "model": "tiny",
-                "agent_hint": {"session_id": tid},
-                "tool": tool,
-                "expected_wait_s": 1.0,
-            },
+            json={"tool": tool, "expected_wait_s": 1.0},
         )
         assert r.status_code == 200, r.text
 
@@ -235,7 +242,7 @@ def test_tier_events_chain_to_device_events(fleet: RunningFleet) -> None:
 
 
 def _run_sessions(
-    fleet: RunningFleet, prefix: str, client: httpx.Client
+    fleet: RunningFleet, prefix: str, client: httpx.Client, affinity: bool = True
 ) -> list[tuple[str, float, list[int], list[int]]]:
     """4 trajectories x TURNS turns, concurrently, a pause after each turn. Returns, per resume
     turn: (trajectory, reuse, replicas holding it before the turn, after)."""
@@ -261,7 +268,10 @@ def _run_sessions(
                 if turn:
                     with lock:
                         out.append((s.tid, reuse(reply), before, after))
-                pause_on_holder(fleet, s.tid, f"{prefix}tool")
+                if affinity:
+                    pause_via_router(client, s.tid, f"{prefix}tool")
+                else:
+                    pause_on_holders(fleet, s.tid, f"{prefix}tool")
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -305,7 +315,7 @@ def test_failover_resumes_from_the_remote_tier(fleet: RunningFleet, valkey: Valk
     sessions = [Session(f"fo{k}") for k in range(2)]
     for s in sessions:
         s.turn(client)
-        pause_on_holder(fleet, s.tid, "fotool")
+        pause_via_router(client, s.tid, "fotool")
     for s in sessions:
         i = holder(fleet, s.tid)[0]
         wait_until(lambda s=s, i=i: offloaded(fleet, i, s.tid), "offload", 30)
@@ -392,7 +402,9 @@ def test_round_robin_without_remote_reuses_less(
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_router(url, proc, log, 60)
-            resumes = _run_sessions(fleet, "rr", httpx.Client(base_url=url, timeout=300))
+            resumes = _run_sessions(
+                fleet, "rr", httpx.Client(base_url=url, timeout=300), affinity=False
+            )
         finally:
             _stop(proc)
             valkey.start()

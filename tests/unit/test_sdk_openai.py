@@ -101,7 +101,16 @@ def test_sync_wrapper_adds_identity_and_tool_waits() -> None:
     assert [h.get("x-session-id") for h in hdrs] == ["oa-1", "oa-1"]
     assert hdrs[0].get("x-trace") == "1"
     pause = next(b for m, p, b in server.calls if p.endswith("/pause"))
-    assert pause == {"tool": "run_tests", "expected_wait_s": 2.0, "branch": "main"}
+    # the routing contract: control calls name the session and model in the body (vllm-router
+    # drops headers on routes it does not know), chat calls carry the same hint
+    assert pause == {
+        "tool": "run_tests",
+        "expected_wait_s": 2.0,
+        "branch": "main",
+        "model": "tiny",
+        "agent_hint": {"session_id": "oa-1"},
+    }
+    assert all(c["agent_hint"] == {"session_id": "oa-1"} for c in chats)
     assert server.paths("POST")[-2:] == [
         "/agentkv/v1/trajectories/oa-1/resume",
         "/v1/chat/completions",

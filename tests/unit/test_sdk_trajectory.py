@@ -241,7 +241,15 @@ async def test_tool_wait_pauses_measures_and_resumes(otel: Any) -> None:
     assert call.decision == {"action": "retain", "lease_s": 30.0}
     assert call.duration_s is not None and call.duration_s >= 0.05
     pause = next(b for m, p, b in server.calls if p.endswith("/pause"))
-    assert pause == {"tool": "pytest", "expected_wait_s": 45, "branch": "main"}
+    assert pause == {
+        "tool": "pytest",
+        "expected_wait_s": 45,
+        "branch": "main",
+        "model": "tiny",
+        "agent_hint": {"session_id": "t-1"},
+    }
+    chat = server.chats()[-1]
+    assert chat["agent_hint"] == {"session_id": "t-1"} and chat["model"] == "tiny"
     assert server.paths()[-1] == "/agentkv/v1/trajectories/t-1/resume"
     assert traj.context.observation[-1]["content"] == "[pytest] 3 passed"
     span = next(s for s in otel[1].get_finished_spans() if s.name == "tool_wait pytest")
@@ -383,7 +391,7 @@ async def test_fork_prune_join() -> None:
     assert bodies[0]["messages"][:3] == bodies[1]["messages"][:3]  # shared prefix
     async with a.tool("pytest", expected_s=0.1):
         pass
-    assert any(b2 == {"branch": "main.1"} for _, p, b2 in server.calls if p.endswith("/resume"))
+    assert any(b2.get("branch") == "main.1" for _, p, b2 in server.calls if p.endswith("/resume"))
     b.prune()
     with pytest.raises(TrajectoryClosedError):
         await b.complete("more")
