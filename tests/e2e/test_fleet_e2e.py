@@ -28,7 +28,7 @@ import pytest
 import zmq
 
 from agentkv.fleet import FleetSpec, RunningFleet, running_fleet
-from agentkv.modelgen import default_model_dir
+from agentkv.modelgen import ensure_model
 from agentkv.tiers.valkey_server import ValkeyProcess
 from tests.e2e.conftest import wait_until
 
@@ -48,9 +48,7 @@ def valkey() -> Iterator[ValkeyProcess]:
 def fleet(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyProcess
 ) -> Iterator[RunningFleet]:
-    model = default_model_dir("tiny")
-    if not (model / "config.json").exists():
-        pytest.skip("the tiny model is not built (agentkv model build-tiny)")
+    model = ensure_model("tiny")  # built offline in seconds when missing
     spec = FleetSpec(
         model=str(model),
         replicas=2,
