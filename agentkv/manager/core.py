@@ -80,7 +80,7 @@ from agentkv.predict import PrefetchOutcomeCounter, WaitPredictor, classify_pref
 
 log = logging.getLogger("agentkv.manager")
 
-JobKind = Literal["store", "load", "promote", "copy_down", "fetch"]
+JobKind = Literal["store", "load", "promote", "copy_down", "fetch", "upload"]
 LoadState = Literal["none", "planned", "in_flight", "ok", "failed"]
 ADMISSION_MAX_WAIT_S = 5.0
 # Counters /status always reports (0 until they happen), so dashboards and tests see every one.
@@ -106,6 +106,8 @@ REPORTED_COUNTERS = (
     "remote_fetches",
     "remote_fetched_blocks",
     "remote_missed_blocks",
+    "remote_uploaded_blocks",
+    "remote_upload_failures",
 )
 # Host use above this fraction (with a disk tier) copies least recently used host blocks down.
 HOST_COPY_DOWN_AT = 0.9
@@ -127,6 +129,7 @@ class ManagerConfig:
     max_trajectories: int = 100_000
     layerwise: bool = False
     admission_wait: bool = False
+    remote_enabled: bool = False  # a shared remote tier: confirmed host copies are uploaded
 
     @property
     def disk_enabled(self) -> bool:
@@ -234,6 +237,8 @@ class TrajectoryManager:
         # publish those keys (a late store, possibly from reused blocks): each late report drops
         # them again, and they are not written anew until every rank reported.
         self._timed_out: dict[int, tuple[list[bytes], TierName, int]] = {}
+        # timed-out upload job -> (keys still pinned, ranks yet to report)
+        self._late_uploads: dict[int, tuple[list[bytes], int]] = {}
         self._poisoned: Counter[bytes] = Counter()
         self._job_ids = itertools.count(1)
         self._timer_seq = itertools.count()
@@ -1010,6 +1015,27 @@ class TrajectoryManager:
         self._outbox.moves.append(MoveJob(job.job_id, "promote", keys))
         self.counters["prefetches"] += 1
 
+    def _upload(self, keys: Sequence[bytes]) -> None:
+        """Copies every rank confirmed (a completed store) go to the shared remote tier too, so
+        another replica can resume the trajectory. Only confirmed copies: a rank's own copy of
+        a store that later failed or timed out may hold bytes the engine overwrote, and the
+        remote tier is content-addressed and shared. The local copy is pinned (a reader) until
+        the upload is reported."""
+        if not self.config.remote_enabled:
+            return
+        ready = []
+        for key in keys:
+            e = self.index.get(key)
+            # Host copies only: the worker's store reads host first, and a host copy the index
+            # does not list (a timed-out job's late rank, its drop still queued) must never be
+            # the one published. Keys a late rank may still write are skipped for the same reason.
+            if e is not None and not e.doomed and e.host and not self._poisoned[key]:
+                self.index.begin_read(key)
+                ready.append(key)
+        if ready:
+            job = self._new_job("upload", ready, "host")
+            self._outbox.moves.append(MoveJob(job.job_id, "upload", ready))
+
     def _maybe_copy_down_lru(self) -> None:
         """Host nearly full with a disk tier: copy least recently used host-only blocks down, so
         making room later only drops host copies that disk also has."""
@@ -1082,12 +1108,23 @@ class TrajectoryManager:
                         req.turn.tier = None
             if not ok:
                 self.counters["load_failures"] += 1
+        elif job.kind == "upload":
+            if timed_out:
+                # A rank may still be reading the copies: they stay pinned (never dropped, so
+                # never rewritten by an unconfirmed store) until every rank reported.
+                self._late_uploads[job.job_id] = (list(job.keys), self.config.tp_size - job.ranks)
+            else:
+                for key in job.keys:
+                    self.index.end_read(key)
+            self.counters["remote_uploaded_blocks" if ok else "remote_upload_failures"] += (
+                len(job.keys) if ok else 1
+            )
         elif job.kind == "fetch":
             got = 0
             for key in job.keys:
                 if self.index.end_write(key, job.tier, ok and key not in job.missing):
                     got += 1
-                elif key not in job.missing:
+                else:  # a rank that did get it must not keep a copy the index does not list
                     unwritten.append(key)
             self.counters["remote_fetched_blocks"] += got
             self.counters["remote_missed_blocks"] += len(job.keys) - got
@@ -1100,8 +1137,9 @@ class TrajectoryManager:
             # Ranks that did write keep no copy the index does not know (a failed job, a drop
             # that overtook the write, a timeout).
             self._outbox.drops.append(DropOp(unwritten, job.tier))
-        if timed_out and job.kind != "load":
-            # Loads write no tier; a store or move may still land on a late rank.
+        if timed_out and job.kind not in ("load", "upload"):
+            # Loads and uploads write no local tier; a store or move may still land on a late
+            # rank.
             self._timed_out[job.job_id] = (
                 list(job.keys),
                 job.tier,
@@ -1131,6 +1169,7 @@ class TrajectoryManager:
                     self._apply_decision(traj, branch, pending[0], pending[1], now)
         if job.kind == "store" and ok:
             self._maybe_copy_down_lru()
+            self._upload(job.keys)
 
     def _drop_host_copies(self, traj: Trajectory, keys: Sequence[bytes]) -> None:
         """After a disk decision's copy-down: host copies that disk now also holds, that no
@@ -1149,7 +1188,19 @@ class TrajectoryManager:
 
     def _late_report(self, job_id: int, ranks: int) -> None:
         """Ranks reported a job after it timed out: what they wrote is dropped again (the index
-        does not list it); its keys may be written anew once every rank reported."""
+        does not list it); its keys may be written anew once every rank reported. A late upload
+        unpins its copies once every rank reported."""
+        upload = self._late_uploads.get(job_id)
+        if upload is not None:
+            keys_up, left_up = upload
+            left_up -= ranks
+            if left_up > 0:
+                self._late_uploads[job_id] = (keys_up, left_up)
+            else:
+                del self._late_uploads[job_id]
+                for key in keys_up:
+                    self.index.end_read(key)
+            return
         late = self._timed_out.get(job_id)
         if late is None:
             return

@@ -6,6 +6,7 @@ Primitives:
   LoadJob         tier -> device blocks the engine allocated for a request
   MoveJob         tier -> tier: 'promote' (disk -> host, a prefetch), 'demote' (host -> disk) or
                   'fetch' (the shared remote tier -> host: a trajectory this replica never saw)
+                  or 'upload' (a confirmed local copy -> the shared remote tier)
   DropOp          forget keys in one tier or all tiers (synchronous on the worker, ordered
                   before the step's other jobs so their slots are free for this step's stores)
   StepPlan        one engine step's jobs, in the order a worker must start them
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 TierName = Literal["host", "disk"]
-MoveKind = Literal["promote", "demote", "fetch"]
+MoveKind = Literal["promote", "demote", "fetch", "upload"]
 KeyProblem = Literal["miss", "corrupt", "error"]
 
 

@@ -174,6 +174,7 @@ class SchedulerSide:
                 max_trajectories=settings.max_trajectories,
                 layerwise=layerwise,
                 admission_wait=settings.admission_wait,
+                remote_enabled=bool(settings.remote_url),
             ),
             self.pinner,
             key_of=self._key_of,

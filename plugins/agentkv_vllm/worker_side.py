@@ -138,9 +138,7 @@ class WorkerSide:
     _layers: list[tuple[str, list[tuple[int, int, int]]]] = field(default_factory=list)
     # this step's layerwise load job ids, and those that failed
     _layerwise_jobs: tuple[list[int], set[int]] = field(default_factory=lambda: ([], set()))
-    _remote_puts: list[_Pending] = field(default_factory=list)
     _fetcher: ThreadPoolExecutor | None = None
-    _remote_put_failures: int = 0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.views = BlockViews(kv_caches, self.num_blocks)
@@ -250,6 +248,8 @@ class WorkerSide:
                 moving: TransferHandle | Future[list[Any]]
                 if move.kind == "fetch":
                     moving = self._fetch_pool().submit(self._fetch_remote, keys)
+                elif move.kind == "upload":
+                    moving = store.copy_to_remote(keys)
                 elif move.kind == "promote":
                     moving = store.promote(keys)
                 else:
@@ -258,7 +258,7 @@ class WorkerSide:
                 log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
                 self._done(move.job_id, ok=False)
                 continue
-            tier = "disk" if move.kind == "demote" else "host"
+            tier = {"demote": "disk", "upload": "remote"}.get(move.kind, "host")
             self._jobs.append(
                 _Pending(
                     moving,
@@ -460,8 +460,6 @@ class WorkerSide:
             for r, logical in zip(results, p.keys, strict=True):
                 if not r.ok:
                     self._bad(logical, r)
-            if ok and p.ref[0] == "offload" and p.ref[1] == "host":
-                self._write_through(p)
             if not ok:
                 log.warning(
                     "agentkv: %s job %d: %d/%d blocks failed (%s)",
@@ -472,9 +470,9 @@ class WorkerSide:
                     [str(r.error) for r in results if not r.ok][:1],
                 )
             self._done(p.job_id, ok)
-            self._report.transfers[p.ref] = (p.nbytes, now - p.started)
+            kind = "offload" if p.ref[0] == "upload" else p.ref[0]  # the online profile's name
+            self._report.transfers[(kind, p.ref[1], p.ref[2])] = (p.nbytes, now - p.started)
         self._jobs = still
-        self._poll_remote(now)
         still = []
         for p in self._loads:
             assert p.load is not None
@@ -543,41 +541,6 @@ class WorkerSide:
                 results[i] = BlockResult(keys[i], BlockStatus.ERROR, "remote", None)
         return results
 
-    def _write_through(self, stored: _Pending) -> None:
-        """A host offload is also written to the shared remote tier (another replica resumes
-        the trajectory from it). Fire and forget: the manager never waits on it, a failure
-        costs only that replica a recompute."""
-        if self.store is None or self.store.remote is None:
-            return
-        keys = [self.rank_key(k) for k in stored.keys]
-        try:
-            handle = self.store.copy_to_remote(keys)
-        except Exception as exc:
-            log.warning("agentkv: remote write-through failed to start: %s", exc)
-            return
-        self._remote_puts.append(
-            _Pending(
-                handle, time.monotonic(), stored.nbytes, 0, ("offload", "remote", stored.ref[2]), []
-            )
-        )
-
-    def _poll_remote(self, now: float) -> None:
-        still = []
-        for p in self._remote_puts:
-            if not p.handle.done():
-                still.append(p)
-                continue
-            results = p.handle.result()
-            written = sum(r.ok for r in results)
-            if written < len(results):
-                self._remote_put_failures += len(results) - written
-            if written:
-                self._report.transfers[p.ref] = (
-                    p.nbytes * written // len(results),
-                    now - p.started,
-                )
-        self._remote_puts = still
-
     def load_error_block_ids(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
@@ -590,7 +553,7 @@ class WorkerSide:
 
     @property
     def busy(self) -> bool:
-        return bool(self._jobs or self._loads or self._remote_puts)
+        return bool(self._jobs or self._loads)
 
     def shutdown(self) -> None:
         self.finish_step()

@@ -212,8 +212,8 @@ class SimWorkers:
         self.tiers: list[dict[str, dict[bytes, bytes | None]]] = [
             {"host": {}, "disk": {}} for _ in range(tp_size)
         ]
-        # the shared remote tier, per rank (keys are rank-salted in the real system): every host
-        # store that completes is written through to it, as the worker does
+        # the shared remote tier, per rank (keys are rank-salted in the real system): filled by
+        # the manager's upload jobs, read by its fetch jobs
         self.remote: list[dict[bytes, bytes | None]] = [{} for _ in range(tp_size)]
         self.pending: list[Pending] = []
         self.silent: set[int] = set()
@@ -287,8 +287,6 @@ class SimWorkers:
                 for t, before in zip(job.blocks, p.snapshot, strict=True):
                     now = pool.content[rank][t.block_id]
                     self._put(rank, job.tier, t.key, now if now == before else GARBAGE)
-                    if job.tier == "host":
-                        self.remote[rank][t.key] = self.tiers[rank]["host"][t.key]
             else:
                 rep.jobs_failed.add(job.job_id)
             rep.transfers[("offload", job.tier, str(job.job_id))] = (len(job.blocks), 0.001)
@@ -318,6 +316,20 @@ class SimWorkers:
                 rep.jobs_failed.add(load.job_id)
             rep.transfers[("reload", "host", str(load.job_id))] = (len(load.blocks), 0.001)
             self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
+        elif p.job.kind == "upload":
+            up: MoveJob = p.job
+            for key in up.keys:
+                tiers = self.tiers[rank]
+                src = tiers["host"].get(key, tiers["disk"].get(key))
+                if not ok or (key not in tiers["host"] and key not in tiers["disk"]):
+                    rep.jobs_failed.add(up.job_id)
+                    continue
+                if src is None or src == GARBAGE or key_of(src) != key:
+                    self.violations.append(
+                        f"upload {up.job_id} rank {rank}: {key.hex()[:8]} would publish wrong "
+                        f"KV to the shared remote tier ({src!r:.20})"
+                    )
+                self.remote[rank][key] = src
         elif p.job.kind == "fetch":
             fetch: MoveJob = p.job
             for key in fetch.keys:

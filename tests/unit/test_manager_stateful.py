@@ -82,6 +82,7 @@ class ManagerMachine(RuleBasedStateMachine):
             layerwise=layerwise,
             high_water=0.75,
             admission_wait=admission_wait,
+            remote_enabled=True,
         )
         # 1 MiB blocks: a 10-block context reloads from host in 0.1 s, from disk in 0.12 s, and
         # recomputes in 0.4 s; break-even waits are ~0.1-0.3 s, so declared waits from 0 to
