@@ -30,6 +30,7 @@ Memory is bounded by ``max_blocks`` (oldest notes go first).
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -44,8 +45,8 @@ class TierEvents:
         self.block_size = block_size
         self.max_blocks = max(1024, max_blocks)
         self._hash_of: OrderedDict[bytes, bytes] = OrderedDict()
-        # engine hash -> (parent hash or None, the block's token ids)
-        self._info: OrderedDict[bytes, tuple[bytes | None, tuple[int, ...]]] = OrderedDict()
+        # engine hash -> (parent hash or None, the block's token ids; 4 bytes each, not 28)
+        self._info: OrderedDict[bytes, tuple[bytes | None, array[int]]] = OrderedDict()
         self.skipped = 0
 
     def note_key(self, key: bytes, block_hash: bytes) -> None:
@@ -63,7 +64,7 @@ class TierEvents:
         for i in range(n):
             h = bytes(block_hashes[i])
             if h not in self._info:
-                self._info[h] = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+                self._info[h] = (parent, array("i", token_ids[i * bs : (i + 1) * bs]))
                 if len(self._info) > self.max_blocks:
                     self._info.popitem(last=False)
             parent = h

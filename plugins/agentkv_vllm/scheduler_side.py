@@ -192,7 +192,8 @@ class SchedulerSide:
         self.events: TierEvents | None = None
         self._reannounce = False
         if kv_events_config is not None and kv_events_config.enable_kv_cache_events:
-            self.events = TierEvents(self.block_size, 2 * (host_blocks + disk_blocks) + 65536)
+            # notes for every tier copy plus the blocks of requests still running or in grace
+            self.events = TierEvents(self.block_size, 2 * (host_blocks + disk_blocks) + 8192)
             self.manager.record_tier_changes()
         self.cpu = _CpuClock()
         self.worker_pids: dict[int, int] = {}
