@@ -457,6 +457,17 @@ class WorkerSide:
                     )
                 continue
             ok = all(r.ok for r in results)
+            if p.ref[0] == "upload":
+                # The remote tier failed, not the local copy: nothing local is lost (the remote
+                # client logs the cause, rate-limited); the manager counts the failed job.
+                self._done(p.job_id, ok)
+                if any(r.ok for r in results):
+                    sent = p.nbytes * sum(r.ok for r in results) // len(results)
+                    self._report.transfers[("offload", "remote", p.ref[2])] = (
+                        sent,
+                        now - p.started,
+                    )
+                continue
             for r, logical in zip(results, p.keys, strict=True):
                 if not r.ok:
                     self._bad(logical, r)
@@ -470,8 +481,7 @@ class WorkerSide:
                     [str(r.error) for r in results if not r.ok][:1],
                 )
             self._done(p.job_id, ok)
-            kind = "offload" if p.ref[0] == "upload" else p.ref[0]  # the online profile's name
-            self._report.transfers[(kind, p.ref[1], p.ref[2])] = (p.nbytes, now - p.started)
+            self._report.transfers[p.ref] = (p.nbytes, now - p.started)
         self._jobs = still
         still = []
         for p in self._loads:
@@ -517,6 +527,13 @@ class WorkerSide:
     def _fetch_remote(self, keys: list[BlockKey]) -> list[Any]:
         """Remote -> host for a fetch job (a thread of its own: network I/O). One result per
         key; only verified blocks of this rank's exact size are stored."""
+        try:
+            return self._fetch_remote_into_host(keys)
+        except Exception as exc:  # a tier fault costs a recompute, never the engine
+            log.warning("agentkv: remote fetch failed: %s", exc)
+            return [BlockResult(k, BlockStatus.ERROR, "remote", None) for k in keys]
+
+    def _fetch_remote_into_host(self, keys: list[BlockKey]) -> list[Any]:
         store = self.store
         assert store is not None and store.remote is not None and self.views is not None
         size = self.views.block_bytes
