@@ -9,9 +9,12 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    from agentkv.tiers.remote import RemoteConfig
 
 
 def _default_run_dir() -> str:
@@ -129,7 +132,7 @@ class ConnectorSettings(BaseModel):
             RemoteConfig.parse(value)  # ConfigError (a ValueError) names the bad part
         return value or None
 
-    def remote_config(self) -> Any:
+    def remote_config(self) -> RemoteConfig | None:
         """The remote tier's RemoteConfig, or None without one."""
         if not self.remote_url:
             return None
