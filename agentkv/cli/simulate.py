@@ -32,6 +32,18 @@ BENCH_TOKEN_SCALE = 1.125
 # per trajectory, but not the exact numbers of `agentkv bench agents`, which also draws words).
 EXACT_PLAN_MAX_TURNS = 3000
 
+# Rows that mean nothing when a horizon cut an unbounded overload short (queues still growing).
+LATENCY_ROWS = frozenset(
+    {
+        "resume_ttft_p50_s",
+        "resume_ttft_p99_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "jct_mean_s",
+        "makespan_s",
+    }
+)
+
 SHOWN: tuple[tuple[str, str], ...] = (
     ("resume_ttft_p50_s", "resume TTFT p50 (s)"),
     ("resume_ttft_p99_s", "resume TTFT p99 (s)"),
@@ -44,6 +56,7 @@ SHOWN: tuple[tuple[str, str], ...] = (
     ("tier_hit_tokens", "tokens loaded from tiers"),
     ("decode_tok_s", "decode throughput per sequence (tok/s)"),
     ("makespan_s", "makespan (s)"),
+    ("engine_busy", "engine busy (measured utilization)"),
     ("kv_usage_mean", "device KV in use, mean"),
     ("demotions", "demotions (pins given up)"),
     ("evicted_blocks", "device blocks evicted"),
@@ -135,9 +148,24 @@ def _table(results: dict[str, SimResult]) -> Any:
     if len(van) == 1 and len(akv) == 1:
         pair = (akv[0], van[0])
         table.add_column("agentkv / vanilla", justify="right")
+    loads = [results[k].load for k in labels]
+    if any(x is not None for x in loads):
+        table.add_row(
+            "offered load (utilization, peak)",
+            *[f"{x.utilization:.2f}" if x is not None else "-" for x in loads],
+            *([""] if pair else []),
+        )
     for key, name in SHOWN:
-        row = [name] + [_fmt(results[k].summary.to_dict().get(key)) for k in labels]
-        if pair is not None:
+        row = [name] + [
+            "overloaded"
+            if results[k].truncated and key in LATENCY_ROWS
+            else _fmt(results[k].summary.to_dict().get(key))
+            for k in labels
+        ]
+        cut = pair is not None and any(results[k].truncated for k in pair)
+        if pair is not None and cut and key in LATENCY_ROWS:
+            row.append("-")
+        elif pair is not None:
             a = results[pair[0]].summary.to_dict().get(key)
             v = results[pair[1]].summary.to_dict().get(key)
             ok = isinstance(a, (int, float)) and isinstance(v, (int, float)) and v
@@ -260,6 +288,12 @@ def simulate_cmd(
         help="A measured run (tests/unit/fixtures/simulate/*.json or a bench report.json): "
         "prints simulated vs measured with relative errors.",
     ),
+    full: bool = typer.Option(
+        False,
+        "--full",
+        help="Simulate an unbounded overload to its end (default: stop after ten median "
+        "trajectories, report the utilization, a warning and the smallest fleet that carries it).",
+    ),
     plot: Path | None = typer.Option(None, "--plot", help="Write PNG plots into this folder."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
 ) -> None:
@@ -279,6 +313,7 @@ def simulate_cmd(
     from agentkv.errors import AgentKVError
     from agentkv.simulate.costs import BENCH_SMALL_CPU, load_calibration
     from agentkv.simulate.fleet import FleetConfig, simulate
+    from agentkv.simulate.load import offered_load
     from agentkv.simulate.policies import POLICIES
     from agentkv.simulate.routers import ROUTERS
 
@@ -315,6 +350,13 @@ def simulate_cmd(
         _search(workload, base, combos, slo_ttft_p99, max_replicas, as_json, plot, rate, console)
         return
 
+    load = offered_load(workload, costs, num_blocks, replicas)
+    if not full:
+        base = replace(base, horizon_s=load.horizon_s())
+    warning = load.warning()
+    if warning:
+        Console(stderr=True).print(f"[bold red]warning:[/] {warning}", soft_wrap=True)
+
     def run_all(on_progress: Any) -> dict[str, SimResult]:
         out: dict[str, SimResult] = {}
         for r, p in combos:
@@ -323,7 +365,7 @@ def simulate_cmd(
             def step(phase: str, done: int, total: int, label: str = label) -> None:
                 on_progress(f"{label}: {phase}", done, total)
 
-            out[label] = simulate(workload, replace(base, router=r, policy=p), step)
+            out[label] = simulate(workload, replace(base, router=r, policy=p), step, load)
         return out
 
     results = with_progress(run_all)
@@ -352,6 +394,7 @@ def simulate_cmd(
                         "turns": workload.turns,
                     },
                     "costs": costs.to_dict(),
+                    "load": load.to_dict(),
                     "results": {k: v.to_dict(with_samples=True) for k, v in results.items()},
                     "compare": [r.to_dict() for r in measured_rows] if measured_rows else None,
                     "plots": plots,

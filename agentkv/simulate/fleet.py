@@ -3,8 +3,10 @@
 Primitives:
   FleetConfig       replicas, router (and mu, gamma), KV policy (and the retain TTL), pool size,
                     tier sizes, engine costs, sampling interval
-  SimResult         the Summary, the occupancy samples, the wall time the simulation took
-  simulate(workload, config, on_progress=None) -> SimResult    deterministic in its inputs
+  SimResult         the Summary, the occupancy samples, the wall time the simulation took, the
+                    offered load (agentkv.simulate.load) and whether a horizon cut the run short
+  simulate(workload, config, on_progress=None, load=None) -> SimResult  deterministic in its
+                    inputs
 
 A trajectory sends turn 1 at its start time; the router picks a replica; the replica runs it;
 when the answer is complete the replica's policy decides what to do during the coming tool
@@ -24,6 +26,7 @@ from typing import Any
 import simpy
 
 from agentkv.simulate.costs import BENCH_SMALL_CPU, EngineCosts
+from agentkv.simulate.load import OfferedLoad
 from agentkv.simulate.metrics import Recorder, Summary
 from agentkv.simulate.policies import make_policy
 from agentkv.simulate.replica import GIB, Replica, Request
@@ -48,12 +51,17 @@ class FleetConfig:
     retain_ttl_s: float = 60.0
     sample_interval_s: float = 0.5
     costs: EngineCosts = field(default=BENCH_SMALL_CPU)
+    horizon_s: float | None = None
+    """Stop simulating this long after the first arrival (None: run every trajectory to its
+    end); turns not finished by then are not in the summary. For unbounded overloads."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.num_blocks < 1:
             raise ValueError("replicas and num_blocks must be >= 1")
         if self.sample_interval_s <= 0:
             raise ValueError("sample_interval_s must be positive")
+        if self.horizon_s is not None and not self.horizon_s > 0:
+            raise ValueError("horizon_s must be positive")
 
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
@@ -69,12 +77,17 @@ class SimResult:
     wall_s: float
     ttft: list[float] = field(default_factory=list)
     resume_ttft: list[float] = field(default_factory=list)
+    load: OfferedLoad | None = None
+    truncated: bool = False
+    """The run stopped at ``config.horizon_s`` with turns still queued."""
 
     def to_dict(self, with_samples: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
             "config": self.config.describe(),
             "summary": self.summary.to_dict(),
             "wall_s": round(self.wall_s, 3),
+            "load": self.load.to_dict() if self.load is not None else None,
+            "truncated": self.truncated,
         }
         if with_samples:
             out["samples"] = {
@@ -131,6 +144,7 @@ class _Fleet:
         self.on_progress = on_progress
         self.progress_every = max(1, self.total_turns // 200)
         self.all_done = self.env.event()
+        self.truncated = False
 
     def _trajectory(self, t: SimTrajectory) -> Generator[simpy.Event, Any, None]:
         env = self.env
@@ -232,7 +246,12 @@ class _Fleet:
             raise ValueError("the workload has no trajectories")
         env.process(self._arrivals())
         env.process(self._sampler())
-        env.run(until=self.all_done)
+        stop: simpy.Event = self.all_done
+        if self.cfg.horizon_s is not None:
+            first = min(t.start_s for t in self.workload.trajectories)
+            stop = self.all_done | env.timeout(first + self.cfg.horizon_s - env.now)
+        env.run(until=stop)
+        self.truncated = not self.all_done.triggered
         reps = self.replicas
         tiers = [t for r in reps for t in (r.host, r.disk) if t is not None]
         if self.remote is not None:
@@ -252,13 +271,18 @@ class _Fleet:
             sum(t.bytes_read for t in tiers),
             sum(r.steps for r in reps),
             decisions,
+            sum(r.busy_s for r in reps) / max(1e-9, len(reps) * (env.now - self.first_sent)),
         )
 
 
 def simulate(
-    workload: SimWorkload, config: FleetConfig, on_progress: ProgressFn | None = None
+    workload: SimWorkload,
+    config: FleetConfig,
+    on_progress: ProgressFn | None = None,
+    load: OfferedLoad | None = None,
 ) -> SimResult:
-    """Run ``workload`` on the fleet ``config`` describes; deterministic in its inputs."""
+    """Run ``workload`` on the fleet ``config`` describes; deterministic in its inputs.
+    ``load`` (``offered_load`` of the same workload and fleet) is attached to the result."""
     t0 = time.perf_counter()
     fleet = _Fleet(workload, config, on_progress)
     summary = fleet.run()
@@ -269,4 +293,6 @@ def simulate(
         time.perf_counter() - t0,
         list(fleet.rec.ttft),
         list(fleet.rec.resume_ttft),
+        load,
+        fleet.truncated,
     )

@@ -73,6 +73,8 @@ class Summary:
     engine_steps: int
     decisions: dict[str, int] = field(default_factory=dict)
     hit_rate_by_turn: dict[str, float] = field(default_factory=dict)
+    engine_busy: float | None = None
+    """Fraction of the run the replicas' engines were stepping (measured utilization)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -145,6 +147,7 @@ class Recorder:
         tier_read: float,
         steps: int,
         decisions: dict[str, int],
+        engine_busy: float | None = None,
     ) -> Summary:
         usage = [s[1] for s in self.samples]
         return Summary(
@@ -182,4 +185,5 @@ class Recorder:
             engine_steps=steps,
             decisions=dict(sorted(decisions.items())),
             hit_rate_by_turn={str(k): v[0] / max(1, v[1]) for k, v in sorted(self.by_turn.items())},
+            engine_busy=engine_busy,
         )

@@ -120,3 +120,29 @@ def test_a_trace_runs_with_the_bench_flags() -> None:
     assert (
         out["results"]["session-affinity/agentkv"]["summary"]["turns"] == out["workload"]["turns"]
     )
+
+
+def test_an_unbounded_overload_is_reported_as_such_not_as_hours_of_ttft() -> None:
+    # 300 trajectories starting together on one replica: a backlog of hours.
+    args = ["simulate", "-n", "300", "-t", "4", "--time-scale", "0", "--policy", "vanilla"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    load = out["load"]
+    assert load["overloaded"] and load["unbounded"] and load["utilization"] > 10
+    assert load["min_replicas"] > 10 and "smallest fleet" in load["warning"]
+    run = out["results"]["session-affinity/vanilla"]
+    assert run["truncated"] and run["summary"]["engine_busy"] > 0.9
+    assert run["summary"]["turns"] < 300 * 4  # stopped at the horizon, not hours later
+    table = runner.invoke(app, args)
+    assert "overloaded" in table.output and "smallest fleet that carries it" in table.output
+    full = runner.invoke(app, [*args, "-n", "40", "--json", "--full"])
+    assert not json.loads(full.stdout)["results"]["session-affinity/vanilla"]["truncated"]
+
+
+def test_a_saturated_small_population_is_simulated_to_its_end() -> None:
+    result = runner.invoke(app, ["simulate", "--policy", "agentkv", "--json"])
+    out = json.loads(result.stdout)
+    assert out["load"]["overloaded"] and not out["load"]["unbounded"]
+    run = out["results"]["session-affinity/agentkv"]
+    assert not run["truncated"] and run["summary"]["turns"] == 30
