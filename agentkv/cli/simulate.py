@@ -311,7 +311,7 @@ def simulate_cmd(
     from rich.console import Console
 
     from agentkv.errors import AgentKVError
-    from agentkv.simulate.costs import BENCH_SMALL_CPU, load_calibration
+    from agentkv.simulate.costs import BENCH_SMALL_CPU, Provenance, load_calibration
     from agentkv.simulate.fleet import FleetConfig, simulate
     from agentkv.simulate.load import offered_load
     from agentkv.simulate.policies import POLICIES
@@ -326,6 +326,9 @@ def simulate_cmd(
         workload = _workload(trace, sessions or trajectories, turns, time_scale, token_scale, seed)
     except (AgentKVError, ValueError) as exc:
         fail(str(exc))
+    err = Console(stderr=True)
+    for note in costs.notes:
+        err.print(f"[yellow]calibration:[/] {note}", soft_wrap=True)
     if rate is not None:
         if rate <= 0:
             fail("--rate must be positive")
@@ -355,7 +358,7 @@ def simulate_cmd(
         base = replace(base, horizon_s=load.horizon_s())
     warning = load.warning()
     if warning:
-        Console(stderr=True).print(f"[bold red]warning:[/] {warning}", soft_wrap=True)
+        err.print(f"[bold red]warning:[/] {warning}", soft_wrap=True)
 
     def run_all(on_progress: Any) -> dict[str, SimResult]:
         out: dict[str, SimResult] = {}
@@ -405,13 +408,16 @@ def simulate_cmd(
     console.print(
         f"{workload.name}: {len(workload.trajectories)} trajectories, {workload.turns} turns; "
         f"{replicas} replica(s) of {num_blocks} blocks, host {host_capacity_gib:g} GiB; "
-        f"engine {costs.name}"
+        f"engine {costs.name} ({costs.provenance})"
     )
     console.print(_table(results))
     if measured_rows:
         from rich.table import Table
 
-        t = Table(title="simulated vs measured", title_justify="left")
+        title = "simulated vs measured"
+        if costs.provenance is Provenance.FITTED_TO_RUN:
+            title += " (engine costs fitted to the run: not a held-out prediction)"
+        t = Table(title=title, title_justify="left")
         for c in ("config", "metric", "simulated", "measured", "error", "within 25%"):
             t.add_column(c, justify="left" if c in ("config", "metric") else "right")
         for row in measured_rows:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,25 @@ from agentkv.errors import ConfigError
 from agentkv.policy import CostModel, recompute_seconds
 
 CALIBRATION_SCHEMA = "agentkv-simulate-calibration/1"
+ENGINE_PROFILE_SCHEMA = "agentkv-engine-profile/1"
 BENCH_REPORT_SCHEMA = "agentkv-bench-agents/1"
 TRACE_REPORT_SCHEMA = "agentkv-bench-trace/1"
+
+
+class Provenance(StrEnum):
+    """Where a calibration's numbers come from, which says what a prediction made with it is
+    worth: only a profile not taken from the run being predicted makes a held-out prediction."""
+
+    BUILTIN = "built-in"
+    PROFILE_UNDER_LOAD = "profile under load"
+    """``agentkv calibrate --load``: the engine measured on its own, under load."""
+    HARDWARE_PROFILE = "hardware profile"
+    """``agentkv calibrate``: bandwidths and one prefill rate."""
+    FITTED_TO_RUN = "fitted to the run"
+    """A bench or trace-bench report: the costs come from the run they are compared with."""
+    PRESET = "hardware preset"
+    """Published figures (agentkv.hardware): a GPU on paper."""
+    CUSTOM = "custom"
 
 
 @dataclass(frozen=True)
@@ -71,8 +89,14 @@ class EngineCosts:
     """FLOP rate of the attention term (4*L*d per token per context token) at short contexts;
     None: the same as ``prefill_flops_per_s``. On CPU the two differ: GEMMs run near peak,
     attention does not."""
+    layerwise_overlap: bool = False
+    """Tier loads overlap the prefill layer by layer (vLLM's KV connectors load layer i+1 while
+    layer i computes): a resume waits max(load, prefill) instead of their sum."""
     name: str = "custom"
     source: str = ""
+    provenance: Provenance = Provenance.CUSTOM
+    notes: tuple[str, ...] = ()
+    """What a fit could not carry and fell back on (shown as warnings)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -147,7 +171,10 @@ class EngineCosts:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": CALIBRATION_SCHEMA, **asdict(self)}
+        out = {"schema": CALIBRATION_SCHEMA, **asdict(self)}
+        out["provenance"] = str(self.provenance)
+        out["notes"] = list(self.notes)
+        return out
 
 
 # The bench's engine: the embedded `small` preset (12 layers, hidden 1024, 4 KV heads of 64,
@@ -171,6 +198,7 @@ BENCH_SMALL_CPU = EngineCosts(
     policy_prefill_known=False,
     name="bench-small-cpu",
     source="agentkv built-in: the embedded small model on the 2-core bench VM",
+    provenance=Provenance.BUILTIN,
 )
 
 
@@ -183,6 +211,11 @@ def _from_own(data: dict[str, Any], where: str) -> EngineCosts:
     values = {k: v for k, v in data.items() if k in known}
     values.setdefault("source", where)
     values.setdefault("name", "custom")
+    try:
+        values["provenance"] = Provenance(values.get("provenance", Provenance.CUSTOM))
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    values["notes"] = tuple(str(n) for n in values.get("notes", ()))
     try:
         return replace(start, **values)
     except TypeError as exc:
@@ -201,6 +234,7 @@ def _from_profile(data: dict[str, Any], where: str, base: EngineCosts) -> Engine
         "policy_host_link_bytes_per_s": None,
         "source": where,
         "name": "profile",
+        "provenance": Provenance.HARDWARE_PROFILE,
     }
     if prof.disk_write_bytes_per_s and prof.disk_read_bytes_per_s:
         changes["disk_write_bytes_per_s"] = prof.disk_write_bytes_per_s
@@ -227,42 +261,56 @@ def _from_bench_report(data: dict[str, Any], where: str, base: EngineCosts) -> E
     if not flops or not makespan:
         raise ConfigError(f"{where}: the bench report has no vanilla turns to fit a rate on")
     return replace(
-        base, prefill_flops_per_s=flops / float(makespan), source=where, name="bench-report"
+        base,
+        prefill_flops_per_s=flops / float(makespan),
+        source=where,
+        name="bench-report",
+        provenance=Provenance.FITTED_TO_RUN,
     )
 
 
 def fit_rounds(rounds: list[dict[str, Any]], base: EngineCosts, where: str) -> EngineCosts:
     """Engine costs fitted to measured turns of a run where nothing was evicted (the trace
     bench's oracle): the step overhead is the median time per decoded token; the linear and
-    attention costs come from TTFT = a + n * linear + n * (c + n) * attention by least squares
-    over every turn (n tokens prefilled after c cached). The intercept ``a`` (the prefill
-    step's own overhead plus part of the step in progress) is left to the engine model."""
-    import numpy as np
+    attention costs come from TTFT = a + n * linear + n * (c + n) * attention by non-negative
+    least squares over every turn (n tokens prefilled after c cached; ``fit.fit_prefill``: a
+    term the data cannot carry falls back to ``base``'s, noted). The intercept ``a`` (the
+    prefill step's own overhead plus part of the step in progress) is left to the engine model.
+    Labelled FITTED_TO_RUN: comparing its predictions with the same run is not held out."""
+    from statistics import median
 
-    rows, ttft, per_token = [], [], []
+    from agentkv.simulate.fit import fit_prefill
+
+    samples: list[tuple[int, int, float]] = []
+    per_token: list[float] = []
     for r in rounds:
         prompt, cached = int(r.get("prompt_tokens", 0)), int(r.get("cached_tokens", 0))
-        n = max(0, prompt - cached)
-        rows.append([1.0, float(n), float(n) * (cached + n)])
-        ttft.append(float(r.get("ttft_s", 0.0)))
+        ttft = float(r.get("ttft_s", 0.0))
+        samples.append((max(0, prompt - cached), cached, ttft))
         out = int(r.get("completion_tokens", 0))
         if out > 1:
-            per_token.append((float(r.get("latency_s", 0.0)) - ttft[-1]) / (out - 1))
-    if len(rows) < 10 or not per_token:
-        raise ConfigError(f"{where}: too few measured turns to fit engine costs on")
-    (_, lin, attn), *_ = np.linalg.lstsq(np.array(rows), np.array(ttft), rcond=None)
-    if not (lin > 0 and attn > 0):
-        raise ConfigError(f"{where}: the fit gave non-positive costs ({lin}, {attn})")
-    step = float(np.median(per_token))
+            per_token.append((float(r.get("latency_s", 0.0)) - ttft) / (out - 1))
+    notes: list[str] = [f"fitted to the run: {where}"]
+    if len(samples) < 10:
+        notes.append(f"too few measured turns ({len(samples)}) to fit on; kept {base.name}'s")
+        return replace(base, source=where, provenance=Provenance.FITTED_TO_RUN, notes=tuple(notes))
+    fit = fit_prefill(samples, base)
+    notes.extend(fit.notes)
+    step = median(per_token) if per_token else base.step_overhead_s
+    if step <= 0:
+        notes.append(f"non-positive time per decoded token; kept {base.name}'s step overhead")
+        step = base.step_overhead_s
     return replace(
         base,
-        prefill_flops_per_s=2.0 * base.model_params / float(lin),
-        attention_flops_per_s=4.0 * base.num_layers * base.hidden_size / float(attn),
+        prefill_flops_per_s=2.0 * base.model_params / fit.linear_s_per_token,
+        attention_flops_per_s=4.0 * base.num_layers * base.hidden_size / fit.attention_s_per_pair,
         step_overhead_s=step,
         request_overhead_s=0.0,
         policy_prefill_known=True,
         source=where,
         name="fitted",
+        provenance=Provenance.FITTED_TO_RUN,
+        notes=tuple(notes),
     )
 
 

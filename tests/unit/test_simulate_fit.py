@@ -1,0 +1,55 @@
+"""Constrained fits of engine costs: non-negative, monotone, a warning instead of an error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentkv.simulate.costs import BENCH_SMALL_CPU, Provenance, load_calibration
+
+FIXTURES = Path(__file__).parent / "fixtures/simulate"
+
+
+def test_a_report_whose_unconstrained_fit_is_negative_still_calibrates_with_a_warning() -> None:
+    # Issue 28: "the fit gave non-positive costs (0.0108, -1.7e-06)" was a ConfigError.
+    costs = load_calibration(FIXTURES / "trace_report_negative_fit.json")
+    assert costs.provenance is Provenance.FITTED_TO_RUN
+    assert costs.linear_s_per_token > 0 and costs.attention_s_per_pair > 0
+    assert any("attention" in n for n in costs.notes)
+    # Monotone: more new tokens, or more cached context, never cost less.
+    for n in (10, 100, 1000):
+        assert costs.prefill_s(n + 1, 500) > costs.prefill_s(n, 500)
+        assert costs.prefill_s(n, 2000) >= costs.prefill_s(n, 0)
+
+
+def test_nnls_is_least_squares_when_that_is_feasible_and_clamps_when_not() -> None:
+    from agentkv.simulate.fit import nnls
+
+    rows = [[1.0, float(x)] for x in range(10)]
+    assert nnls(rows, [2.0 + 3.0 * x for x in range(10)]) == pytest.approx([2.0, 3.0])
+    # A falling line: the best non-negative answer is a flat one at the mean.
+    a, b = nnls(rows, [10.0 - x for x in range(10)])
+    assert b == 0.0 and a == pytest.approx(5.5)
+
+
+def test_fit_prefill_recovers_known_costs_and_notes_nothing() -> None:
+    from agentkv.simulate.fit import fit_prefill
+
+    samples = [
+        (n, c, 0.05 + 2e-4 * n + 5e-8 * n * (c + n))
+        for n in (64, 256, 1024, 2048)
+        for c in (0, 1000, 4000)
+    ]
+    fit = fit_prefill(samples, BENCH_SMALL_CPU)
+    assert fit.linear_s_per_token == pytest.approx(2e-4, rel=1e-6)
+    assert fit.attention_s_per_pair == pytest.approx(5e-8, rel=1e-6)
+    assert fit.notes == ()
+
+
+def test_flat_samples_fall_back_to_the_base_with_a_note() -> None:
+    from agentkv.simulate.fit import fit_decode, fit_prefill
+
+    fit = fit_prefill([(n, 0, 0.3) for n in (10, 100, 1000)], BENCH_SMALL_CPU)
+    assert fit.linear_s_per_token == BENCH_SMALL_CPU.linear_s_per_token and fit.notes
+    assert fit_decode([], BENCH_SMALL_CPU).overhead_s == BENCH_SMALL_CPU.step_overhead_s
