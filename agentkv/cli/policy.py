@@ -281,9 +281,28 @@ def calibrate_cmd(
     as_json: bool = typer.Option(
         False, "--json", help="Print the profile as JSON on stdout (progress goes to stderr)."
     ),
+    load: bool = typer.Option(
+        False,
+        "--load",
+        help="With --server: measure the engine under load (prefill vs chunk and context, "
+        "decode step vs batch and context, admission) and write an engine profile for "
+        "`agentkv simulate --calibration` (docs/simulate.md) to --output.",
+    ),
+    max_batched_tokens: int = typer.Option(
+        2048, "--max-batched-tokens", help="With --load: the server's max_num_batched_tokens."
+    ),
 ) -> None:
     """Measure this machine (host copy, host<->device, disk, prefill) and save the profile."""
     from rich.console import Console
+
+    if load:
+        from agentkv.cli.simulate import calibrate_load
+
+        if server is None:
+            fail("--load needs --server")
+        assert server is not None
+        calibrate_load(server, model, max_batched_tokens, output, as_json)
+        return
 
     from agentkv.calibrate import calibrate
     from agentkv.errors import ConfigError, EngineUnavailableError

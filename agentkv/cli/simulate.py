@@ -529,6 +529,46 @@ def _workload(
     return bench_workload(cfg, token_scale if token_scale is not None else BENCH_TOKEN_SCALE)
 
 
+def calibrate_load(
+    server: str, model: str | None, max_batched_tokens: int, output: Path | None, as_json: bool
+) -> None:
+    """``agentkv calibrate --load``: measure the engine at ``server`` under load and write its
+    profile (``agentkv.simulate.engine_profile``)."""
+    from rich.console import Console
+
+    from agentkv.errors import AgentKVError
+    from agentkv.simulate.costs import BENCH_SMALL_CPU
+    from agentkv.simulate.engine_profile import build_profile, measure_under_load
+
+    err = Console(stderr=True)
+    target = output if output is not None else Path("engine_profile.json")
+    try:
+        with err.status("calibrating under load") as status:
+            samples = measure_under_load(
+                server,
+                model=model,
+                max_batched_tokens=max_batched_tokens,
+                progress=lambda line: status.update(f"measuring {line}"),
+            )
+        profile = build_profile(samples, BENCH_SMALL_CPU)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(profile, indent=1), encoding="utf-8")
+    except (AgentKVError, OSError) as exc:
+        fail(str(exc))
+    for note in profile["notes"]:
+        err.print(f"[yellow]fit:[/] {note}", soft_wrap=True)
+    if as_json:
+        typer.echo(json.dumps({"profile": profile, "path": str(target)}))
+        return
+    costs = profile["costs"]
+    typer.echo(
+        f"engine profile of {profile['model']} written to {target}: linear "
+        f"{costs['prefill_flops_per_s']:.3g} FLOP/s, attention {costs['attention_flops_per_s']:.3g}"
+        f" FLOP/s, decode step {costs['step_overhead_s'] * 1e3:.1f} ms + "
+        f"{costs['decode_seq_s'] * 1e3:.2f} ms per sequence; admission {profile['samples']['admission']}"
+    )
+
+
 def register(app: typer.Typer) -> None:
     """Add ``simulate`` to the root app."""
     app.command("simulate")(simulate_cmd)

