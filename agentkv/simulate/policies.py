@@ -13,6 +13,7 @@ Primitives:
                       demotions under pressure pick ``agentkv.policy.pressure_victims``
   RetainAlwaysPolicy  pin every paused trajectory for a fixed TTL (Continuum-like), then cache
   OffloadAlwaysPolicy copy every paused trajectory to host (disk when host is full), then cache
+  CapacityEqualPolicy the capacity-equal bound: the same pool, every history reloaded for free
   make_policy(name, costs, ...) -> KVPolicy;  POLICIES: the names
 """
 
@@ -26,7 +27,13 @@ from agentkv.predict import WaitEstimate, WaitPredictor
 from agentkv.simulate.costs import EngineCosts
 
 PlanAction = Literal["cache", "retain", "offload_host", "offload_disk"]
-POLICIES: tuple[str, ...] = ("vanilla", "agentkv", "retain-always", "offload-always")
+POLICIES: tuple[str, ...] = (
+    "vanilla",
+    "agentkv",
+    "retain-always",
+    "offload-always",
+    "capacity-equal",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +65,9 @@ class KVPolicy:
     name = "base"
     high_water: float | None = None
     expiry_action: PlanAction = "cache"
+    free_history: bool = False
+    """Every paused history is also kept where it reloads instantly and takes no room (the
+    capacity-equal bound; no real policy can do this)."""
 
     def on_pause(self, ctx: PauseContext) -> PausePlan:
         raise NotImplementedError
@@ -168,6 +178,19 @@ class OffloadAlwaysPolicy(KVPolicy):
         return PausePlan("cache", decision="drop")
 
 
+class CapacityEqualPolicy(KVPolicy):
+    """The capacity-equal bound: the same device pool, and every history available at zero
+    load cost. Running requests still need their blocks (admission, chunked prefill and
+    queueing are those of the real pool); what a resume finds is all of its history, for free.
+    No cache policy with this much device memory can beat it."""
+
+    name = "capacity-equal"
+    free_history = True
+
+    def on_pause(self, ctx: PauseContext) -> PausePlan:
+        return PausePlan("cache", decision="free")
+
+
 def make_policy(name: str, costs: EngineCosts, retain_ttl_s: float = 60.0) -> KVPolicy:
     """A fresh policy instance of ``name`` (one per replica: each has its own predictor)."""
     if name == "vanilla":
@@ -178,4 +201,6 @@ def make_policy(name: str, costs: EngineCosts, retain_ttl_s: float = 60.0) -> KV
         return RetainAlwaysPolicy(retain_ttl_s)
     if name == "offload-always":
         return OffloadAlwaysPolicy()
+    if name == "capacity-equal":
+        return CapacityEqualPolicy()
     raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")

@@ -158,6 +158,10 @@ class Replica:
                 costs.disk_write_bytes_per_s,
             )
         self.remote = remote
+        self.free: Tier | None = None
+        if policy.free_history:
+            # The capacity-equal bound's store: unbounded, instant.
+            self.free = Tier("free", None, bb, float("inf"), float("inf"))
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
@@ -199,7 +203,7 @@ class Replica:
         dev = pre + priv
         best: Tier | None = None
         best_n = 0
-        for tier in (self.host, self.disk, self.remote):
+        for tier in (self.free, self.host, self.disk, self.remote):
             if tier is None:
                 continue
             n = min(tier.blocks(tid), reusable) - dev
@@ -214,7 +218,7 @@ class Replica:
         )
         out = [(pre + priv) * self.bt, 0, 0, 0]
         if tier is not None:
-            slot = 1 if tier is self.host else 2 if tier is self.disk else 3
+            slot = 1 if tier in (self.host, self.free) else 2 if tier is self.disk else 3
             out[slot] = n * self.bt
         return out[0], out[1], out[2], out[3]
 
@@ -429,6 +433,8 @@ class Replica:
         )
         plan = self.policy.on_pause(ctx)
         self.copy_blocks[tid] = blocks
+        if self.free is not None:
+            self.free.store(tid, blocks, self.env.now)
         self.decisions[plan.decision] = self.decisions.get(plan.decision, 0) + 1
         now = self.env.now
         if plan.action == "retain":
@@ -490,6 +496,6 @@ class Replica:
         self.returns_at.pop(tid, None)
         self.lease_gen.pop(tid, None)
         self.copy_blocks.pop(tid, None)
-        for tier in (self.host, self.disk):
+        for tier in (self.host, self.disk, self.free):
             if tier is not None:
                 tier.remove(tid)

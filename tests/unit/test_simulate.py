@@ -378,3 +378,40 @@ def test_engine_costs_fitted_to_measured_turns() -> None:
     few = fit_rounds(rounds[:3], BENCH_SMALL_CPU, "test")
     assert few.prefill_flops_per_s == BENCH_SMALL_CPU.prefill_flops_per_s
     assert any("too few" in n for n in few.notes)
+
+
+def test_the_capacity_equal_bound_beats_every_policy_on_the_same_pool() -> None:
+    from agentkv.simulate.bounds import capacity_equal
+
+    turns = [SimTurn(0, 1500, 16)]
+    for _ in range(4):
+        turns.append(SimTurn(turns[-1].prompt_tokens, 300, 16, wait_before_s=5.0, tool="t"))
+    wl = SimWorkload(tuple(SimTrajectory(f"t{i}", i * 0.5, tuple(turns)) for i in range(6)))
+    bound = capacity_equal(wl, 40, BENCH_SMALL_CPU)
+    assert bound.resume_hit_rate is not None and bound.resume_hit_rate > 0.75
+    for policy in ("vanilla", "agentkv"):
+        s = simulate(wl, FleetConfig(policy=policy, num_blocks=40)).summary
+        assert s.recomputed_tokens >= bound.recomputed_tokens
+        assert s.jct_mean_s is not None and bound.jct_mean_s is not None
+        assert s.jct_mean_s >= bound.jct_mean_s * 0.999
+    # It hits what an infinite-memory oracle hits; only admission differs (the oracle runs
+    # every request at once, which batches their prefills: not always sooner for each).
+    oracle = simulate(wl, FleetConfig(policy="vanilla", num_blocks=4000)).summary
+    assert oracle.recomputed_tokens == bound.recomputed_tokens
+
+
+def test_a_trace_report_gets_its_capacity_equal_bound_next_to_the_oracle() -> None:
+    from agentkv.simulate.bounds import trace_report_bound
+
+    trace = Path("/work/shared/traces/multi_session_example.csv")
+    if not trace.is_file():
+        pytest.skip("the example trace is not on this machine")
+    fixture = Path(__file__).parent / "fixtures/simulate/trace_report_negative_fit.json"
+    report = json.loads(fixture.read_text())
+    report["trace"] = {"path": str(trace), "token_scale": 1.0, "time_scale": 1.0}
+    report["server"] = {"num_blocks": 8}
+    bound = trace_report_bound(report)
+    assert bound is not None and bound["num_blocks"] == 8
+    assert bound["summary"]["resume_hit_rate"] > 0.5 and bound["summary"]["jct_mean_s"] > 0
+    report["trace"]["path"] = ""
+    assert trace_report_bound(report) is None  # no trace file: no bound, no error
