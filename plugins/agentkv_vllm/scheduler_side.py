@@ -445,10 +445,11 @@ class SchedulerSide:
         if op == "pause":
             wait = req.get("expected_wait_s")
             cap = req.get("max_lease_s")
+            tools = req.get("tools")
             return mgr.pause(
                 tid,
                 branch,
-                str(req.get("tool") or "unknown"),
+                [str(t) for t in tools] if tools else str(req.get("tool") or "unknown"),
                 float(wait) if wait is not None else None,
                 max_lease_s=float(cap) if cap is not None else None,
             )
