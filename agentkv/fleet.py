@@ -11,7 +11,16 @@ Primitives:
                             "Several replicas")
   running_fleet(spec)       context manager: Valkey (unless given), the replicas (started
                             concurrently), the router; yields RunningFleet; stops all it started,
-                            in reverse order, on exit, error or Ctrl-C
+                            in reverse order, on exit, error or Ctrl-C: each replica's whole
+                            process group (its engine core and workers too, even when the API
+                            server already died)
+  RunningFleet.dead() / .restart(i)   replicas whose server exited; start one again on its
+                            ports (the router keeps its URL; its remote-tier copies stay
+                            reachable, so its trajectories resume on it or anywhere)
+
+Sizes and devices default per machine (``agentkv.fleet_plan``): on CPU each replica gets an
+explicit KV share of the free memory, on CUDA its own devices (``device_groups``). Logs and run
+dirs default to a per-user state directory, never the current directory.
 
 Wiring: each replica publishes vLLM's KV events on its own ZMQ endpoint (``--kv-events-config``),
 device blocks from vLLM and host/disk copies from agentkv (medium CPU / STORAGE); the router
@@ -37,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.errors import ConfigError
+from agentkv.fleet_plan import state_dir
 from agentkv.launch import LaunchSpec, RunningServer, free_port, running_server, wait_healthy
 
 ROUTER_POLICIES = ("kv_aware", "cache_aware", "round_robin", "power_of_two", "random")
@@ -66,11 +76,16 @@ class FleetSpec:
     extra_args: Sequence[str] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
     router_args: Sequence[str] = ()  # more vllm-router flags (health checks, retries, ...)
-    work_dir: Path = field(default_factory=lambda: Path("agentkv-fleet"))
+    work_dir: Path = field(default_factory=lambda: state_dir() / "fleet")
+    device_groups: Sequence[Sequence[str]] = ()  # CUDA: each replica's devices (empty: CPU)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError(f"replicas must be at least 1 (got {self.replicas})")
+        if self.device_groups and len(self.device_groups) != self.replicas:
+            raise ConfigError(
+                f"{len(self.device_groups)} device groups for {self.replicas} replicas"
+            )
         if self.policy not in ROUTER_POLICIES:
             raise ConfigError(
                 f"unknown router policy {self.policy!r}; one of {', '.join(ROUTER_POLICIES)}"
@@ -94,6 +109,26 @@ class ReplicaPorts:
 
 
 @dataclass
+class _Replica:
+    """One replica's launch and the context that owns its processes."""
+
+    launch: LaunchSpec
+    ready_timeout_s: float
+    context: Any = None
+    server: RunningServer | None = None
+
+    def start(self) -> RunningServer:
+        self.context = running_server(self.launch, self.ready_timeout_s)
+        self.server = self.context.__enter__()
+        return self.server
+
+    def stop(self) -> None:
+        context, self.context, self.server = self.context, None, None
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+@dataclass
 class RunningFleet:
     router_url: str
     replicas: list[RunningServer]
@@ -102,10 +137,25 @@ class RunningFleet:
     router_proc: subprocess.Popen[bytes]
     router_log: Path
     spec: FleetSpec
+    handles: list[_Replica] = field(default_factory=list, repr=False)
 
     @property
     def replica_urls(self) -> list[str]:
         return [r.base_url for r in self.replicas]
+
+    def dead(self) -> list[int]:
+        """Indexes of replicas whose server process has exited."""
+        return [i for i, r in enumerate(self.replicas) if r.proc.poll() is not None]
+
+    def restart(self, index: int) -> RunningServer:
+        """Stop what is left of replica ``index`` (its whole process group) and start it again
+        on the same ports; waits until it is healthy. The router's worker URL and KV-event
+        source stay the same, so it routes there again once the replica answers."""
+        handle = self.handles[index]
+        handle.stop()
+        server = handle.start()
+        self.replicas[index] = server
+        return server
 
 
 def kv_events_config(endpoint: str) -> str:
@@ -124,6 +174,12 @@ def replica_spec(
             connector.setdefault("remote_url", remote_url)
     args = list(spec.extra_args)
     args += ["--kv-events-config", kv_events_config(ports.events_endpoint(spec.host))]
+    env = dict(spec.extra_env)
+    if spec.device_groups:
+        devices = list(spec.device_groups[index])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        if len(devices) > 1:
+            args += ["--tensor-parallel-size", str(len(devices))]
     return LaunchSpec(
         model=spec.model,
         connector_config=connector,
@@ -135,7 +191,7 @@ def replica_spec(
         max_model_len=spec.max_model_len,
         api_key=spec.api_key,
         extra_args=args,
-        extra_env=dict(spec.extra_env),
+        extra_env=env,
         log_path=spec.work_dir / f"replica-{index}.log",
         run_dir=spec.work_dir / f"run-{index}",
     )
@@ -230,20 +286,22 @@ def running_fleet(spec: FleetSpec, ready_timeout_s: float = 900.0) -> Iterator[R
         ports = [
             ReplicaPorts(free_port(spec.host), free_port(spec.host)) for _ in range(spec.replicas)
         ]
-        contexts = [
-            running_server(replica_spec(spec, i, p, remote_url), ready_timeout_s)
+        handles = [
+            _Replica(replica_spec(spec, i, p, remote_url), ready_timeout_s)
             for i, p in enumerate(ports)
         ]
-        # Replicas start concurrently (model load and warm-up dominate); each one that came up
-        # is stopped on exit even when another failed.
-        with ThreadPoolExecutor(max_workers=len(contexts)) as pool:
-            futures = [pool.submit(cm.__enter__) for cm in contexts]
+        # Stopped on exit (in reverse order, before Valkey), also the ones that did come up
+        # when another failed; stop() of one never started is a no-op.
+        for handle in handles:
+            stack.callback(handle.stop)
+        # Replicas start concurrently (model load and warm-up dominate).
+        with ThreadPoolExecutor(max_workers=len(handles)) as pool:
+            futures = [pool.submit(h.start) for h in handles]
             replicas: list[RunningServer] = []
             errors: list[BaseException] = []
-            for cm, fut in zip(contexts, futures, strict=True):
+            for fut in futures:
                 try:
                     replicas.append(fut.result())
-                    stack.push(cm.__exit__)
                 except BaseException as exc:
                     errors.append(exc)
             if errors:
@@ -263,4 +321,4 @@ def running_fleet(spec: FleetSpec, ready_timeout_s: float = 900.0) -> Iterator[R
         stack.callback(_stop, proc)
         url = f"http://{spec.host}:{router_port}"
         _wait_router(url, proc, router_log, timeout_s=60)
-        yield RunningFleet(url, replicas, endpoints, remote_url, proc, router_log, spec)
+        yield RunningFleet(url, replicas, endpoints, remote_url, proc, router_log, spec, handles)

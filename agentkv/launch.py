@@ -162,18 +162,35 @@ def _tail(path: Path, chars: int) -> str:
         return ""
 
 
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    # The server runs in its own session: its engine core and workers are in the same process
-    # group, and a plain terminate() of the front end would orphan them.
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+def _group_alive(pgid: int) -> bool:
     try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the id now names a group of another user's: not ours any more
+        return False
+    return True
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """Stop the server's whole process group: SIGTERM, then SIGKILL after ``grace_s``.
+
+    The server runs in its own session: its engine core and workers are in the same process
+    group, and a plain terminate() of the front end would orphan them. The group is signalled
+    even when the front end already exited (killed, crashed): its engine core may outlive it
+    and would otherwise keep its memory, parented to init. Linux does not hand out a pid that
+    is still an active process group id, so the group cannot be another program's."""
+    pgid = proc.pid
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if proc.poll() is None or _group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
         proc.wait(timeout=grace_s)
 
 

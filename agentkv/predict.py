@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -188,6 +189,21 @@ class WaitPredictor:
                 self._sketches.move_to_end(tool)
             sketch.add(max(duration_s, _TINY_S))
         return True
+
+    def longest(self, tools: Sequence[str], declared_s: float | None = None) -> str:
+        """The tool of ``tools`` whose predicted p50 wait is the longest (the first on a tie).
+
+        The rule for parallel tool calls: the harness resumes when the slowest call returns, so
+        the pause is predicted, and its observed wait learned, as that tool's. ``tools`` must
+        not be empty."""
+        if not tools:
+            raise ValueError("longest() needs at least one tool")
+        best, best_p50 = tools[0], -1.0
+        for tool in dict.fromkeys(tools):
+            p50 = self.predict(tool, declared_s).p50
+            if p50 > best_p50:
+                best, best_p50 = tool, p50
+        return best
 
     def tools(self) -> dict[str, int]:
         """Observed sample count per remembered tool name."""

@@ -11,7 +11,7 @@ already talk to vLLM through ``openai.OpenAI`` / ``openai.AsyncOpenAI``.
     ...
     client.close()                                          # DELETE the trajectory on the server
 
-Every ``chat.completions.create`` / ``completions.create`` call gets
+Every ``chat.completions.create`` / ``completions.create`` / ``responses.create`` call gets
 ``extra_headers={"x-session-id": trajectory_id}`` (what routers such as vllm-router key session
 affinity on) and ``extra_body={"kv_transfer_params": {"agentkv": {"trajectory_id", "branch"}}}``
 merged into whatever the caller passes (the caller's other ``kv_transfer_params`` keys, e.g.
@@ -21,9 +21,15 @@ server without the routes). Without ``tool()`` the server still pauses on its ow
 has tool calls (auto-pause), learning the wait per tool; ``tool()`` adds the harness's own
 ``expected_s`` and overrides that decision.
 
+The Responses API (``client.responses.create``, vLLM's ``/v1/responses``) carries the same
+identity; a reply with function calls auto-pauses the trajectory like a chat reply does. With
+``previous_response_id`` the server would follow the chain on its own; the wrapper names the
+trajectory anyway, so a chain and a wrapped client never disagree.
+
 Primitives:
   wrap(client, trajectory_id=None, branch="main", ...) -> OpenAITrajectory | AsyncOpenAITrajectory
-  OpenAITrajectory        sync: ``.chat.completions.create``, ``with .tool(...)``, ``.close()``
+  OpenAITrajectory        sync: ``.chat.completions.create``, ``.responses.create``,
+                          ``with .tool(...)``, ``.close()``
   AsyncOpenAITrajectory   async: the same with ``await`` / ``async with``
 Every other attribute is the wrapped client's (``client.models.list()`` works as before). The
 ``openai`` package itself is never imported here (duck typing), so the SDK does not depend on it.
@@ -61,10 +67,14 @@ class _Proxy:
 
 
 class _Create(_Proxy):
-    """``chat.completions`` / ``completions``: ``create`` carries the trajectory."""
+    """``chat.completions`` / ``completions`` / ``responses`` / (Anthropic) ``messages``:
+    ``create`` and ``stream`` carry the trajectory."""
 
     def create(self, *args: Any, **kwargs: Any) -> Any:
         return self._inner.create(*args, **self._owner._decorate(kwargs))
+
+    def stream(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.stream(*args, **self._owner._decorate(kwargs))
 
 
 class _Chat(_Proxy):
@@ -139,6 +149,11 @@ class _OpenAIBase:
     @property
     def completions(self) -> _Create:
         return _Create(self, self.client.completions)
+
+    @property
+    def responses(self) -> _Create:
+        """``client.responses.create(...)`` (the Responses API) with the trajectory."""
+        return _Create(self, self.client.responses)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this wrapper lacks; never for its own (half-built) state.

@@ -624,13 +624,17 @@ class TrajectoryManager:
         self,
         trajectory_id: str,
         branch_name: str,
-        tool: str,
+        tool: str | Sequence[str],
         expected_wait_s: float | None,
         *,
         max_lease_s: float | None = None,
     ) -> tuple[int, dict[str, Any]]:
         """Decide and apply (or record, while a request runs) what happens to a paused branch.
+        ``tool``: the called tool, or the tools of parallel calls (the pause is predicted and
+        learned as the one with the longest predicted wait: ``WaitPredictor.longest``).
         ``max_lease_s`` caps a retain decision's lease (a client's KV retention TTL)."""
+        tools = [tool] if isinstance(tool, str) else list(tool) or ["unknown"]
+        tool = self.predictor.longest(tools, expected_wait_s)
         with self.lock:
             traj = self.table.get(trajectory_id)
             if traj is None:
@@ -714,6 +718,9 @@ class TrajectoryManager:
                 "decision": body,
                 "wait_estimate": estimate.to_dict(),
             }
+            if len(tools) > 1:
+                reply["tools"] = tools
+                reply["predicted_tool"] = tool
             if note:
                 reply["reason"] = note
             return 200, reply

@@ -1,50 +1,47 @@
-"""Tool-wait hooks with no client changes: trajectory identity from session hints, and an
-automatic pause when a trajectory's chat completion returns tool calls.
+"""Tool-wait hooks with no client changes: trajectory identity from session hints (or a
+Responses chain), an automatic pause when a trajectory's reply calls tools, and the reason a
+request was served as vanilla.
 
-vLLM's engine sees only a request's ``kv_transfer_params``; headers and the tool-call parser live
-in the API server process. So this is a raw ASGI middleware on the OpenAI server
-(``AgentKVRoutes.attach_router`` installs it) for ``POST /v1/chat/completions`` and
-``POST /v1/completions``:
+vLLM's engine sees only a request's ``kv_transfer_params``; headers and the tool-call parsers
+live in the API server process. So this is a raw ASGI middleware on the OpenAI server
+(``AgentKVRoutes.attach_router`` installs it) for ``POST`` on ``/v1/chat/completions``,
+``/v1/completions``, ``/v1/responses`` (OpenAI Responses) and ``/v1/messages`` (Anthropic
+Messages):
 
-1. **Identity.** When the body carries no ``kv_transfer_params.agentkv``, the trajectory id comes
-   from a session hint, and ``kv_transfer_params = {"agentkv": {"trajectory_id": ...}}`` is
-   written into the JSON body before vLLM parses it (``Content-Length`` fixed). The first hint
-   present decides, in this order:
+1. **Identity** (``agentkv_vllm.identity``): when the body carries no
+   ``kv_transfer_params.agentkv``, the trajectory id comes from a session hint (body
+   ``session_id``, ``x-session-id``, vllm-router's ``agentic_context``, ``vllm_xargs``) or, on
+   ``/v1/responses`` with a response store, from the ``previous_response_id`` chain, and
+   ``kv_transfer_params = {"agentkv": {"trajectory_id": ...}}`` is written into the JSON body
+   before vLLM parses it (``Content-Length`` fixed). Malformed hints make the request vanilla,
+   with one warning per distinct problem.
 
-   1. ``kv_transfer_params.agentkv`` (the explicit contract; left untouched)
-   2. the body's ``session_id`` (vLLM 0.32's own session field)
-   3. the ``x-session-id`` header
-   4. ``vllm_xargs.agentic_context`` (vllm-router: a JSON string) ``.session_id``
-   5. ``vllm_xargs.session_id``
+2. **Auto-pause.** When the reply of a trajectory's request calls tools (``agentkv_vllm
+   .tool_calls`` knows where each API puts them, JSON and SSE), the middleware asks the engine
+   to pause that branch with the list of called tools (the engine predicts the wait of the one
+   it expects to take longest: parallel calls end when the slowest does) and
+   ``expected_wait_s`` = the declared ``expected_resume`` or None (the engine's learned
+   per-tool wait). The pause is sent *before* the response's last bytes (the body of a JSON
+   response; ``data: [DONE]``, ``response.completed`` or ``message_stop`` of a stream), so a
+   client's own pause or resume, which can only follow the response, always comes later and
+   overrides it. The engine observes the resume at the trajectory's next request, so its
+   per-tool predictor learns with no client code. A Responses reply's id is recorded in the
+   chain table (``agentkv_vllm.chains``), so the next request naming it continues the
+   trajectory.
 
-   A hint-named trajectory uses branch ``main``. An id outside ``agentkv.ids``'s grammar, or an
-   ``agentic_context`` that is not a JSON object, makes the request vanilla (served as is), with
-   one warning per distinct problem (not per request); a lower hint is not tried instead.
-   ``agentic_context.expected_resume`` (seconds) becomes the auto-pause's declared wait,
-   whichever hint named the trajectory; ``kv_retention_ttl_seconds`` caps the lease of a
-   retain decision (the pause's ``max_lease_s``).
-
-2. **Auto-pause.** When the response of a trajectory's chat completion has tool calls
-   (non-streamed: ``choices[].message.tool_calls``; streamed: ``choices[].delta.tool_calls`` in
-   the SSE chunks), the middleware asks the engine to pause that branch with ``tool`` = the first
-   called function's name (the API server cannot see per-tool predictions cheaply) and
-   ``expected_wait_s`` = the declared ``expected_resume`` or None (the engine's learned per-tool
-   wait). The pause is sent *before* the response's last bytes (the body of a JSON response, the
-   ``data: [DONE]`` event of a stream) go out, so a client's own pause or resume, which can only
-   follow the response, always comes later and overrides it. The engine observes the resume at
-   the trajectory's next request, so its per-tool predictor learns with no client code.
+3. **Why vanilla.** A request whose agentkv params or hint are malformed is served as vanilla
+   vLLM, and the response says why: ``kv_transfer_params.agentkv.error`` in a JSON reply (the
+   same text as the server log), and an ``x-agentkv-error`` header (streams too).
 
 Nothing here may fail a request: any exception in the middleware's own work passes the request
 through untouched (or lets the response finish) and is logged. No vllm import.
 
 Primitives:
-  HookState            process-wide switches (``enabled``, ``auto_pause``), the pause callable,
-                       counters, the warn-once set
-  Identity             a request's trajectory, where it came from, declared wait and lease cap
-  resolve_identity(body, headers) -> (Identity | None, [Problem])     pure
-  inject_identity(raw, body, identity) -> bytes                       the rewritten body
-  tool_names_from_json(raw) / SSEToolScanner                          tool calls in a response
+  HookState            process-wide switches (``enabled``, ``auto_pause``, ``responses_chains``),
+                       the pause callable, the chain table, counters, the warn-once set
   AgentKVHooks(app, state)                                            the ASGI middleware
+  (re-exported) Identity, Problem, resolve_identity, inject_identity, might_carry_hint,
+  might_carry_params, resolve_deferred; SSEToolScanner, tool_names_from_json
 """
 
 from __future__ import annotations
@@ -52,14 +49,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv.ids import MAX_ID_LEN, is_valid_id
-from agentkv_vllm.params import parse_request_params
+from agentkv_vllm.chains import ResponseChains
+from agentkv_vllm.identity import (
+    SOURCES,
+    Identity,
+    Problem,
+    inject_identity,
+    might_carry_hint,
+    might_carry_params,
+    params_error,
+    resolve_deferred,
+    resolve_identity,
+)
+from agentkv_vllm.tool_calls import Api, SSEToolScanner, tool_names_from_json
 
 log = logging.getLogger("agentkv.hooks")
 
@@ -69,53 +76,19 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PauseFn = Callable[[str, str, str, float | None, float | None], Awaitable[None]]
-"""``await pause(trajectory_id, branch, tool, expected_wait_s, lease_cap_s)``."""
+PauseFn = Callable[[str, str, list[str], float | None, float | None], Awaitable[None]]
+"""``await pause(trajectory_id, branch, tools, expected_wait_s, lease_cap_s)``; ``tools``: the
+called tools' names in reply order, at least one."""
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
-PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
-SESSION_HEADER = b"x-session-id"
-DEFAULT_BRANCH = "main"
-# Sources, in precedence order (the names used in warnings, counters and docs).
-SRC_PARAMS = "kv_transfer_params"
-SRC_BODY = "session_id"
-SRC_HEADER = "x-session-id"
-SRC_CONTEXT = "agentic_context"
-SRC_XARGS = "vllm_xargs.session_id"
-SOURCES = (SRC_PARAMS, SRC_BODY, SRC_HEADER, SRC_CONTEXT, SRC_XARGS)
-# Bytes whose absence from a body proves it carries no hint / no explicit params (no JSON parse).
-_HINT_MARKERS = (b'"session_id"', b'"agentic_context"')
-_PARAMS_MARKER = b'"agentkv"'
+PATHS = frozenset(a.value for a in Api)
+PAUSE_APIS = frozenset({Api.CHAT, Api.RESPONSES, Api.MESSAGES})
+ERROR_HEADER = b"x-agentkv-error"
 MAX_TOOL_NAME = 128  # what the pause route accepts
+MAX_TOOLS = 64
+MAX_ERROR_HEADER = 512
 MAX_JSON_RESPONSE = 32 * 1024 * 1024  # larger non-streamed responses are not inspected
-MAX_SSE_LINE = 4 * 1024 * 1024
 PAUSE_TIMEOUT_S = 2.0
 MAX_WARNED = 256
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One malformed hint: ``key`` (source, kind) is what warn-once dedupes on."""
-
-    source: str
-    kind: str
-    message: str
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.source, self.kind)
-
-
-@dataclass(frozen=True)
-class Identity:
-    trajectory_id: str
-    branch: str
-    source: str
-    inject: bool
-    """True when the body must be rewritten (the id came from a hint, not from the params)."""
-    expected_wait_s: float | None = None
-    lease_cap_s: float | None = None
 
 
 @dataclass
@@ -124,8 +97,12 @@ class HookState:
 
     enabled: bool = False
     auto_pause: bool = True
+    responses_chains: bool = False
+    """``/v1/responses`` requests without a hint follow their chain (the server stores
+    responses: ``VLLM_ENABLE_RESPONSES_API_STORE=1``)."""
     pause: PauseFn | None = None
     pause_timeout_s: float = PAUSE_TIMEOUT_S
+    chains: ResponseChains = field(default_factory=ResponseChains)
     counters: Counter[str] = field(default_factory=Counter)
     warned: set[tuple[str, str]] = field(default_factory=set)
 
@@ -144,249 +121,20 @@ class HookState:
         return {
             "enabled": self.enabled,
             "auto_pause": self.auto_pause,
+            "responses_chains": self.responses_chains,
             "precedence": list(SOURCES),
             "counters": dict(sorted(self.counters.items())),
         }
 
 
-# ---------------------------------------------------------------------------------- identity
+@dataclass
+class _Identified:
+    """What the request side learned: the identity (or the raw body, when parsing it is
+    deferred to a reply that needs it), the rewritten body, why the request is vanilla."""
 
-
-def _id_problem(value: object) -> str:
-    if not isinstance(value, str):
-        return "type"
-    if not value:
-        return "empty"
-    if len(value) > MAX_ID_LEN:
-        return "length"
-    if value in (".", ".."):
-        return "dots"
-    return "character"
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 66 else text[:64] + "..."
-
-
-def _seconds(value: object) -> float | None:
-    """A non-negative finite number of seconds (a number or a numeric string), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            return None
-    if isinstance(value, (int, float)):
-        v = float(value)
-        if math.isfinite(v) and v >= 0:
-            return v
-    return None
-
-
-def _agentic_context(xargs: object, problems: list[Problem]) -> dict[str, Any] | None:
-    if not isinstance(xargs, dict) or "agentic_context" not in xargs:
-        return None
-    raw = xargs["agentic_context"]
-    if isinstance(raw, dict):
-        return raw
-    if isinstance(raw, str):
-        try:
-            ctx = json.loads(raw)
-        except ValueError as exc:
-            problems.append(
-                Problem(SRC_CONTEXT, "json", f"vllm_xargs.agentic_context is not JSON ({exc})")
-            )
-            return None
-        if isinstance(ctx, dict):
-            return ctx
-    problems.append(
-        Problem(
-            SRC_CONTEXT,
-            "type",
-            "vllm_xargs.agentic_context must be a JSON object (as a string), "
-            f"got {type(raw).__name__}",
-        )
-    )
-    return None
-
-
-def _context_seconds(
-    ctx: Mapping[str, Any] | None, key: str, problems: list[Problem]
-) -> float | None:
-    if ctx is None or ctx.get(key) is None:
-        return None
-    value = _seconds(ctx[key])
-    if value is None:
-        problems.append(
-            Problem(
-                SRC_CONTEXT,
-                key,
-                f"vllm_xargs.agentic_context.{key} {_shown(ctx[key])} is not a number of "
-                "seconds >= 0; ignored",
-            )
-        )
-    return value
-
-
-def resolve_identity(
-    body: Any, headers: Mapping[str, str]
-) -> tuple[Identity | None, list[Problem]]:
-    """The trajectory a request belongs to, and the malformed hints met on the way. Pure.
-
-    ``headers``: lower-case names. Explicit params are not validated here (the engine does, and
-    warns): a malformed ``kv_transfer_params.agentkv`` is a vanilla request, as before.
-    """
-    problems: list[Problem] = []
-    if not isinstance(body, dict):
-        return None, problems
-    ktp = body.get("kv_transfer_params")
-    if ktp is not None and not isinstance(ktp, dict):
-        return None, problems  # vLLM answers 400 itself
-    xargs = body.get("vllm_xargs")
-    ctx = _agentic_context(xargs, problems)
-    wait = _context_seconds(ctx, "expected_resume", problems)
-    ttl = _context_seconds(ctx, "kv_retention_ttl_seconds", problems)
-    if isinstance(ktp, dict) and ktp.get("agentkv") is not None:
-        params = parse_request_params(ktp).params
-        if params is None:
-            return None, problems
-        return Identity(params.trajectory_id, params.branch, SRC_PARAMS, False, wait, ttl), problems
-
-    candidates: list[tuple[str, object]] = []
-    if body.get("session_id") is not None:
-        candidates.append((SRC_BODY, body["session_id"]))
-    if SRC_HEADER in headers:
-        candidates.append((SRC_HEADER, headers[SRC_HEADER]))
-    if ctx is not None and ctx.get("session_id") is not None:
-        candidates.append((SRC_CONTEXT, ctx["session_id"]))
-    if isinstance(xargs, dict) and xargs.get("session_id") is not None:
-        candidates.append((SRC_XARGS, xargs["session_id"]))
-    if not candidates:
-        return None, problems
-    source, value = candidates[0]
-    if not is_valid_id(value):
-        what = {SRC_CONTEXT: "vllm_xargs.agentic_context.session_id"}.get(source, source)
-        problems.append(
-            Problem(
-                source,
-                _id_problem(value),
-                f"{what} {_shown(value)} is not a trajectory id (1-{MAX_ID_LEN} characters "
-                "from A-Z a-z 0-9 . _ : @ -, not '.' or '..')",
-            )
-        )
-        return None, problems
-    assert isinstance(value, str)
-    return Identity(value, DEFAULT_BRANCH, source, True, wait, ttl), problems
-
-
-def might_carry_hint(raw: bytes, headers: Mapping[str, str]) -> bool:
-    """False when neither the header nor a hint's key is present: no hint, no parse needed."""
-    return SRC_HEADER in headers or any(m in raw for m in _HINT_MARKERS)
-
-
-def might_carry_params(raw: bytes) -> bool:
-    """False when the body cannot hold ``kv_transfer_params.agentkv``."""
-    return _PARAMS_MARKER in raw
-
-
-def resolve_deferred(raw: bytes) -> Identity | None:
-    """The identity of a body with explicit params and no hint; parsed only when needed."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    return resolve_identity(body, {})[0]
-
-
-def inject_identity(raw: bytes, body: dict[str, Any], identity: Identity) -> bytes:
-    """``raw`` with ``kv_transfer_params.agentkv = {trajectory_id, branch}`` added.
-
-    Without ``kv_transfer_params`` in the body the member is spliced in before the closing brace
-    (the rest of the bytes stay as sent); with one (another connector's keys) the body is
-    re-serialized with the keys merged.
-    """
-    agentkv = {"trajectory_id": identity.trajectory_id, "branch": identity.branch}
-    if body.get("kv_transfer_params") is None and "kv_transfer_params" not in body:
-        member = json.dumps({"agentkv": agentkv}, separators=(",", ":")).encode()
-        stripped = raw.rstrip()
-        if stripped.endswith(b"}"):
-            head = stripped[:-1].rstrip()
-            sep = b"" if head.endswith(b"{") else b","
-            return head + sep + b'"kv_transfer_params":' + member + b"}"
-    merged = dict(body)
-    merged["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "agentkv": agentkv}
-    return json.dumps(merged, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-# ---------------------------------------------------------------------------------- tool calls
-
-
-def _names_in(calls: object) -> Iterable[str]:
-    if not isinstance(calls, list):
-        return
-    for call in calls:
-        fn = call.get("function") if isinstance(call, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if isinstance(name, str) and name:
-            yield name
-
-
-def tool_names_from_payload(payload: object, key: str) -> list[str]:
-    """Function names in ``choices[].<key>.tool_calls`` (key: "message" or "delta")."""
-    names: list[str] = []
-    choices = payload.get("choices") if isinstance(payload, dict) else None
-    if not isinstance(choices, list):
-        return names
-    for choice in choices:
-        part = choice.get(key) if isinstance(choice, dict) else None
-        if isinstance(part, dict):
-            names.extend(_names_in(part.get("tool_calls")))
-    return names
-
-
-def tool_names_from_json(raw: bytes) -> list[str]:
-    """Tool calls of a non-streamed chat completion; [] for anything else."""
-    if b"tool_calls" not in raw:
-        return []
-    try:
-        payload = json.loads(raw)
-    except ValueError:
-        return []
-    return tool_names_from_payload(payload, "message")
-
-
-class SSEToolScanner:
-    """Feeds on a chat completion's SSE bytes; collects tool names, notices ``data: [DONE]``."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.done = False
-        self._buf = b""
-
-    def feed(self, chunk: bytes) -> None:
-        self._buf += chunk
-        *lines, self._buf = self._buf.split(b"\n")
-        if len(self._buf) > MAX_SSE_LINE:  # not SSE as vLLM writes it; stop looking
-            self._buf = b""
-        for line in lines:
-            self._line(line.rstrip(b"\r"))
-
-    def _line(self, line: bytes) -> None:
-        if not line.startswith(b"data:"):
-            return
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            self.done = True
-            return
-        if b"tool_calls" not in data:
-            return
-        try:
-            payload = json.loads(data)
-        except ValueError:
-            return
-        self.names.extend(tool_names_from_payload(payload, "delta"))
+    identity: Identity | bytes | None = None
+    new_raw: bytes | None = None
+    error: str | None = None
 
 
 # ---------------------------------------------------------------------------------- middleware
@@ -435,6 +183,7 @@ class AgentKVHooks:
         ):
             await self.app(scope, receive, send)
             return
+        api = Api(_route_path(scope))
         # Read the whole body (vLLM reads it all too), keeping every message to replay it.
         messages: list[Message] = []
         while True:
@@ -442,49 +191,44 @@ class AgentKVHooks:
             messages.append(message)
             if message.get("type") != "http.request" or not message.get("more_body", False):
                 break
-        identity: Identity | bytes | None = None
+        found = _Identified()
         try:
             if messages[-1].get("type") == "http.request":
                 raw = b"".join(m.get("body", b"") for m in messages)
-                identity, new_raw = self._identify(scope, raw)
-                if new_raw is not None:
-                    scope = _with_length(scope, len(new_raw))
-                    messages = [{"type": "http.request", "body": new_raw, "more_body": False}]
+                found = self._identify(scope, raw, api)
+                if found.new_raw is not None:
+                    scope = _with_length(scope, len(found.new_raw))
+                    messages = [{"type": "http.request", "body": found.new_raw, "more_body": False}]
         except Exception:
             log.exception("agentkv: session hook failed; the request is served untouched")
-            identity = None
+            found = _Identified()
         replay = _Replay(messages, receive)
-        if (
-            identity is None
-            or not self.state.auto_pause
-            or self.state.pause is None
-            or _route_path(scope) != CHAT_PATH
-        ):
+        if found.identity is None and found.error is None:
             await self.app(scope, replay, send)
             return
-        watcher = _ResponseWatcher(self.state, identity, send)
+        watcher = _ResponseWatcher(self.state, api, found, send)
         await self.app(scope, replay, watcher.send)
 
-    def _identify(self, scope: Scope, raw: bytes) -> tuple[Identity | bytes | None, bytes | None]:
-        """(identity, rewritten body or None). The identity is ``raw`` itself (deferred) for a
-        body with explicit params and no hint: its ids are parsed only if the reply has tool
-        calls, so plain trajectory requests cost a substring search, not a JSON parse."""
+    def _identify(self, scope: Scope, raw: bytes, api: Api) -> _Identified:
+        """The identity is ``raw`` itself (deferred) for a body with explicit params and no
+        hint: its ids are parsed only if the reply needs them (tool calls, no agentkv stats),
+        so plain trajectory requests cost a substring search, not a JSON parse."""
         headers = _headers(scope)
-        if not might_carry_hint(raw, headers):
-            return (raw if might_carry_params(raw) else None), None
+        chains = self.state.chains if api == Api.RESPONSES and self.state.responses_chains else None
+        if chains is None and not might_carry_hint(raw, headers):
+            return _Identified(raw if might_carry_params(raw) else None)
         try:
             body = json.loads(raw)
         except ValueError:
-            return None, None  # vLLM answers the bad JSON itself
-        identity, problems = resolve_identity(body, headers)
+            return _Identified()  # vLLM answers the bad JSON itself
+        identity, problems = resolve_identity(body, headers, chains)
         for p in problems:
             self.state.warn_once(p)
-        if identity is None:
-            return None, None
-        if not identity.inject:
-            return identity, None
+        error = problems[0].message if problems else params_error(body)
+        if identity is None or not identity.inject:
+            return _Identified(identity, None, error)
         self.state.counters[f"identified.{identity.source}"] += 1
-        return identity, inject_identity(raw, body, identity)
+        return _Identified(identity, inject_identity(raw, body, identity), error)
 
 
 class _Replay:
@@ -502,70 +246,127 @@ class _Replay:
 
 
 class _ResponseWatcher:
-    """Wraps ``send``: spots tool calls in a 200 response and pauses before its last bytes."""
+    """Wraps ``send``: spots tool calls in a 200 reply and pauses before its last bytes; records
+    a Responses reply's id in the chain table; tells the client why a request was vanilla.
 
-    def __init__(self, state: HookState, identity: Identity | bytes, send: Send) -> None:
+    A JSON reply that may need the error added (a known error, or explicit params not parsed
+    yet) is held back until its last chunk (vLLM sends one), then sent with the field added and
+    ``content-length`` fixed."""
+
+    def __init__(self, state: HookState, api: Api, found: _Identified, send: Send) -> None:
         self.state = state
-        self.identity = identity
+        self.api = api
+        self.identity = found.identity
+        self.error = found.error
         self._send = send
         self._status = 0
         self._sse = False
         self._json = bytearray()
         self._json_overflow = False
-        self._scanner = SSEToolScanner()
+        self._held: list[Message] = []
+        self._holding = False
+        self._scanner = SSEToolScanner(api)
         self._fired = False
 
     async def send(self, message: Message) -> None:
         try:
-            await self._observe(message)
+            out = await self._observe(message)
         except Exception:
             log.exception("agentkv: auto-pause hook failed; the response is sent as is")
             self._fired = True
-        await self._send(message)
+            out = [*self._held, message] if self._holding else [message]
+            self._holding, self._held = False, []
+        for m in out:
+            await self._send(m)
 
-    async def _observe(self, message: Message) -> None:
+    def _resolve(self) -> Identity | None:
+        """Parse a deferred identity (once); learns the params' error on the way."""
+        if isinstance(self.identity, bytes):
+            self.identity, error = resolve_deferred(self.identity)
+            self.error = self.error or error
+        return self.identity
+
+    async def _observe(self, message: Message) -> list[Message]:
         kind = message.get("type")
         if kind == "http.response.start":
             self._status = int(message.get("status", 0))
             for k, v in message.get("headers") or ():
                 if k.lower() == b"content-type" and b"text/event-stream" in v.lower():
                     self._sse = True
-            return
-        if kind != "http.response.body" or self._fired or self._status != 200:
-            return
+            if self._status != 200:
+                return [message]
+            if self._sse:
+                if isinstance(self.identity, bytes):
+                    self._resolve()
+                return [_with_error_header(message, self.error)]
+            if self.error is not None or isinstance(self.identity, bytes):
+                self._holding, self._held = True, [message]
+                return []
+            return [message]
+        if kind != "http.response.body" or self._status != 200:
+            return [message]
         chunk = bytes(message.get("body", b""))
         last = not message.get("more_body", False)
         if self._sse:
             self._scanner.feed(chunk)
-            if self._scanner.done or last:
-                await self._fire(self._scanner.names)
-            return
+            if not self._fired and (self._scanner.done or last):
+                await self._fire(self._scanner.names, self._scanner.response_id)
+            return [message]
         if not self._json_overflow:
             if len(self._json) + len(chunk) > MAX_JSON_RESPONSE:
                 self._json_overflow = True
                 self._json.clear()
             else:
                 self._json += chunk
-        if last:
-            await self._fire([] if self._json_overflow else tool_names_from_json(bytes(self._json)))
+        if self._holding:
+            self._held.append(message)
+            if self._json_overflow:  # too large to rewrite: send it as it is
+                out, self._holding, self._held = self._held, False, []
+                return out
+            if not last:
+                return []
+        if not last or self._fired:
+            return [message] if not self._holding else []
+        raw = b"" if self._json_overflow else bytes(self._json)
+        names = tool_names_from_json(raw, self.api)
+        rid = _response_id(raw) if self._records_chain() else None
+        await self._fire(names, rid)
+        if not self._holding:
+            return [message]
+        self._holding = False
+        start, self._held = self._held[0], []
+        if self.error is None and b'"agentkv"' not in raw:
+            self._resolve()  # a trajectory reply carries agentkv stats; none: find out why
+        if self.error is None:
+            return [start, {"type": "http.response.body", "body": raw, "more_body": False}]
+        body = _with_error_field(raw, self.error)
+        start = _with_error_header(_with_response_length(start, len(body)), self.error)
+        return [start, {"type": "http.response.body", "body": body, "more_body": False}]
 
-    async def _fire(self, names: list[str]) -> None:
+    def _records_chain(self) -> bool:
+        return self.api == Api.RESPONSES and self.state.responses_chains
+
+    async def _fire(self, names: list[str], response_id: str | None) -> None:
         self._fired = True
-        if not names or self.state.pause is None:
+        if not names and response_id is None:
             return
-        ident = (
-            resolve_deferred(self.identity) if isinstance(self.identity, bytes) else self.identity
-        )
+        ident = self._resolve()
         if ident is None:
             return
-        tool = names[0][:MAX_TOOL_NAME]
+        if response_id is not None and self._records_chain():
+            self.state.chains.record(response_id, ident.trajectory_id, ident.branch)
+        if not names or not self.state.auto_pause or self.state.pause is None:
+            return
+        if self.api not in PAUSE_APIS:
+            return
+        tools = list(dict.fromkeys(n[:MAX_TOOL_NAME] for n in names))[:MAX_TOOLS]
         self.state.counters["tool_call_responses"] += 1
         try:
             await asyncio.wait_for(
                 self.state.pause(
                     ident.trajectory_id,
                     ident.branch,
-                    tool,
+                    tools,
                     ident.expected_wait_s,
                     ident.lease_cap_s,
                 ),
@@ -575,12 +376,53 @@ class _ResponseWatcher:
         except Exception as exc:
             self.state.counters["auto_pause_failed"] += 1
             log.warning(
-                "agentkv: auto-pause of %s/%s (tool %s) failed: %r",
+                "agentkv: auto-pause of %s/%s (tools %s) failed: %r",
                 ident.trajectory_id,
                 ident.branch,
-                tool,
+                ",".join(tools),
                 exc,
             )
+
+
+def _response_id(raw: bytes) -> str | None:
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        return None
+    rid = payload.get("id") if isinstance(payload, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
+def _with_error_field(raw: bytes, error: str) -> bytes:
+    """The JSON reply with ``kv_transfer_params.agentkv.error`` set (other keys kept)."""
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        return raw
+    if not isinstance(payload, dict):
+        return raw
+    ktp = payload.get("kv_transfer_params")
+    ktp = dict(ktp) if isinstance(ktp, dict) else {}
+    agentkv = ktp.get("agentkv")
+    ktp["agentkv"] = {**(agentkv if isinstance(agentkv, dict) else {}), "error": error}
+    payload["kv_transfer_params"] = ktp
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _with_error_header(start: Message, error: str | None) -> Message:
+    if error is None:
+        return start
+    value = error.encode("ascii", "replace")[:MAX_ERROR_HEADER].replace(b"\r", b" ")
+    new = dict(start)
+    new["headers"] = [*list(start.get("headers") or ()), (ERROR_HEADER, value.replace(b"\n", b" "))]
+    return new
+
+
+def _with_response_length(start: Message, length: int) -> Message:
+    new = dict(start)
+    headers = [(k, v) for k, v in start.get("headers") or () if k.lower() != b"content-length"]
+    new["headers"] = [*headers, (b"content-length", str(length).encode())]
+    return new
 
 
 __all__ = [
@@ -597,5 +439,4 @@ __all__ = [
     "resolve_deferred",
     "resolve_identity",
     "tool_names_from_json",
-    "tool_names_from_payload",
 ]

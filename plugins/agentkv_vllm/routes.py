@@ -1,7 +1,7 @@
 """``vllm.endpoint_plugins`` entry point: the agentkv control routes on vLLM's OpenAI server.
 
 Routes (same host, port and API key as the OpenAI API):
-  POST   /agentkv/v1/trajectories/{id}/pause    {tool, expected_wait_s?, branch?} -> the decision
+  POST   /agentkv/v1/trajectories/{id}/pause    {tool or tools, expected_wait_s?, branch?} -> decision
   POST   /agentkv/v1/trajectories/{id}/resume   {branch?}                          -> state
   DELETE /agentkv/v1/trajectories/{id}          release everything it holds, in every tier
   GET    /agentkv/v1/trajectories/{id}          state, tier residency, per-turn prefix stats
@@ -11,7 +11,9 @@ engine's snapshot over the same channel at scrape time; see docs/metrics.md).
 
 ``attach_router`` also installs ``agentkv_vllm.hooks.AgentKVHooks`` on the app: trajectory ids
 from session hints (``x-session-id``, vllm-router's ``agentic_context``, vLLM's ``session_id``)
-and the auto-pause on tool calls. It is active only when the connector is enabled;
+and the auto-pause on tool calls of ``/v1/chat/completions``, ``/v1/responses`` (where a
+``previous_response_id`` chain is the trajectory when vLLM stores responses) and
+``/v1/messages``. It is active only when the connector is enabled;
 ``auto_pause`` (``kv_connector_extra_config``, default on) switches the pause off. ``GET
 /status`` adds the hooks' counters under ``hooks``.
 
@@ -36,11 +38,11 @@ import logging
 import os
 import secrets
 from argparse import Namespace
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
 from agentkv_vllm.control import ControlClient, ControlUnavailable
@@ -73,10 +75,23 @@ class RoutingHints(BaseModel):
 ROUTING_FIELDS = {"model", "agent_hint", "vllm_xargs"}
 
 
+ToolName = Annotated[str, Field(min_length=1, max_length=128)]
+
+
 class PauseBody(RoutingHints):
     model_config = ConfigDict(extra="forbid")
-    tool: str = Field(
-        min_length=1, max_length=128, description="Tool name; waits are learned per tool."
+    tool: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="Tool name; waits are learned per tool. Required unless `tools` is given.",
+    )
+    tools: list[ToolName] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="Parallel tool calls: the pause is predicted (and learned) as the tool with "
+        "the longest predicted wait.",
     )
     expected_wait_s: float | None = Field(
         default=None,
@@ -93,6 +108,12 @@ class PauseBody(RoutingHints):
         description="Cap on a retain decision's lease (e.g. the client's KV retention TTL).",
     )
     branch: BranchStr = "main"
+
+    @model_validator(mode="after")
+    def _one_tool_at_least(self) -> PauseBody:
+        if self.tool is None and not self.tools:
+            raise ValueError("give `tool` or `tools`")
+        return self
 
 
 class ResumeBody(RoutingHints):
@@ -143,6 +164,15 @@ def _engine_id(args: Namespace) -> str | None:
 def _auto_pause_setting(settings: ConnectorSettings, extra: dict[str, Any]) -> bool:
     """``auto_pause`` from the connector settings (default on)."""
     return bool(settings.auto_pause)
+
+
+def _responses_store_enabled() -> bool:
+    """vLLM stores Responses (so ``previous_response_id`` chains exist) only with
+    ``VLLM_ENABLE_RESPONSES_API_STORE=1`` (read the way vllm.envs reads it)."""
+    try:
+        return bool(int(os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0")))
+    except ValueError:
+        return False
 
 
 def _check_api_key(request: Request) -> None:
@@ -307,7 +337,7 @@ async def status() -> JSONResponse:
 async def _auto_pause(
     trajectory_id: str,
     branch: str,
-    tool: str,
+    tools: list[str],
     expected_wait_s: float | None,
     lease_cap_s: float | None = None,
 ) -> None:
@@ -321,17 +351,18 @@ async def _auto_pause(
         "pause",
         trajectory_id=trajectory_id,
         branch=branch,
-        tool=tool,
+        tool=tools[0],
+        tools=tools,
         expected_wait_s=expected_wait_s,
         max_lease_s=lease_cap_s,
     )
     if status >= 400:
         raise RuntimeError(f"pause answered {status}: {body.get('detail')}")
     log.debug(
-        "agentkv: auto-pause %s/%s tool=%s -> %s",
+        "agentkv: auto-pause %s/%s tools=%s -> %s",
         trajectory_id,
         branch,
-        tool,
+        ",".join(tools),
         (body.get("decision") or {}).get("action"),
     )
     if _State.engine_client is not None:
@@ -385,6 +416,7 @@ class AgentKVRoutes:
         _State.hooks_client = ControlClient(settings.control_endpoint(engine_id), timeout_s=2.0)
         _State.hooks.auto_pause = _auto_pause_setting(settings, extra)
         _State.hooks.pause = _auto_pause
+        _State.hooks.responses_chains = _responses_store_enabled()
         _State.hooks.enabled = True
         _register_metrics(_State.client)
         if _State.pump is None:

@@ -309,14 +309,17 @@ class SchedulerSide:
 
     def finish(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._remote_fetch.pop(request.request_id, None)
-        if self._params.pop(request.request_id, None) is None:
+        params = self._params.pop(request.request_id, None)
+        if params is None:
             return False, None
         start = time.thread_time_ns()
         try:
             from vllm.v1.request import RequestStatus
 
             if self.events is not None:
-                self.events.note_blocks(request.block_hashes, request.all_token_ids)
+                self.events.note_blocks(
+                    request.block_hashes, request.all_token_ids, session_id=params.trajectory_id
+                )
 
             computed = max(
                 0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
@@ -442,10 +445,11 @@ class SchedulerSide:
         if op == "pause":
             wait = req.get("expected_wait_s")
             cap = req.get("max_lease_s")
+            tools = req.get("tools")
             return mgr.pause(
                 tid,
                 branch,
-                str(req.get("tool") or "unknown"),
+                [str(t) for t in tools] if tools else str(req.get("tool") or "unknown"),
                 float(wait) if wait is not None else None,
                 max_lease_s=float(cap) if cap is not None else None,
             )

@@ -203,7 +203,7 @@ def test_inject_merges_other_connectors_params() -> None:
 # ------------------------------------------------------------------------------------ tool calls
 
 
-def chat_json(*names: str) -> bytes:
+def chat_json(*names: str, stats: bool = False) -> bytes:
     calls = [
         {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": "{}"}}
         for i, n in enumerate(names)
@@ -211,7 +211,10 @@ def chat_json(*names: str) -> bytes:
     msg: dict[str, Any] = {"role": "assistant", "content": ""}
     if calls:
         msg["tool_calls"] = calls
-    return json.dumps({"id": "x", "choices": [{"index": 0, "message": msg}]}).encode()
+    payload: dict[str, Any] = {"id": "x", "choices": [{"index": 0, "message": msg}]}
+    if stats:  # what the engine returns for a trajectory's request
+        payload["kv_transfer_params"] = {"agentkv": {"cached_tokens": 0}}
+    return json.dumps(payload).encode()
 
 
 def sse_events(*names: str, content: str = "") -> list[bytes]:
@@ -313,9 +316,10 @@ class Harness:
         self.mw = AgentKVHooks(app, self.state)
 
     async def _pause(
-        self, tid: str, branch: str, tool: str, wait: float | None, cap: float | None = None
+        self, tid: str, branch: str, tools: list[str], wait: float | None, cap: float | None = None
     ) -> None:
-        self.events.append(("pause", tid, branch, tool, wait))
+        # one tool: its name (most tests); several: the list
+        self.events.append(("pause", tid, branch, tools[0] if len(tools) == 1 else tools, wait))
         self.caps.append(cap)
 
     async def request(
@@ -414,7 +418,8 @@ async def test_json_tool_call_pauses_before_the_body_goes_out() -> None:
     await h.request({"model": "m", **ctx(session_id="t1", expected_resume=4)})
     kinds = [e[0] if e[0] == "pause" else e[1]["type"] for e in h.events]
     assert kinds == ["http.response.start", "pause", "http.response.body"]
-    assert h.pauses() == [("pause", "t1", "main", "run_tests", 4.0)]
+    # several calls pause with all their tools (the engine predicts the longest)
+    assert h.pauses() == [("pause", "t1", "main", ["run_tests", "grep"], 4.0)]
     assert h.state.counters["auto_pauses"] == 1
 
 
@@ -539,7 +544,7 @@ def test_fastapi_sees_the_injected_params(monkeypatch: pytest.MonkeyPatch) -> No
         r = c.post("/v1/chat/completions", json={"model": "m"}, headers={"x-session-id": "fa"})
         assert r.status_code == 200
         assert r.json()["seen"] == {"agentkv": {"trajectory_id": "fa", "branch": "main"}}
-        assert paused == [("fa", "main", "lookup", None, None)]
+        assert paused == [("fa", "main", ["lookup"], None, None)]
         r = c.post("/v1/chat/completions", json={"model": "m"})
         assert r.json()["seen"] is None and len(paused) == 1
 
@@ -567,10 +572,10 @@ async def test_explicit_params_are_parsed_only_for_a_tool_call(
 
     monkeypatch.setattr(hooks, "resolve_deferred", spy)
     body = {"kv_transfer_params": {"agentkv": {"trajectory_id": "t9"}}}
-    h = Harness(FakeApp([chat_json()]))
+    h = Harness(FakeApp([chat_json(stats=True)]))
     await h.request(body)
     assert parsed == [] and not h.pauses()
-    h = Harness(FakeApp([chat_json("t")]))
+    h = Harness(FakeApp([chat_json("t", stats=True)]))
     await h.request(body)
     assert len(parsed) == 1 and h.pauses() == [("pause", "t9", "main", "t", None)]
     assert not any(k.startswith("identified.") for k in h.state.counters)  # hints only

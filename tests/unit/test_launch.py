@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ from agentkv.errors import EngineUnavailableError
 from agentkv.launch import (
     SERVER_MODULE,
     LaunchSpec,
+    _stop,
     build_launch_command,
     free_port,
     running_server,
@@ -132,3 +137,42 @@ def test_running_server_yields_and_stops_process_group(tmp_path: Path) -> None:
         assert srv.proc.poll() is None
         proc: subprocess.Popen[bytes] = srv.proc
     assert proc.poll() is not None
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+CHILD_KEEPS_RUNNING = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(300)
+"""
+
+
+def test_stop_ends_the_group_of_a_server_that_already_died(tmp_path: Path) -> None:
+    """Issue 29: a replica whose API server was killed left its engine core running (parented
+    to init) because the stop returned when the leader was gone. The child here plays the
+    engine core: same process group, outlives its parent."""
+    marker = tmp_path / "child.pid"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD_KEEPS_RUNNING, str(marker)], start_new_session=True
+    )
+    deadline = time.monotonic() + 30
+    while not (marker.exists() and marker.read_text()):
+        assert time.monotonic() < deadline, "child did not start"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # the API server dies; its child stays
+    proc.wait(timeout=10)
+    try:
+        assert _group_alive(proc.pid)
+        _stop(proc, grace_s=10)
+        assert not _group_alive(proc.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -641,3 +641,18 @@ def test_b9_the_engine_recomputes_what_a_layerwise_fail_closed_load_covered() ->
     rig.eng.schedule(req, adapter_error=True)
     rig.run(req)
     assert req.status == "FINISHED" and not rig.eng.violations
+
+
+def test_a_pause_on_parallel_tools_predicts_and_learns_the_longest() -> None:
+    rig = make_rig()
+    for _ in range(10):
+        rig.mgr.predictor.observe("grep", 0.2)
+        rig.mgr.predictor.observe("build", 30.0)
+    rig.turn("t1", P1)
+    code, body = rig.mgr.pause("t1", "main", ["grep", "build"], None)
+    assert code == 200
+    assert body["tools"] == ["grep", "build"] and body["predicted_tool"] == "build"
+    assert body["wait_estimate"]["p50"] > 10  # build's wait, not grep's
+    assert branch(rig).tool == "build"  # the resume's observed wait teaches build
+    code, body = rig.mgr.pause("t1", "main", "grep", None)
+    assert code == 200 and "tools" not in body and branch(rig).tool == "grep"

@@ -174,3 +174,15 @@ def test_outcome_counter() -> None:
         counter.record(outcome)  # type: ignore[arg-type]
     assert counter.counts() == {"early": 1, "on_time": 0, "late": 2, "wasted": 1}
     assert counter.total() == 4
+
+
+def test_parallel_calls_are_predicted_as_the_longest_tool() -> None:
+    p = WaitPredictor()
+    for _ in range(20):
+        p.observe("read_file", 0.5)
+        p.observe("run_tests", 40.0)
+    assert p.longest(["read_file", "run_tests"]) == "run_tests"
+    assert p.longest(["run_tests", "read_file"]) == "run_tests"
+    assert p.longest(["new_a", "new_b"]) == "new_a"  # a tie (both the prior): the first
+    with pytest.raises(ValueError):
+        p.longest([])

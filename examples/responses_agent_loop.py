@@ -1,0 +1,127 @@
+"""A tool loop on the official ``openai`` client's **Responses API** (``client.responses.create``,
+vLLM's ``/v1/responses``, what Codex-style agents speak), wrapped for agentkv in one line.
+
+``harness_sdk.openai.wrap`` makes ``responses.create`` carry the trajectory id. No pause call is
+written: a reply whose ``output`` holds ``function_call`` items pauses the trajectory on the
+server (auto-pause, with every called tool), and the engine learns each tool's wait from when
+the next turn arrives. The loop sends the whole conversation each turn (``store=False``, as
+Codex does); with a response store on the server (``VLLM_ENABLE_RESPONSES_API_STORE=1``) a loop
+that sends ``previous_response_id`` instead needs no wrapper at all: the chain is the trajectory.
+
+The served model may have random weights (``agentkv serve`` with no MODEL), so each turn forces
+a function call (``tool_choice`` of type ``function``) and the tools are scripted.
+
+    agentkv serve --port 8000 --kv-space-gib 1 -- --enable-auto-tool-choice \\
+        --tool-call-parser pythonic \\
+        --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}' &
+    python examples/responses_agent_loop.py --base-url http://127.0.0.1:8000/v1 [--api-key KEY]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+try:
+    from openai import OpenAI, OpenAIError
+except ImportError:  # pragma: no cover - the example needs the client
+    sys.exit("this example needs the openai package: pip install 'vllm-agentkv[openai]'")
+
+from harness_sdk.openai import wrap
+
+INSTRUCTIONS = (
+    "You are a careful coding agent working in a Python repository. Read before you edit and "
+    "run the tests after every change. "
+    + " ".join(f"guideline-{i}: prefer small, reviewed, reversible steps." for i in range(40))
+)
+
+
+def _tool(name: str, description: str, choices: list[str]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": name,
+        "description": description,
+        "parameters": {
+            "type": "object",
+            "properties": {"target": {"type": "string", "enum": choices}},
+            "required": ["target"],
+        },
+    }
+
+
+TOOLS = [
+    _tool("read_file", "Read a file", ["parser.py"]),
+    _tool("run_tests", "Run pytest", ["tests"]),
+]
+SCRIPT = [
+    ("read_file", 0.2, "parser.py: def parse(s): return s.split(',')"),
+    ("run_tests", 1.5, "FAILED tests/test_parser.py::test_empty - [''] != []"),
+    ("run_tests", 1.5, "12 passed in 1.79s"),
+]
+
+
+def report(turn: int, r: Any) -> None:
+    stats = ((r.model_extra or {}).get("kv_transfer_params") or {}).get("agentkv") or {}
+    print(
+        f"turn {turn}: prompt {r.usage.input_tokens:>5}  "
+        f"from vLLM {stats.get('device_hit_tokens', 0):>5}  "
+        f"from tier {stats.get('tier_hit_tokens', 0):>5} ({stats.get('tier') or '-'})"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    raw = OpenAI(base_url=args.base_url, api_key=args.api_key or "EMPTY")
+    model = args.model or raw.models.list().data[0].id
+    items: list[dict[str, Any]] = [
+        {"role": "user", "content": "The test tests/test_parser.py::test_empty fails. Fix it."}
+    ]
+    with wrap(raw, args.trajectory_id) as client:
+        print(f"trajectory {client.trajectory_id} on {model}")
+        for turn, (name, seconds, output) in enumerate(SCRIPT, start=1):
+            r = client.responses.create(
+                model=model,
+                instructions=INSTRUCTIONS,
+                input=items,
+                tools=TOOLS,
+                tool_choice={"type": "function", "name": name},
+                max_output_tokens=32,
+                temperature=0,
+                store=False,
+            )
+            report(turn, r)
+            calls = [o for o in r.output if o.type == "function_call"]
+            state = client.server_state() or {}
+            branch = (state.get("branches") or {}).get("main") or {}
+            print(f"  auto-paused on {branch.get('tool')}: {branch.get('state')}")
+            time.sleep(seconds)  # the tool runs; the engine learns this wait
+            for call in calls:
+                items.append(
+                    {
+                        "type": "function_call",
+                        "call_id": call.call_id,
+                        "name": call.name,
+                        "arguments": call.arguments,
+                    }
+                )
+                items.append(
+                    {"type": "function_call_output", "call_id": call.call_id, "output": output}
+                )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="default: the server's first model")
+    p.add_argument("--trajectory-id", default=None, help="default: a random one")
+    args = p.parse_args()
+    try:
+        run(args)
+    except OpenAIError as exc:
+        sys.exit(f"request failed: {exc}")
+
+
+if __name__ == "__main__":
+    main()
