@@ -19,6 +19,20 @@ Primitives:
                             (vLLM's ``swap_blocks_batch``) when the installed vLLM has it.
     BlockRef                one block of a table: ``gather_into(dest)`` / ``scatter_from(src)``
                             copy its image with numpy (CPU), ``device_segments()`` (CUDA).
+    StagedBlocks.gather(table, ids)
+                            CUDA stores: blocks ``ids`` gathered (one ``index_select`` per run)
+                            into a fresh device staging region ``[n, block_bytes]`` on a copy
+                            stream, after the work queued on the caller's stream; ``rows`` are
+                            one-segment DeviceSegments carrying that event, which the store copies
+                            to the pinned host arena with one DMA each.
+    StagedBlocks.for_load(table, ids), .scatter(ok)
+                            CUDA loads: the store DMAs each block into its staging row; then, on
+                            the caller's stream (the engine's: its next forward is ordered after
+                            it), one ``index_copy_`` per run writes the rows that loaded.
+    staging_budget(table, count)
+                            how many of a step's blocks go through staging (0 off CUDA; the rest
+                            as BlockRefs): bounded, the region is device memory vLLM did not
+                            budget for.
 
 Why two shapes of batching. On CUDA the cost of a copy is its launch: a step's stores are gathered
 on the device with one ``index_select`` kernel per run into a contiguous device staging region,
@@ -37,6 +51,7 @@ never imports torch; the torch objects come from the caller.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +63,9 @@ from agentkv.tiers.device import DeviceSegments, loaded_torch
 
 Tensor = Any
 ByteArray = npt.NDArray[np.uint8]
+# Device memory one step's staging may take (stores and loads each); blocks beyond it take the
+# per-block path. vLLM sized the KV cache to the GPU, so this must stay small next to it.
+STAGING_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,3 +261,85 @@ class BlockRef(Sequence[ByteArray]):
 
     def device_segments(self) -> DeviceSegments:
         return DeviceSegments([run.rows[self.block_id] for run in self.table.runs])
+
+
+_streams: dict[Any, Any] = {}
+_streams_lock = threading.Lock()
+
+
+def _copy_stream(device: Any) -> Any:
+    """One gather stream per CUDA device, shared by every step."""
+    torch = loaded_torch()
+    with _streams_lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device=device)
+            _streams[device] = stream
+        return stream
+
+
+def staging_budget(table: BlockTable, count: int) -> int:
+    """How many of ``count`` blocks one step stages on the device (0 off CUDA)."""
+    if not table.is_cuda:
+        return 0
+    return min(count, max(1, STAGING_BYTES // table.block_bytes))
+
+
+class StagedBlocks:
+    """A batch of whole blocks in a device staging region (see module docstring)."""
+
+    def __init__(
+        self,
+        table: BlockTable,
+        ids: list[int],
+        staging: Tensor,
+        rows: list[DeviceSegments] | None = None,
+    ) -> None:
+        self.table = table
+        self.ids = ids
+        self.staging = staging  # kept alive here until the store's copies of it are done
+        self.rows = rows if rows is not None else [DeviceSegments([r]) for r in staging.unbind(0)]
+
+    def slice(self, start: int, stop: int) -> StagedBlocks:
+        """Blocks ``start:stop`` of this batch (one job's share), same staging memory."""
+        return StagedBlocks(
+            self.table, self.ids[start:stop], self.staging[start:stop], self.rows[start:stop]
+        )
+
+    @classmethod
+    def gather(cls, table: BlockTable, ids: list[int]) -> StagedBlocks:
+        """Blocks ``ids`` gathered on the copy stream; each row's ready event orders the store's
+        DMA after the gather, and the gather waits for the caller's queued work."""
+        torch = loaded_torch()
+        device = table.device
+        caller = torch.cuda.current_stream(device)
+        stream = _copy_stream(device)
+        staging = torch.empty((len(ids), table.block_bytes), dtype=torch.uint8, device=device)
+        with torch.cuda.stream(stream):
+            stream.wait_stream(caller)
+            table.gather(ids, staging)
+            ready = stream.record_event()
+        staging.record_stream(stream)
+        staged = cls(table, ids, staging)
+        for row in staged.rows:
+            row.ready = ready
+        return staged
+
+    @classmethod
+    def for_load(cls, table: BlockTable, ids: list[int]) -> StagedBlocks:
+        torch = loaded_torch()
+        staging = torch.empty((len(ids), table.block_bytes), dtype=torch.uint8, device=table.device)
+        return cls(table, ids, staging)
+
+    def scatter(self, ok: list[bool]) -> None:
+        """Write the rows whose load succeeded into their blocks, on the current stream (call
+        it before anyone may read those blocks)."""
+        rows = [i for i, good in enumerate(ok) if good]
+        if not rows:
+            return
+        if len(rows) == len(self.ids):
+            self.table.scatter(self.ids, self.staging)
+            return
+        torch = loaded_torch()
+        index = torch.tensor(rows, dtype=torch.int64).to(self.staging.device)
+        self.table.scatter([self.ids[i] for i in rows], self.staging.index_select(0, index))

@@ -1,5 +1,4 @@
-"""The plugin's CUDA-aware data path: layer-by-layer loads with per-layer completion, and the
-step's device staging region for batched whole-block stores and loads.
+"""Layer-by-layer copies from pinned host blocks into the KV cache, with per-layer completion.
 
 Primitives:
   LayerCopier(device, layer_names)  one step's copier; create it on the thread that runs the
@@ -19,18 +18,8 @@ waiting thread's current stream wait for that event on the GPU (no host sync): t
 kernels of layer L queue behind layer L's copies only, while later layers still transfer.
 CPU: the same calls copy synchronously with numpy, and events are plain threading events.
 
-  StagedBlocks.gather(table, ids)   CUDA stores: one ``index_select`` per run gathers blocks
-                                    ``ids`` into a fresh device staging region ``[n, block_bytes]``
-                                    on the copy stream (after the engine's queued work); ``rows``
-                                    are one-segment DeviceSegments carrying that event, which the
-                                    store copies to the pinned host arena with one DMA each.
-  StagedBlocks.for_load(table, ids) CUDA loads: the store DMAs each block into its staging row;
-  .scatter(ok)                      then, on the engine's stream (so the next forward is ordered
-                                    after it), one ``index_copy_`` per run writes the rows whose
-                                    load succeeded into the KV cache.
-  staging_budget(table, count)      how many blocks of a step go through staging (the rest
-                                    through per-block BlockRefs): bounded, the region is device
-                                    memory vLLM did not budget for.
+Whole-block stores and loads of a step are staged on the device by
+agentkv.tiers.batched.StagedBlocks (shared with ``agentkv bench tiers``).
 
 Status: the CUDA branch has not run on a GPU yet (tests/gpu covers it).
 """
@@ -44,11 +33,6 @@ import numpy as np
 import torch
 
 from agentkv.tiers.batched import BlockTable
-from agentkv.tiers.device import DeviceSegments
-
-# Device memory one step's staging may take (stores and loads each); blocks beyond it take the
-# per-block path. vLLM sized the KV cache to the GPU, so this must stay small next to it.
-STAGING_BYTES = 256 << 20
 
 _streams: dict[torch.device, Any] = {}
 _streams_lock = threading.Lock()
@@ -129,67 +113,3 @@ class LayerCopier:
             done = torch.cuda.Event(blocking=True)
             done.record(self._stream)
             done.synchronize()
-
-
-def staging_budget(table: BlockTable, count: int) -> int:
-    """How many of ``count`` blocks one step stages on the device (0 off CUDA)."""
-    if not table.is_cuda:
-        return 0
-    return min(count, max(1, STAGING_BYTES // table.block_bytes))
-
-
-class StagedBlocks:
-    """A step's batch of whole blocks in a device staging region (see module docstring)."""
-
-    def __init__(
-        self,
-        table: BlockTable,
-        ids: list[int],
-        staging: torch.Tensor,
-        rows: list[DeviceSegments] | None = None,
-    ) -> None:
-        self.table = table
-        self.ids = ids
-        self.staging = staging  # kept alive here until the store's copies of it are done
-        self.rows = rows if rows is not None else [DeviceSegments([r]) for r in staging.unbind(0)]
-
-    def slice(self, start: int, stop: int) -> StagedBlocks:
-        """Blocks ``start:stop`` of this batch (one job's share), same staging memory."""
-        return StagedBlocks(
-            self.table, self.ids[start:stop], self.staging[start:stop], self.rows[start:stop]
-        )
-
-    @classmethod
-    def gather(cls, table: BlockTable, ids: list[int]) -> StagedBlocks:
-        """Blocks ``ids`` gathered on the copy stream; each row's ready event orders the store's
-        DMA after the gather (and the gather after the engine's queued work)."""
-        device = table.device
-        engine = torch.cuda.current_stream(device)
-        stream = _stream(device)
-        staging = torch.empty((len(ids), table.block_bytes), dtype=torch.uint8, device=device)
-        with torch.cuda.stream(stream):
-            stream.wait_stream(engine)
-            table.gather(ids, staging)
-            ready = stream.record_event()
-        staging.record_stream(stream)
-        staged = cls(table, ids, staging)
-        for row in staged.rows:
-            row.ready = ready
-        return staged
-
-    @classmethod
-    def for_load(cls, table: BlockTable, ids: list[int]) -> StagedBlocks:
-        staging = torch.empty((len(ids), table.block_bytes), dtype=torch.uint8, device=table.device)
-        return cls(table, ids, staging)
-
-    def scatter(self, ok: list[bool]) -> None:
-        """Write the rows whose load succeeded into their blocks, on the current stream (call
-        it on the engine thread before reporting the load finished)."""
-        rows = [i for i, good in enumerate(ok) if good]
-        if not rows:
-            return
-        if len(rows) == len(self.ids):
-            self.table.scatter(self.ids, self.staging)
-            return
-        index = torch.tensor(rows, dtype=torch.int64).to(self.staging.device)
-        self.table.scatter([self.ids[i] for i in rows], self.staging.index_select(0, index))

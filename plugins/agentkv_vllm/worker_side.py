@@ -45,9 +45,10 @@ import numpy as np
 from agentkv.errors import CorruptBlockError
 from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
 from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
+from agentkv.tiers.batched import StagedBlocks, staging_budget
 from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
 from agentkv_vllm.block_copy import BlockViews
-from agentkv_vllm.device_copy import LayerCopier, StagedBlocks, staging_budget
+from agentkv_vllm.device_copy import LayerCopier
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.settings import ConnectorSettings
 

@@ -16,12 +16,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from agentkv.tiers.batched import BlockRef, BlockTable, Run  # noqa: E402
+from agentkv.tiers.batched import BlockRef, BlockTable, Run, StagedBlocks, staging_budget  # noqa: E402
 from agentkv.tiers.disk import HEADER_BYTES  # noqa: E402
 from agentkv.tiers.keys import ModelFingerprint, chain_keys  # noqa: E402
 from agentkv.tiers.store import TieredStore  # noqa: E402
 from agentkv_vllm.block_copy import BlockViews  # noqa: E402
-from agentkv_vllm.device_copy import StagedBlocks, staging_budget  # noqa: E402
 
 NUM_BLOCKS, HEADS, BLOCK, DIM, LAYERS = 12, 2, 16, 32, 3
 FP = ModelFingerprint("batched", "bfloat16", BLOCK, LAYERS)
