@@ -3,9 +3,12 @@
 Primitives:
     BlockBuffer    what a caller may pass for one block: a C-contiguous host buffer (numpy
                    array, bytearray, memoryview, ...), a contiguous torch tensor on any device,
-                   or a sequence of them (segments of one block, in order, e.g. one per layer).
-    Segments       a normalised block: a list of flat uint8 numpy views (host memory), or
-                   DeviceSegments (torch tensors in device memory, see device.py).
+                   a sequence of them (segments of one block, in order, e.g. one per layer),
+                   a BlockRef (one block of a KV cache described once, batched.py), or
+                   DeviceSegments (passed through as they are, their ready event kept).
+    Segments       a normalised block: a list of flat uint8 numpy views (host memory), a host
+                   BlockRef (copied in one pass by its table), or DeviceSegments (torch tensors
+                   in device memory, see device.py).
     as_segments    normalise a BlockBuffer without copying: host buffers and CPU tensors become
                    numpy views of the same memory (a CPU tensor through ``.numpy()`` of a uint8
                    view); tensors on a device (CUDA) become DeviceSegments. Checks the total size
@@ -26,12 +29,13 @@ import numpy as np
 import numpy.typing as npt
 
 from agentkv.tiers import device
+from agentkv.tiers.batched import BlockRef
 from agentkv.tiers.device import DeviceSegments
 
 ByteArray: TypeAlias = npt.NDArray[np.uint8]
 BlockBuffer: TypeAlias = Any
 """A host buffer or torch tensor, or a sequence of them (segments of one block, in order)."""
-Segments: TypeAlias = "list[ByteArray] | DeviceSegments"
+Segments: TypeAlias = "list[ByteArray] | BlockRef | DeviceSegments"
 
 
 def _on_host(tensor: Any) -> bool:
@@ -65,6 +69,16 @@ def _is_segment_list(buffer: Any) -> bool:
     return isinstance(buffer, Sequence) and not isinstance(buffer, bytes | bytearray | memoryview)
 
 
+def _whole(buffer: BlockRef | DeviceSegments, block_bytes: int) -> BlockRef | DeviceSegments:
+    """A BlockRef (host: as is; device: its DeviceSegments) or DeviceSegments, size checked."""
+    whole: BlockRef | DeviceSegments = buffer
+    if isinstance(buffer, BlockRef) and not buffer.on_host:
+        whole = buffer.device_segments()
+    if whole.nbytes != block_bytes:
+        raise ValueError(f"block buffer holds {whole.nbytes} bytes, expected {block_bytes}")
+    return whole
+
+
 def as_segments(buffer: BlockBuffer, block_bytes: int, *, writable: bool = False) -> Segments:
     """Return ``buffer`` as Segments whose sizes sum to ``block_bytes``. Never copies.
 
@@ -72,6 +86,8 @@ def as_segments(buffer: BlockBuffer, block_bytes: int, *, writable: bool = False
     host and device memory (or two devices), or (for ``writable=True``) a host segment is
     read-only.
     """
+    if isinstance(buffer, BlockRef | DeviceSegments):
+        return _whole(buffer, block_bytes)
     parts = list(buffer) if _is_segment_list(buffer) else [buffer]
     torch = device.loaded_torch()
     tensor_type = torch.Tensor if torch is not None else ()
@@ -98,6 +114,9 @@ def gather_into(destination: ByteArray, segments: Segments) -> None:
     if isinstance(segments, DeviceSegments):
         device.device_to_host(destination, segments)
         return
+    if isinstance(segments, BlockRef):
+        segments.gather_into(destination[: segments.nbytes])
+        return
     offset = 0
     for segment in segments:
         np.copyto(destination[offset : offset + segment.size], segment)
@@ -108,6 +127,9 @@ def scatter_from(source: ByteArray, segments: Segments) -> None:
     """Copy ``source`` into ``segments`` in order (the inverse of gather_into)."""
     if isinstance(segments, DeviceSegments):
         device.host_to_device(source, segments)
+        return
+    if isinstance(segments, BlockRef):
+        segments.scatter_from(source)
         return
     offset = 0
     for segment in segments:

@@ -9,7 +9,8 @@ Primitives:
                            in order, all on one device.
     mark_ready(blocks)     remember where each device's current stream is now (call on the
                            thread that produced the bytes, at submit time): copies of these
-                           blocks are ordered after it.
+                           blocks are ordered after it. A block that already carries a ready
+                           event (a staging row gathered on a copy stream) keeps it.
     device_to_host         gather a block's segments into one host buffer; returns once the bytes
                            are there.
     host_to_device         scatter one host buffer into a block's segments; returns once written.
@@ -123,7 +124,7 @@ def mark_ready(blocks: Iterable[object]) -> None:
         return
     events: dict[Any, Any] = {}
     for block in blocks:
-        if isinstance(block, DeviceSegments) and block.is_cuda:
+        if isinstance(block, DeviceSegments) and block.is_cuda and block.ready is None:
             event = events.get(block.device)
             if event is None:
                 event = torch.cuda.current_stream(block.device).record_event()

@@ -3,9 +3,11 @@
 Primitives:
   BlockViews(kv_caches, num_blocks)  finds each layer tensor's block dimension and the memory
                                      runs one block occupies in it, once
-  .segments(block_id) -> list[Tensor]  flat uint8 torch views of one block, on the KV cache's
-                                       device (CPU or CUDA alike), sharing its memory, writable,
-                                       in a fixed order: per layer (sorted by name), its runs
+  .table                             the cache as an agentkv.tiers.batched.BlockTable: per run
+                                     (per layer, sorted by name, its runs in order) a
+                                     ``[num_blocks, bytes]`` uint8 view sharing the cache's
+                                     memory; batched gathers/scatters of many blocks go through it
+  .block(block_id) -> BlockRef       one block as a buffer for the store (no copy, O(1))
   .block_bytes                       bytes of one block across all layers
   .layout                            a string naming device, dtype, shapes and strides: part of
                                      the key fingerprint, so another layout never matches
@@ -20,8 +22,8 @@ MLA ``[num_blocks, block_size, dim]``, and permuted HND strides), and one run pe
 FlashAttention's ``[2, num_blocks, block_size, heads, dim]``; in general the block is split along
 its outermost dimension until every piece is dense. Bytes are copied raw, whole blocks only (the
 CPU kernel stores K transposed inside a block), so any layout round-trips exactly back into the
-same layout, which the fingerprint enforces. The store copies CPU segments with numpy (zero-copy
-``.numpy()`` views) and CUDA segments with torch on a copy stream (agentkv.tiers.device).
+same layout, which the fingerprint enforces. How the bytes move (numpy per block on CPU, batched
+index kernels and DMA on CUDA) is agentkv.tiers.batched's business.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import re
 from typing import Any
 
 import torch
+
+from agentkv.tiers.batched import BlockRef, BlockTable, Run
 
 
 def _dense(view: torch.Tensor) -> bool:
@@ -82,9 +86,13 @@ class _Layer:
         if sum(n for _, n in self.runs) != block.numel() * element:
             raise ValueError("a block's memory runs do not add up to its size")  # a bug if seen
 
-    def segments(self, block_id: int) -> list[torch.Tensor]:
-        start = block_id * self.block_stride
-        return [self.flat[start + offset : start + offset + size] for offset, size in self.runs]
+    def rows(self, num_blocks: int) -> list[torch.Tensor]:
+        """Per run, a ``[num_blocks, bytes]`` view: row ``b`` is block ``b``'s bytes of the run."""
+        base = self.flat.storage_offset()
+        return [
+            self.flat.as_strided((num_blocks, size), (self.block_stride, 1), base + offset)
+            for offset, size in self.runs
+        ]
 
 
 class BlockViews:
@@ -110,6 +118,13 @@ class BlockViews:
         self.layout = f"{self.device.type}:{self.dtype}:{shapes}"
         self._layers = [_Layer(t, d) for t, d in zip(self._tensors, self._block_dims, strict=True)]
         self.block_bytes = sum(size for layer in self._layers for _, size in layer.runs)
+        runs: list[Run] = []
+        offset = 0
+        for layer in self._layers:
+            for rows in layer.rows(num_blocks):
+                runs.append(Run(rows, offset))
+                offset += int(rows.shape[1])
+        self.table = BlockTable(runs)
 
     def layer_slices(self) -> list[tuple[str, list[tuple[int, int, int]]]]:
         """Each layer's segments as (segment index, byte offset in the block, bytes), layers in
@@ -129,10 +144,6 @@ class BlockViews:
 
         return sorted(out, key=forward_order)
 
-    def segments(self, block_id: int) -> list[torch.Tensor]:
-        """Flat uint8 tensor views of the block's bytes on the KV cache's device (no copy)."""
-        return [seg for layer in self._layers for seg in layer.segments(block_id)]
-
-    @property
-    def is_host(self) -> bool:
-        return self.device.type == "cpu"
+    def block(self, block_id: int) -> BlockRef:
+        """The block as a store buffer (no copy): its image is the runs back to back."""
+        return self.table.block(block_id)

@@ -3,7 +3,9 @@
 Primitives:
   LayerCopier(device, layer_names)  one step's copier; create it on the thread that runs the
                                     model (it orders the copies after that thread's queued work)
-  .copy(dest, src)                  copy a host uint8 array into a flat uint8 tensor segment
+  .copy_runs(table, ids, sources, runs)
+                                    copy runs ``runs`` (one layer's) of blocks ``ids`` from their
+                                    host images ``sources`` into the KV cache: one batched call
   .events[name]                     a LayerEvent per layer: the copier thread ``set()``s it once
                                     the layer's copies are queued; ``wait()`` returns when that
                                     layer, and only that layer, is usable by the model
@@ -16,6 +18,9 @@ waiting thread's current stream wait for that event on the GPU (no host sync): t
 kernels of layer L queue behind layer L's copies only, while later layers still transfer.
 CPU: the same calls copy synchronously with numpy, and events are plain threading events.
 
+Whole-block stores and loads of a step are staged on the device by
+agentkv.tiers.batched.StagedBlocks (shared with ``agentkv bench tiers``).
+
 Status: the CUDA branch has not run on a GPU yet (tests/gpu covers it).
 """
 
@@ -27,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentkv.tiers.device import host_tensor
+from agentkv.tiers.batched import BlockTable
 
 _streams: dict[torch.device, Any] = {}
 _streams_lock = threading.Lock()
@@ -84,13 +89,16 @@ class LayerCopier:
                 default.wait_stream(engine)
         self.events: dict[str, threading.Event] = {name: LayerEvent(self) for name in layer_names}
 
-    def copy(self, dest: torch.Tensor, src: np.ndarray) -> None:
-        """Copy ``src`` (host uint8) into ``dest`` (a flat uint8 segment of the KV cache)."""
+    def copy_runs(
+        self, table: BlockTable, ids: list[int], sources: list[np.ndarray], runs: list[int]
+    ) -> None:
+        """Copy runs ``runs`` of blocks ``ids`` from host images ``sources`` into the KV cache
+        (CUDA: queued on the copy stream; the caller keeps ``sources`` until ``synchronize``)."""
         if not self._cuda:
-            np.copyto(dest.numpy(), src)
+            table.copy_runs_from_host(ids, sources, runs)
             return
         with torch.cuda.stream(self._stream):
-            dest.copy_(host_tensor(src), non_blocking=True)
+            table.copy_runs_from_host(ids, sources, runs)
 
     def _record(self) -> Any:
         if not self._cuda:

@@ -45,6 +45,7 @@ import numpy as np
 from agentkv.errors import CorruptBlockError
 from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
 from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
+from agentkv.tiers.batched import StagedBlocks, staging_budget
 from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
 from agentkv_vllm.block_copy import BlockViews
 from agentkv_vllm.device_copy import LayerCopier
@@ -115,6 +116,7 @@ class _Pending:
     keys: list[bytes]
     load: LoadJob | None = None
     deadline: float = math.inf
+    staged: StagedBlocks | None = None  # CUDA: the device staging this job copies to or from
 
 
 @dataclass
@@ -221,12 +223,15 @@ class WorkerSide:
             store.drop([self.rank_key(k) for k in drop.keys], tier=drop.tier)
         now = time.monotonic()
         timeout = self.settings.job_timeout_s
-        for job in plan.stores:
-            if self._silent(job):
-                continue
+        stores = [job for job in plan.stores if not self._silent(job)]
+        staged = self._stage_stores(stores)
+        for job in stores:
             keys = [self.rank_key(b.key) for b in job.blocks]
+            staging = staged.pop(job.job_id, None)
             try:
-                buffers = [self.views.segments(b.block_id) for b in job.blocks]
+                buffers: list[Any] = (
+                    staging.rows if staging else [self.views.block(b.block_id) for b in job.blocks]
+                )
                 handle = store.submit_store(keys, buffers, tier=job.tier)
             except Exception as exc:  # a tier fault must never take the engine down
                 log.warning("agentkv: store job %d failed to start: %s", job.job_id, exc)
@@ -240,6 +245,7 @@ class WorkerSide:
                     job.job_id,
                     ("offload", job.tier, f"job-{job.job_id}"),
                     [b.key for b in job.blocks],
+                    staged=staging,
                 )
             )
         for move in plan.moves:
@@ -276,16 +282,22 @@ class WorkerSide:
             if load.layerwise:
                 continue
             keys = [self.rank_key(b.key) for b in load.blocks]
+            staging = None
             try:
-                buffers = [self.views.segments(b.block_id) for b in load.blocks]
+                ids = [b.block_id for b in load.blocks]
+                if staging_budget(self.views.table, len(ids)) == len(ids):
+                    staging = StagedBlocks.for_load(self.views.table, ids)
+                    targets: list[Any] = list(staging.rows)
+                else:
+                    targets = [self.views.block(bid) for bid in ids]
                 pending: TransferHandle | _DelayedLoad
                 if self.settings.debug_load_delay_s > 0:
                     pending = _DelayedLoad(
                         self.settings.debug_load_delay_s,
-                        lambda keys=keys, buffers=buffers: store.submit_load(keys, buffers),
+                        lambda keys=keys, targets=targets: store.submit_load(keys, targets),
                     )
                 else:
-                    pending = store.submit_load(keys, buffers)
+                    pending = store.submit_load(keys, targets)
             except Exception as exc:
                 log.warning("agentkv: load for %s failed to start: %s", load.req_id, exc)
                 self._load_errors.update(b.block_id for b in load.blocks)
@@ -302,8 +314,35 @@ class WorkerSide:
                     [b.key for b in load.blocks],
                     load=load,
                     deadline=now + timeout,
+                    staged=staging,
                 )
             )
+
+    def _stage_stores(self, jobs: list[StoreJob]) -> dict[int, StagedBlocks]:
+        """CUDA: gather the step's store jobs into device staging, one ``index_select`` per run
+        for all of them (up to the staging budget; later jobs go block by block)."""
+        assert self.views is not None
+        table = self.views.table
+        budget = staging_budget(table, sum(len(job.blocks) for job in jobs))
+        chosen: list[StoreJob] = []
+        for job in jobs:
+            if len(job.blocks) > budget:
+                break
+            chosen.append(job)
+            budget -= len(job.blocks)
+        if not chosen:
+            return {}
+        try:
+            batch = StagedBlocks.gather(table, [b.block_id for job in chosen for b in job.blocks])
+        except Exception as exc:  # e.g. out of device memory: the per-block path still works
+            log.warning("agentkv: batched store gather failed (%s); copying block by block", exc)
+            return {}
+        out: dict[int, StagedBlocks] = {}
+        first = 0
+        for job in chosen:
+            out[job.job_id] = batch.slice(first, first + len(job.blocks))
+            first += len(job.blocks)
+        return out
 
     def _done(self, job_id: int, ok: bool) -> None:
         if job_id <= 0:
@@ -329,34 +368,40 @@ class WorkerSide:
         assert self.store is not None and self.views is not None
         self.finish_step()  # never two steps' copies at once
         store = self.store
-        jobs: list[tuple[HostRead, list[Any], list[int]]] = []
+        table = self.views.table
+        jobs: list[tuple[HostRead, list[int]]] = []
         block_ids: list[int] = []
         failed_jobs: set[int] = set()
         # Blocks the host does not hold but disk does (a prefetch still in flight): read whole,
         # checksummed, before the first layer is released.
-        from_disk: list[tuple[BlockKey, Any, int, bytes, int]] = []
+        from_disk: list[tuple[BlockKey, int, bytes, int]] = []
         for load in loads:
             keys = [self.rank_key(b.key) for b in load.blocks]
             read = store.acquire_host(keys)
             ids = [b.block_id for b in load.blocks]
-            dests = [self.views.segments(bid) for bid in ids]
             for i in read.missing:
                 if store.tier_of(keys[i]) == "disk":
-                    from_disk.append((keys[i], dests[i], ids[i], load.blocks[i].key, load.job_id))
+                    from_disk.append((keys[i], ids[i], load.blocks[i].key, load.job_id))
                 else:  # not where the scheduler said: vLLM recomputes it
                     self._load_errors.add(ids[i])
                     self._bad(load.blocks[i].key, None)
                     failed_jobs.add(load.job_id)
-            jobs.append((read, dests, ids))
+            jobs.append((read, ids))
             block_ids += ids
+        # One batch for the whole step: per layer, one copy call over every block of every job.
+        host_ids = [
+            bid
+            for read, ids in jobs
+            for v, bid in zip(read.views, ids, strict=True)
+            if v is not None
+        ]
+        host_views = [v for read, _ in jobs for v in read.views if v is not None]
         copier = LayerCopier(self.views.device, [name for name, _ in self._layers])
         events = copier.events  # CUDA: each also carries its layer's copy-done CUDA event
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
         started = time.monotonic()
-        nbytes = self.views.block_bytes * (
-            len(from_disk) + sum(v is not None for read, _, _ in jobs for v in read.views)
-        )
+        nbytes = self.views.block_bytes * (len(from_disk) + len(host_ids))
         job_ids = [load.job_id for load in loads]
 
         def copy_layers() -> float:
@@ -364,20 +409,17 @@ class WorkerSide:
             try:
                 if from_disk:
                     results = store.submit_load(
-                        [k for k, _, _, _, _ in from_disk], [d for _, d, _, _, _ in from_disk]
+                        [k for k, _, _, _ in from_disk],
+                        [self.views.block(bid) for _, bid, _, _ in from_disk],  # type: ignore[union-attr]
                     ).result(timeout=LAYER_WAIT_TIMEOUT_S)
-                    for r, (_, _, bid, logical, job_id) in zip(results, from_disk, strict=True):
+                    for r, (_, bid, logical, job_id) in zip(results, from_disk, strict=True):
                         if not r.ok:
                             self._load_errors.add(bid)
                             self._bad(logical, r)
                             failed_jobs.add(job_id)
                 for name, segs in self._layers:
-                    for read, dests, _ in jobs:
-                        for view, dest in zip(read.views, dests, strict=True):
-                            if view is None:
-                                continue
-                            for index, offset, size in segs:
-                                copier.copy(dest[index], view[offset : offset + size])
+                    if host_ids:
+                        copier.copy_runs(table, host_ids, host_views, [i for i, _, _ in segs])
                     events[name].set()
             except Exception:
                 log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
@@ -387,7 +429,7 @@ class WorkerSide:
                 for ev in events.values():
                     ev.set()  # a failure must not leave the forward pass waiting
                 copier.synchronize()  # the DMA reads the host copies until it completes
-                for read, _, _ in jobs:
+                for read, _ in jobs:
                     store.release_host(read)
             return time.monotonic() - begin
 
@@ -508,6 +550,13 @@ class WorkerSide:
                     ok = False
                     self._load_errors.add(b.block_id)
                     self._bad(b.key, r)
+            if p.staged is not None:
+                try:  # queued on the engine's stream: the request's next forward runs after it
+                    p.staged.scatter([r.ok for r in results])
+                except Exception as exc:
+                    log.warning("agentkv: scatter of load %s failed: %s", p.load.req_id, exc)
+                    ok = False
+                    self._load_errors.update(b.block_id for b in p.load.blocks)
             tier = "disk" if any(r.tier == "disk" for r in results) else "host"
             self._report.transfers[("reload", tier, f"req-{p.load.req_id}")] = (
                 p.nbytes,

@@ -59,28 +59,44 @@ def test_bench_tiers_unusable_disk_dir_is_one_line_exit_2(tmp_path: Path) -> Non
     assert "error: cannot benchmark the disk tier" in result.output
 
 
-def test_bench_tiers_device_cpu_reports_torch_path_ratios(tmp_path: Path) -> None:
+def test_bench_tiers_device_cpu_reports_batched_path_ratios_per_batch(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     args = ["bench", "tiers", "--disk-dir", str(tmp_path), "--total-mib", "2", "--block-kib", "64"]
     args += ["--block-kib", "1024", "--device", "cpu", "--layers", "4", "--repeats", "1", "--json"]
+    args += ["--batch", "1", "--batch", "8", "--batch", "32"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["device"] == "cpu" and report["layers"] == 4 and report["gds"] is None
-    device_ops = {
-        "device->host store": "torch copy device->host",
-        "host->device load": "torch copy host->device",
-        "device->disk store": "sequential write",
-        "disk->device load": "sequential read",
-    }
-    seen = {(m["operation"], m["block_bytes"]): m for m in report["measurements"]}
-    for op, baseline in device_ops.items():
-        for size in (64, 1024):
-            m = seen[(op, size << 10)]
-            assert m["baseline"] == baseline
+    seen = {(m["operation"], m["block_bytes"], m["batch"]): m for m in report["measurements"]}
+    # 2 MiB per run: 32 blocks of 64 KiB (every batch), 2 blocks of 1 MiB (batch 1 only)
+    host_runs = [(64, 1), (64, 8), (64, 32), (1024, 1)]
+    for op in ("device->host store", "host->device load"):
+        for size, batch in host_runs:
+            m = seen[(op, size << 10, batch)]
+            assert m["baseline"] == "memory copy"  # CPU: the bytes never leave host memory
             assert m["gbps"] > 0 and m["baseline_gbps"] > 0
             assert m["ratio"] == pytest.approx(m["gbps"] / m["baseline_gbps"])
+            assert m["target"] is None  # below 1 MiB, or fewer than 8 blocks per call
+    assert report["skipped"] == ["1024 KiB x 8 blocks per call", "1024 KiB x 32 blocks per call"]
+    for op, baseline in (
+        ("device->disk store", "sequential write"),
+        ("disk->device load", "sequential read"),
+    ):
+        assert seen[(op, 64 << 10, 32)]["baseline"] == baseline  # the largest batch that fits
+        assert seen[(op, 1024 << 10, 1)]["target"] == 0.7
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_tiers_device_target_applies_at_one_mib_and_eight_blocks(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    args = ["bench", "tiers", "--no-disk", "--total-mib", "8", "--block-kib", "1024"]
+    args += ["--device", "cpu", "--layers", "2", "--repeats", "1", "--batch", "8", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    targets = {m["operation"]: m["target"] for m in report["measurements"] if m["batch"] == 8}
+    assert targets == {"device->host store": 0.8, "host->device load": 0.8}
 
 
 def test_bench_tiers_rejects_an_unknown_device() -> None:

@@ -115,19 +115,16 @@ def test_block_views_of_vllm_layouts_round_trip_through_the_store(
     views = BlockViews(caches, NUM_BLOCKS)
     assert views.block_bytes == 3 * original.numel() * 2 // NUM_BLOCKS
     runs_per_layer = {"flash_attn": 2, "flash_attn_hnd": 2}.get(layout, 1)
-    assert len(views.segments(0)) == 3 * runs_per_layer
-    assert all(
-        isinstance(seg, torch.Tensor) and seg.dtype == torch.uint8 for seg in views.segments(0)
-    )
+    assert len(views.table.runs) == 3 * runs_per_layer
+    assert all(run.rows.dtype == torch.uint8 for run in views.table.runs)
     s = store(views.block_bytes)
     keys = chain_keys(FP, layout, range(2))
     assert all(
-        r.ok
-        for r in s.submit_store(keys, [views.segments(1), views.segments(4)], tier=tier).result(10)
+        r.ok for r in s.submit_store(keys, [views.block(1), views.block(4)], tier=tier).result(10)
     )
     for t in caches.values():
         t.view(torch.int16).zero_()
-    assert all(r.ok for r in s.submit_load(keys, [views.segments(2), views.segments(0)]).result(10))
+    assert all(r.ok for r in s.submit_load(keys, [views.block(2), views.block(0)]).result(10))
     block_dim = 1 if layout.startswith("flash_attn") else 0
     for name, t in caches.items():
         want = expected[name]
@@ -212,20 +209,32 @@ def test_gather_and_scatter_on_device_helpers_with_cpu_tensors() -> None:
     assert device.host_tensor(read_only).tolist() == [0, 1, 2, 3]
 
 
-def test_layer_copier_on_cpu_copies_and_signals_per_layer() -> None:
+def test_layer_copier_on_cpu_copies_one_layer_of_many_blocks_and_signals_per_layer() -> None:
+    from agentkv_vllm.block_copy import BlockViews
     from agentkv_vllm.device_copy import LayerCopier
 
+    caches = {
+        "a": torch.zeros(NUM_BLOCKS, 8, dtype=torch.uint8),
+        "b": torch.zeros(NUM_BLOCKS, 8, dtype=torch.uint8),
+    }
+    views = BlockViews(caches, NUM_BLOCKS)
     copier = LayerCopier("cpu", ["a", "b"])
-    dest = torch.zeros(8, dtype=torch.uint8)
-    src = np.arange(8, dtype=np.uint8)
-    src.flags.writeable = False  # host views from acquire_host are read-only
-    copier.copy(dest[:4], src[:4])
+    images = [np.arange(16, dtype=np.uint8) + 16 * i for i in range(2)]
+    for image in images:
+        image.flags.writeable = False  # host views from acquire_host are read-only
+    copier.copy_runs(views.table, [4, 1], images, [0])
     copier.events["a"].set()
     assert copier.events["a"].wait(0) and not copier.events["b"].wait(0)
-    copier.copy(dest[4:], src[4:])
+    assert not bool(caches["b"].any())  # layer b not written yet
+    copier.copy_runs(views.table, [4, 1], images, [1])
     copier.events["b"].set()
     copier.synchronize()
-    assert dest.tolist() == list(range(8))
+    assert caches["a"][4].tolist() == list(range(8)) and caches["b"][4].tolist() == list(
+        range(8, 16)
+    )
+    assert caches["a"][1].tolist() == list(range(16, 24))
+    assert caches["b"][1].tolist() == list(range(24, 32))
+    assert not bool(caches["a"][[0, 2, 3, 5]].any())
 
 
 def test_core_still_imports_without_torch() -> None:
