@@ -1,7 +1,11 @@
 """The pause decision: keep a paused trajectory's KV on the device, copy it to a tier, or drop it.
 
 Primitives:
-    Action            'retain' | 'offload_host' | 'offload_disk' | 'drop'
+    Action            RETAIN | OFFLOAD_HOST | OFFLOAD_DISK | DROP (a StrEnum); ``Action.tier``
+                      the tier an offload writes (None for retain and drop)
+    ACTIONS           every action's name (the settings and control validators derive from it)
+    DEMOTION_ACTION   what the engine does on its own to a lease that ran out or pool pressure
+    Defaults          LEASE_MARGIN_S, HIGH_WATER: the one place these numbers are written
     CostModel         per-engine constants: link and disk bandwidths, prefill rate, model size
     PolicyParams      the knobs: DRAM/HBM shadow-price ratio, stall tolerance, disk threshold
     reload_seconds    M / B
@@ -28,17 +32,38 @@ one (the blocks were evicted). Drop means "leave it to vLLM": no pin, no copy, r
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from agentkv.predict import WaitEstimate, prefetch_at
+from agentkv.tier import Tier
 
 if TYPE_CHECKING:
     from agentkv.profile import HardwareProfile
 
-Action = Literal["retain", "offload_host", "offload_disk", "drop"]
-ACTIONS: tuple[Action, ...] = ("retain", "offload_host", "offload_disk", "drop")
+
+class Action(enum.StrEnum):
+    RETAIN = "retain"  # keep the device blocks pinned under a lease
+    OFFLOAD_HOST = "offload_host"  # write-back copy to host; device blocks unpinned
+    OFFLOAD_DISK = "offload_disk"  # write-back copy to disk; device blocks unpinned
+    DROP = "drop"  # leave it to vLLM's prefix cache; recompute on a miss
+
+    @property
+    def tier(self) -> Tier | None:
+        """The tier an offload writes; None for actions that write no tier."""
+        return _ACTION_TIER.get(self)
+
+
+_ACTION_TIER = {Action.OFFLOAD_HOST: Tier.HOST, Action.OFFLOAD_DISK: Tier.DISK}
+ACTIONS: tuple[str, ...] = tuple(a.value for a in Action)
+
+# Defaults written once: the plugin's settings, the manager and the simulator import them.
+HIGH_WATER = 0.88
+"""Pool use above which retained trajectories are demoted (farthest predicted return first)."""
+LEASE_MARGIN_S = 2.0
+"""A lease lasts at least the predicted median wait plus this (a tool's return jitters)."""
 
 _INF = math.inf
 
@@ -126,7 +151,7 @@ class PolicyParams:
     """Reload finishes this long before the predicted p10 of the wait."""
     max_lease_s: float = 600.0
     """Upper bound on any lease, so a bad estimate cannot pin memory for hours."""
-    lease_margin_s: float = 0.0
+    lease_margin_s: float = LEASE_MARGIN_S
     """A lease lasts at least the predicted median wait plus this margin (a constant, so more
     pressure still never lengthens a lease)."""
 
@@ -195,7 +220,7 @@ def lease_seconds(t_star: float, p50: float, params: PolicyParams) -> float:
     return max(0.0, min(max(t_star, floor), max(params.max_lease_s, 0.0)))
 
 
-DEMOTION_ACTION: Action = "offload_host"
+DEMOTION_ACTION = Action.OFFLOAD_HOST
 """What the engine does on its own to a retained trajectory whose lease ran out or that pool
 pressure pushes off the device: the cheapest move that frees device memory and keeps the KV."""
 
@@ -344,7 +369,7 @@ def _bandwidth_ok(value: float | None, name: str, notes: list[str], required: bo
 def _safe_drop(tokens: int, kv_bytes: float, notes: list[str], pressure: float) -> Decision:
     notes_text = "; ".join(notes)
     return Decision(
-        action="drop",
+        action=Action.DROP,
         lease_s=0.0,
         prefetch_at_s=None,
         expected_resume_stall_s=_INF,
@@ -503,12 +528,12 @@ def _decide(
         )
 
     if m == 0:
-        return build("retain", 0.0, None, 0.0, 0.0, 0.0, "nothing to move (0 bytes)")
+        return build(Action.RETAIN, 0.0, None, 0.0, 0.0, 0.0, "nothing to move (0 bytes)")
 
     if estimate is not None and p50 < t_star:
         lease = lease_seconds(t_star, p50, params)
         return build(
-            "retain",
+            Action.RETAIN,
             lease,
             None,
             0.0,
@@ -531,21 +556,21 @@ def _decide(
     long_wait = estimate is not None and p50 >= params.disk_after_s
     if long_wait and disk_room and disk_reload <= recompute:
         return offload(
-            "offload_disk",
+            Action.OFFLOAD_DISK,
             disk_reload,
             disk_rt,
             f"median wait is at least {_fmt_s(params.disk_after_s)}; disk holds it for free",
         )
     if host_room and host_reload <= recompute:
         return offload(
-            "offload_host",
+            Action.OFFLOAD_HOST,
             host_reload,
             host_rt,
             "wait exceeds the break-even wait; write-back copy to host, device blocks unpinned",
         )
     if disk_room and disk_reload <= recompute:
         return offload(
-            "offload_disk",
+            Action.OFFLOAD_DISK,
             disk_reload,
             disk_rt,
             "host tier unusable or full; write-back copy to disk",
@@ -555,4 +580,4 @@ def _decide(
         if (host_room or disk_room)
         else "no tier has room or a usable link"
     )
-    return build("drop", 0.0, None, recompute, ref_reload, ref_rt, why)
+    return build(Action.DROP, 0.0, None, recompute, ref_reload, ref_rt, why)

@@ -1,12 +1,19 @@
 """The one authority for agent trajectories and the KV blocks they hold (engine-agnostic).
 
 Primitives (each in its own module):
-    TrajectoryManager, ManagerConfig, RequestParams, LookupAnswer   the state machine (core.py)
-    BlockPinner, Clock, MonotonicClock                              its ports (ports.py)
-    StepPlan, StoreJob, LoadJob, MoveJob, DropOp, BlockTransfer,
-    WorkerReport                                                    jobs and reports (jobs.py)
-    ResidencyIndex                                                  tier residency (residency.py)
-    BranchState, Branch, Trajectory, TurnStats                      trajectory state (state.py)
+    TrajectoryManager, ManagerConfig        the facade: engine hooks and control (core.py)
+    RequestParams, LookupAnswer, LookupStatus   a request's lookup: HIT / MISS / PENDING
+                                            (requests.py)
+    BlockPinner, Clock, MonotonicClock      its ports (ports.py)
+    StepPlan, StoreJob, LoadJob, MoveJob, MoveKind, DropOp, BlockTransfer,
+    WorkerReport                            jobs and reports on the wire (jobs.py)
+    JobKind                                 the job table's kinds (jobtable.py)
+    TimerKind                               timers and leases (timers.py)
+    PinOp                                   the pin ledger's queued ops (pins.py)
+    ResidencyIndex                          tier residency (residency.py)
+    BranchState, Branch, Trajectory, TurnStats  trajectory state (state.py)
+The other parts (transitions.py, pauses.py, ownership.py, views.py) are the facade's own;
+core.py's docstring maps them.
 
 Imports neither vllm nor torch: the vLLM plugin is a thin adapter over it, and tests drive it
 with a simulated block pool and workers.
@@ -14,19 +21,24 @@ with a simulated block pool and workers.
 
 from __future__ import annotations
 
-from agentkv.manager.core import LookupAnswer, ManagerConfig, RequestParams, TrajectoryManager
+from agentkv.manager.core import ManagerConfig, TrajectoryManager
 from agentkv.manager.jobs import (
     BlockTransfer,
     DropOp,
     LoadJob,
     MoveJob,
+    MoveKind,
     StepPlan,
     StoreJob,
     WorkerReport,
 )
+from agentkv.manager.jobtable import JobKind
+from agentkv.manager.pins import PinOp
 from agentkv.manager.ports import BlockPinner, Clock, MonotonicClock
+from agentkv.manager.requests import LookupAnswer, LookupStatus, RequestParams
 from agentkv.manager.residency import ResidencyIndex
 from agentkv.manager.state import PAUSED_STATES, Branch, BranchState, Trajectory, TurnStats
+from agentkv.manager.timers import TimerKind
 
 __all__ = [
     "PAUSED_STATES",
@@ -36,15 +48,20 @@ __all__ = [
     "BranchState",
     "Clock",
     "DropOp",
+    "JobKind",
     "LoadJob",
     "LookupAnswer",
+    "LookupStatus",
     "ManagerConfig",
     "MonotonicClock",
     "MoveJob",
+    "MoveKind",
+    "PinOp",
     "RequestParams",
     "ResidencyIndex",
     "StepPlan",
     "StoreJob",
+    "TimerKind",
     "Trajectory",
     "TrajectoryManager",
     "TurnStats",

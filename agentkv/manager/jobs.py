@@ -2,7 +2,9 @@
 
 Primitives:
   BlockTransfer   one block: its tier key and the engine block id it is copied from or into
-  StoreJob        device -> tier ('host' | 'disk'); the device blocks stay pinned until done
+  MoveKind        PROMOTE | DEMOTE | FETCH | UPLOAD (a StrEnum)
+  KeyProblem      'miss' | 'corrupt' | 'error': why a rank could not serve or write a key
+  StoreJob        device -> tier (Tier.HOST | Tier.DISK); the device blocks stay pinned until done
   LoadJob         tier -> device blocks the engine allocated for a request
   MoveJob         tier -> tier: 'promote' (disk -> host, a prefetch), 'demote' (host -> disk) or
                   'fetch' (the shared remote tier -> host: a trajectory this replica never saw)
@@ -19,11 +21,22 @@ Every job has an id; a job is complete when every TP rank reported it, and faile
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
-TierName = Literal["host", "disk"]
-MoveKind = Literal["promote", "demote", "fetch", "upload"]
+from agentkv.tier import Tier
+
+
+class MoveKind(enum.StrEnum):
+    PROMOTE = "promote"  # disk -> host (a prefetch or a resume)
+    DEMOTE = "demote"  # host -> disk (a copy down: the host copy stays until dropped)
+    FETCH = "fetch"  # shared remote tier -> host
+    UPLOAD = "upload"  # a confirmed host copy -> shared remote tier
+
+
+# Why a rank could not serve or write a key (the worker fills it; a Literal, not an enum: the
+# worker process builds it from its store's results).
 KeyProblem = Literal["miss", "corrupt", "error"]
 
 
@@ -36,7 +49,7 @@ class BlockTransfer:
 @dataclass
 class StoreJob:
     job_id: int
-    tier: TierName
+    tier: Tier
     blocks: list[BlockTransfer]
     owner: str = ""
 
@@ -61,7 +74,7 @@ class MoveJob:
 @dataclass
 class DropOp:
     keys: list[bytes]
-    tier: TierName | None = None  # None: every tier
+    tier: Tier | None = None  # None: every tier
 
 
 @dataclass

@@ -29,23 +29,22 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from agentkv.manager.jobs import TierName
-
-TIERS: tuple[TierName, ...] = ("host", "disk")
+from agentkv.tier import LOCAL_TIERS as TIERS
+from agentkv.tier import Tier
 
 
 @dataclass
 class Entry:
     host: bool = False
     disk: bool = False
-    writing: set[TierName] = field(default_factory=set)
+    writing: set[Tier] = field(default_factory=set)
     readers: int = 0
     owners: set[str] = field(default_factory=set)
     doomed: bool = False  # unowned while busy: dropped once idle
-    spoiled: set[TierName] = field(default_factory=set)  # writes a drop overtook: never readable
+    spoiled: set[Tier] = field(default_factory=set)  # writes a drop overtook: never readable
 
-    def has(self, tier: TierName) -> bool:
-        return self.host if tier == "host" else self.disk
+    def has(self, tier: Tier) -> bool:
+        return self.host if tier == Tier.HOST else self.disk
 
     @property
     def busy(self) -> bool:
@@ -57,29 +56,29 @@ class Entry:
 
 
 class ResidencyIndex:
-    def __init__(self, capacity_blocks: dict[TierName, int]) -> None:
+    def __init__(self, capacity_blocks: dict[Tier, int]) -> None:
         self.capacity = dict(capacity_blocks)
         self._entries: dict[bytes, Entry] = {}
         # per tier: keys with a complete copy, least recently used first
-        self._lru: dict[TierName, OrderedDict[bytes, None]] = {t: OrderedDict() for t in TIERS}
-        self._writing: dict[TierName, int] = {t: 0 for t in TIERS}
-        self._late: dict[TierName, int] = {t: 0 for t in TIERS}  # slots a late rank may fill
+        self._lru: dict[Tier, OrderedDict[bytes, None]] = {t: OrderedDict() for t in TIERS}
+        self._writing: dict[Tier, int] = {t: 0 for t in TIERS}
+        self._late: dict[Tier, int] = {t: 0 for t in TIERS}  # slots a late rank may fill
         self._doomed_idle: list[bytes] = []
-        self._changes: list[tuple[bytes, TierName, bool]] | None = None
+        self._changes: list[tuple[bytes, Tier, bool]] | None = None
 
     def record_changes(self) -> None:
         """Start logging copy changes (off by default: nobody pays for a log nobody reads)."""
         if self._changes is None:
             self._changes = []
 
-    def take_changes(self) -> list[tuple[bytes, TierName, bool]]:
+    def take_changes(self) -> list[tuple[bytes, Tier, bool]]:
         """(key, tier, present) since the last call, in the order they happened."""
         if not self._changes:
             return []
         out, self._changes = self._changes, []
         return out
 
-    def keys_in(self, tier: TierName) -> list[bytes]:
+    def keys_in(self, tier: Tier) -> list[bytes]:
         """Keys with a complete copy in ``tier``, least recently used first."""
         return list(self._lru[tier])
 
@@ -94,34 +93,34 @@ class ResidencyIndex:
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 
-    def usable(self, key: bytes) -> TierName | None:
+    def usable(self, key: bytes) -> Tier | None:
         """The fastest tier with a complete copy, or None. Doomed keys are not usable."""
         e = self._entries.get(key)
         if e is None or e.doomed:
             return None
         if e.host:
-            return "host"
+            return Tier.HOST
         if e.disk:
-            return "disk"
+            return Tier.DISK
         return None
 
-    def count(self, tier: TierName) -> int:
+    def count(self, tier: Tier) -> int:
         """Complete copies in ``tier``."""
         return len(self._lru[tier])
 
-    def reserved(self, tier: TierName) -> int:
+    def reserved(self, tier: Tier) -> int:
         """Slots in ``tier`` taken: complete copies, writes in flight, and writes of timed-out
         jobs a late rank may still land."""
         return len(self._lru[tier]) + self._writing[tier] + self._late[tier]
 
-    def hold_late(self, tier: TierName, n: int) -> None:
+    def hold_late(self, tier: Tier, n: int) -> None:
         """Keep ``n`` slots of a timed-out write reserved until every rank reported it."""
         self._late[tier] += n
 
-    def release_late(self, tier: TierName, n: int) -> None:
+    def release_late(self, tier: Tier, n: int) -> None:
         self._late[tier] = max(0, self._late[tier] - n)
 
-    def free(self, tier: TierName) -> int:
+    def free(self, tier: Tier) -> int:
         return max(0, self.capacity.get(tier, 0) - self.reserved(tier))
 
     def owners(self, key: bytes) -> frozenset[str]:
@@ -130,7 +129,7 @@ class ResidencyIndex:
 
     # ------------------------------------------------------------------ writes
 
-    def begin_write(self, key: bytes, tier: TierName, owner: str | None) -> None:
+    def begin_write(self, key: bytes, tier: Tier, owner: str | None) -> None:
         """Reserve a slot in ``tier`` for a copy of ``key`` (the caller made room)."""
         e = self._entries.setdefault(key, Entry())
         if tier in e.writing or e.has(tier):
@@ -141,7 +140,7 @@ class ResidencyIndex:
         if owner:
             e.owners.add(owner)
 
-    def end_write(self, key: bytes, tier: TierName, ok: bool) -> bool:
+    def end_write(self, key: bytes, tier: Tier, ok: bool) -> bool:
         """The write finished on every rank (``ok``) or failed on one (the slot is released).
         Returns whether the copy became readable; when not, some ranks may hold a partial copy
         the caller drops from ``tier``."""
@@ -217,7 +216,7 @@ class ResidencyIndex:
 
     # ------------------------------------------------------------------ eviction and removal
 
-    def victims(self, tier: TierName, n: int) -> list[bytes]:
+    def victims(self, tier: Tier, n: int) -> list[bytes]:
         """Up to ``n`` idle keys with a complete copy in ``tier``, least recently used first."""
         out: list[bytes] = []
         if n <= 0:
@@ -230,7 +229,7 @@ class ResidencyIndex:
                     break
         return out
 
-    def remove_copy(self, key: bytes, tier: TierName | None) -> None:
+    def remove_copy(self, key: bytes, tier: Tier | None) -> None:
         """``tier`` (None: every tier) no longer holds a complete copy of ``key``."""
         e = self._entries.get(key)
         if e is None:
@@ -247,12 +246,12 @@ class ResidencyIndex:
 
     # ------------------------------------------------------------------ internals
 
-    def _set_copy(self, key: bytes, e: Entry, tier: TierName, present: bool) -> None:
+    def _set_copy(self, key: bytes, e: Entry, tier: Tier, present: bool) -> None:
         if e.has(tier) == present:
             if present:
                 self._lru[tier].move_to_end(key)
             return
-        if tier == "host":
+        if tier == Tier.HOST:
             e.host = present
         else:
             e.disk = present

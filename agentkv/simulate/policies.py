@@ -22,11 +22,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from agentkv.policy import PolicyParams, decide, pressure_victims
+from agentkv.policy import (
+    DEMOTION_ACTION,
+    HIGH_WATER,
+    Action,
+    PolicyParams,
+    decide,
+    pressure_victims,
+)
 from agentkv.predict import WaitEstimate, WaitPredictor
 from agentkv.simulate.costs import EngineCosts
 
-PlanAction = Literal["cache", "retain", "offload_host", "offload_disk"]
+# The simulator's action: a policy Action, or "cache" (leave the blocks to the engine's cache,
+# what Action.DROP means on a real engine).
+PlanAction = Action | Literal["cache"]
 POLICIES: tuple[str, ...] = (
     "vanilla",
     "agentkv",
@@ -96,17 +105,17 @@ class VanillaPolicy(KVPolicy):
 
 
 class AgentKVPolicy(KVPolicy):
-    """agentkv's decision with the plugin's defaults (``PolicyParams`` with the connector's
-    ``lease_margin_s`` of 2 s and ``high_water`` 0.88)."""
+    """agentkv's decision with the plugin's defaults (``PolicyParams()`` and ``HIGH_WATER``, the
+    numbers the connector's settings default to)."""
 
     name = "agentkv"
-    expiry_action: PlanAction = "offload_host"  # agentkv.policy.DEMOTION_ACTION
+    expiry_action: PlanAction = DEMOTION_ACTION
 
     def __init__(
-        self, costs: EngineCosts, params: PolicyParams | None = None, high_water: float = 0.88
+        self, costs: EngineCosts, params: PolicyParams | None = None, high_water: float = HIGH_WATER
     ) -> None:
         self.costs = costs.policy_costs()
-        self.params = params or PolicyParams(lease_margin_s=2.0)
+        self.params = params or PolicyParams()
         self.high_water = high_water
         self.predictor = WaitPredictor()
         self.samples: dict[str, int] = {}
@@ -137,7 +146,7 @@ class AgentKVPolicy(KVPolicy):
             params=self.params,
         )
         action: PlanAction = "cache"
-        if d.action != "drop":
+        if d.action is not Action.DROP:
             action = d.action
         return PausePlan(action, d.lease_s, d.prefetch_at_s, estimate.p50, d.action)
 
@@ -161,7 +170,7 @@ class RetainAlwaysPolicy(KVPolicy):
         self.ttl_s = ttl_s
 
     def on_pause(self, ctx: PauseContext) -> PausePlan:
-        return PausePlan("retain", lease_s=self.ttl_s, decision="retain")
+        return PausePlan(Action.RETAIN, lease_s=self.ttl_s, decision="retain")
 
 
 class OffloadAlwaysPolicy(KVPolicy):
@@ -172,9 +181,9 @@ class OffloadAlwaysPolicy(KVPolicy):
     def on_pause(self, ctx: PauseContext) -> PausePlan:
         host_ok = ctx.host_free_bytes is None or ctx.host_free_bytes >= ctx.kv_bytes
         if host_ok:
-            return PausePlan("offload_host", prefetch_at_s=0.0, decision="offload_host")
+            return PausePlan(Action.OFFLOAD_HOST, prefetch_at_s=0.0, decision="offload_host")
         if ctx.disk_free_bytes is None or ctx.disk_free_bytes >= ctx.kv_bytes:
-            return PausePlan("offload_disk", prefetch_at_s=0.0, decision="offload_disk")
+            return PausePlan(Action.OFFLOAD_DISK, prefetch_at_s=0.0, decision="offload_disk")
         return PausePlan("cache", decision="drop")
 
 

@@ -1,11 +1,12 @@
 """Tiered KV block stores: host RAM arena, disk files (O_DIRECT, checksummed), GDS when present.
 
 Primitives (re-exported here; each lives in its own module):
-    ModelFingerprint, BlockKey, chain_keys     content addresses (keys.py)
+    ModelFingerprint, BlockKey, logical_key,
+    rank_key, block_keys                       the one key scheme (keys.py)
     TieredStore, TransferHandle, BlockResult,
     BlockStatus, StoreStats, TierUsage,
     HostRead                                   the async tiered store (store.py)
-    TierName                                   'host' | 'disk' | 'remote' (results.py)
+    Tier, Locality                             the one tier model (agentkv.tier)
     RemoteConfig, RemoteBlocks, RemoteStats    the shared Valkey/Redis tier (remote.py)
     ValkeyProcess                              a private valkey-server (valkey_server.py)
     HostArena                                  preallocated fixed-slot host memory (host.py)
@@ -18,13 +19,13 @@ Nothing here imports torch, vllm, kvikio or the valkey client at import time.
 
 from __future__ import annotations
 
+from agentkv.tier import Locality, Tier
 from agentkv.tiers.disk import BlockFiles
 from agentkv.tiers.eviction import EvictionOrder
 from agentkv.tiers.gds import gds_available
 from agentkv.tiers.host import HostArena
-from agentkv.tiers.keys import BlockKey, ModelFingerprint, chain_keys
+from agentkv.tiers.keys import BlockKey, ModelFingerprint, block_keys, logical_key, rank_key
 from agentkv.tiers.remote import RemoteBlocks, RemoteConfig, RemoteStats
-from agentkv.tiers.results import TierName
 from agentkv.tiers.store import (
     BlockResult,
     BlockStatus,
@@ -44,16 +45,19 @@ __all__ = [
     "EvictionOrder",
     "HostArena",
     "HostRead",
+    "Locality",
     "ModelFingerprint",
     "RemoteBlocks",
     "RemoteConfig",
     "RemoteStats",
     "StoreStats",
-    "TierName",
+    "Tier",
     "TierUsage",
     "TieredStore",
     "TransferHandle",
     "ValkeyProcess",
-    "chain_keys",
+    "block_keys",
     "gds_available",
+    "logical_key",
+    "rank_key",
 ]

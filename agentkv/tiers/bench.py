@@ -42,14 +42,21 @@ from typing import Any
 
 import numpy as np
 
+from agentkv.tier import Tier
 from agentkv.tiers.batched import BlockTable, Run, StagedBlocks, staging_budget
 from agentkv.tiers.disk import ALIGN, probe_direct_io
-from agentkv.tiers.keys import ModelFingerprint, chain_keys
+from agentkv.tiers.keys import BlockKey, ModelFingerprint, block_keys
 from agentkv.tiers.remote import RemoteBlocks, RemoteConfig
-from agentkv.tiers.results import TierName
 from agentkv.tiers.store import TieredStore
 
 TARGET_RATIO = 0.7
+
+
+def _bench_keys(fp: ModelFingerprint, salt: str, count: int) -> list[BlockKey]:
+    """``count`` distinct keys under the real key scheme (stand-in block hashes per salt)."""
+    return block_keys(fp, [f"{salt}|{i}".encode() for i in range(count)])
+
+
 TARGET_MIN_BLOCK_BYTES = 1 << 20
 DEVICE_TARGET_RATIO = 0.8  # issue 27: device<->host at 1 MiB+, batches of 8+ blocks per call
 DEVICE_TARGET_MIN_BATCH = 8
@@ -159,9 +166,9 @@ def _measure_store(
     store: TieredStore, block_bytes: int, total_bytes: int, tier: str, repeats: int, salt: str
 ) -> tuple[float, float]:
     # The remote tier skips blocks already on the server, so each store run starts without them.
-    drop_tier: TierName | None = "remote" if tier == "remote" else None
+    drop_tier: Tier | None = Tier.REMOTE if tier == Tier.REMOTE else None
     count = max(1, total_bytes // block_bytes)
-    keys = chain_keys(ModelFingerprint("bench", "uint8", 16, 1), salt, range(count))
+    keys = _bench_keys(ModelFingerprint("bench", "uint8", 16, 1), salt, count)
     source = _touched(count * block_bytes, 7).reshape(count, block_bytes)
     destination = _touched(count * block_bytes).reshape(count, block_bytes)
     nbytes = count * block_bytes
@@ -345,7 +352,7 @@ def _measure_device(
     """(store GB/s, load GB/s) moving every block in calls of ``batch`` shuffled block ids, each
     call submitted and waited for in turn, through the plugin's data path (batched.py)."""
     count = max(1, total_bytes // block_bytes)
-    keys = chain_keys(ModelFingerprint("bench", "uint8", 16, layers), salt, range(count))
+    keys = _bench_keys(ModelFingerprint("bench", "uint8", 16, layers), salt, count)
     kv = _DeviceBlocks(torch, device, count, block_bytes, _layers_for(block_bytes, layers))
     source, destination = kv.table(kv.source), kv.table(kv.destination)
     calls = _batches(count, batch, seed=count)

@@ -1,17 +1,27 @@
-"""Content addresses for KV blocks: a block can never be served to another model, layout or tenant.
+"""Tier keys: a block can never be served to another model, layout, rank or tenant.
 
 Primitives:
     ModelFingerprint   what makes KV bytes interchangeable: model id, dtype, block size, layer
                        count, TP rank/size and the engine's memory layout; ``digest()`` is 16 bytes.
-    BlockKey           one block's address: a 16-byte digest of (fingerprint, cache_salt, engine
-                       block hash, parent key), plus the fingerprint digest it was derived under
-                       (written into disk headers). Frozen, hashable, usable as a dict key;
-                       ``hex()`` names its file.
-    BlockKey.derive    one link of the chain.
-    chain_keys         the whole chain for a request's engine block hashes, in order.
+                       KV identity lives here: a field added to it separates every key.
+    logical_fingerprint(model_id, dtype, block_size, num_layers, tp_size)
+                       the scheduler's fingerprint (rank-agnostic: tp_rank -1, layout logical-v2)
+    logical_key(block_hash, fingerprint_digest)
+                       the scheduler's key of one vLLM block hash (``agentkv-key-v2``): what the
+                       manager indexes and the KV events name
+    rank_key(logical, rank_fingerprint_digest)
+                       one TP rank's key of a logical key (``agentkv-rank-v1``): what that rank's
+                       host, disk and remote tiers store the block under
+    BlockKey           a rank key: its 16-byte digest plus the fingerprint digest it was derived
+                       under (written into disk headers). Frozen, hashable; ``hex()`` names its file.
+    block_keys(fingerprint, block_hashes)
+                       both steps for one rank, in order (tools and tests)
 
-Keys use BLAKE2b (hashlib) rather than a fast non-cryptographic hash: cache_salt separates
-tenants, and a key collision crafted by one tenant must not read another tenant's KV.
+The one key scheme. vLLM's block hash already chains the prefix and carries cache_salt, LoRA
+and multimodal extras, so a logical key inherits all of them; the fingerprints add the model,
+dtype and layout (logical) and the rank (per rank). Keys use BLAKE2b (hashlib) rather than a
+fast non-cryptographic hash: cache_salt separates tenants, and a key collision crafted by one
+tenant must not read another tenant's KV.
 """
 
 from __future__ import annotations
@@ -22,25 +32,14 @@ from dataclasses import dataclass
 
 KEY_BYTES = 16
 """Size of a key digest and of a fingerprint digest."""
-
-EngineBlockHash = bytes | int
-"""vLLM's block hash: bytes (sha256 family) or an int (builtin hash, may be negative)."""
+LOGICAL_KEY_PERSON = b"agentkv-key-v2"
+RANK_KEY_PERSON = b"agentkv-rank-v1"
+LOGICAL_LAYOUT = "logical-v2"
 
 
 def _field(data: bytes) -> bytes:
     # Length-prefixing keeps the encoding unambiguous ("ab"+"c" != "a"+"bc").
     return len(data).to_bytes(4, "little") + data
-
-
-def _engine_hash_bytes(engine_hash: EngineBlockHash) -> bytes:
-    if isinstance(engine_hash, bool):
-        raise TypeError("engine block hash must be bytes or int, not bool")
-    if isinstance(engine_hash, int):
-        length = max(1, (engine_hash.bit_length() + 8) // 8)
-        return b"i" + engine_hash.to_bytes(length, "little", signed=True)
-    if isinstance(engine_hash, bytes | bytearray | memoryview):
-        return b"b" + bytes(engine_hash)
-    raise TypeError(f"engine block hash must be bytes or int, got {type(engine_hash).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +66,7 @@ class ModelFingerprint:
 
 @dataclass(frozen=True, slots=True)
 class BlockKey:
-    """A block's content address. Equal keys mean byte-identical blocks."""
+    """A block's address in one rank's tiers. Equal keys mean byte-identical blocks."""
 
     digest: bytes
     fingerprint_digest: bytes
@@ -80,43 +79,57 @@ class BlockKey:
         """Return the key digest as 32 lowercase hex characters (used as the file name)."""
         return self.digest.hex()
 
-    @classmethod
-    def derive(
-        cls,
-        fingerprint: ModelFingerprint | bytes,
-        cache_salt: str | bytes | None,
-        engine_hash: EngineBlockHash,
-        parent: BlockKey | None = None,
-    ) -> BlockKey:
-        """Return the key of one block, chained to its parent (None for the first block).
 
-        ``fingerprint`` may be a ModelFingerprint or its precomputed ``digest()``.
-        A parent derived under another fingerprint raises ValueError.
-        """
-        fp_digest = (
-            fingerprint.digest() if isinstance(fingerprint, ModelFingerprint) else fingerprint
-        )
-        if parent is not None and parent.fingerprint_digest != fp_digest:
-            raise ValueError("parent key belongs to another model fingerprint")
-        salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
-        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"agentkv-key-v1")
-        h.update(fp_digest)
-        h.update(_field(salt))
-        h.update(_field(_engine_hash_bytes(engine_hash)))
-        h.update(parent.digest if parent is not None else b"\0" * KEY_BYTES)
-        return cls(h.digest(), fp_digest)
+def logical_fingerprint(
+    model_id: str, dtype: str, block_size: int, num_layers: int, tp_size: int
+) -> ModelFingerprint:
+    """The scheduler's fingerprint: the same on every rank (no rank, a logical layout)."""
+    return ModelFingerprint(
+        model_id=model_id,
+        dtype=dtype,
+        block_size=block_size,
+        num_layers=num_layers,
+        tp_rank=-1,
+        tp_size=tp_size,
+        layout=LOGICAL_LAYOUT,
+    )
 
 
-def chain_keys(
+def logical_key(block_hash: bytes, fingerprint_digest: bytes) -> bytes:
+    """The tier key of one vLLM block hash under a logical fingerprint's digest (16 bytes)."""
+    return hashlib.blake2b(
+        bytes(block_hash),
+        digest_size=KEY_BYTES,
+        key=fingerprint_digest[:64],
+        person=LOGICAL_KEY_PERSON,
+    ).digest()
+
+
+def rank_key(logical: bytes, rank_fingerprint_digest: bytes) -> BlockKey:
+    """One rank's key of a logical key: a block only ever comes back to the rank, layout and
+    model it left."""
+    digest = hashlib.blake2b(
+        logical + rank_fingerprint_digest, digest_size=KEY_BYTES, person=RANK_KEY_PERSON
+    ).digest()
+    return BlockKey(digest, rank_fingerprint_digest)
+
+
+def block_keys(
     fingerprint: ModelFingerprint,
-    cache_salt: str | bytes | None,
-    engine_hashes: Iterable[EngineBlockHash],
+    block_hashes: Iterable[bytes],
+    logical: ModelFingerprint | None = None,
 ) -> list[BlockKey]:
-    """Return one key per engine block hash, each chained to the previous one (pure, cheap)."""
-    fp_digest = fingerprint.digest()
-    keys: list[BlockKey] = []
-    parent: BlockKey | None = None
-    for engine_hash in engine_hashes:
-        parent = BlockKey.derive(fp_digest, cache_salt, engine_hash, parent)
-        keys.append(parent)
-    return keys
+    """The keys a rank with ``fingerprint`` stores these vLLM block hashes under (the logical
+    fingerprint defaults to the rank's own model, dtype and layer count)."""
+    fp = fingerprint.digest()
+    lfp = (
+        logical
+        or logical_fingerprint(
+            fingerprint.model_id,
+            fingerprint.dtype,
+            fingerprint.block_size,
+            fingerprint.num_layers,
+            fingerprint.tp_size,
+        )
+    ).digest()
+    return [rank_key(logical_key(h, lfp), fp) for h in block_hashes]

@@ -76,6 +76,7 @@ import numpy as np
 import xxhash
 
 from agentkv.errors import ConfigError, CorruptBlockError, TierError
+from agentkv.tier import Tier
 from agentkv.tiers.buffers import BlockBuffer, Segments, as_segments, gather_into, scatter_from
 from agentkv.tiers.device import DeviceSegments
 from agentkv.tiers.keys import KEY_BYTES, BlockKey
@@ -433,7 +434,7 @@ class RemoteValue:
         scatter_from(np.frombuffer(self.payload, np.uint8), segments)
 
     def result(self) -> BlockResult:
-        return BlockResult(self.key, self.status, "remote", self.error)
+        return BlockResult(self.key, self.status, Tier.REMOTE, self.error)
 
 
 @dataclass(slots=True)
@@ -660,7 +661,7 @@ class RemoteBlocks:
             return BlockResult(
                 value.key,
                 BlockStatus.ERROR,
-                "remote",
+                Tier.REMOTE,
                 TierError(f"remote block holds {len(value.payload)} bytes, expected {expected}"),
             )
         value.copy_into(segments)
@@ -868,7 +869,7 @@ class RemoteBlocks:
             todo = []
             for i, reply in zip(batch, replies, strict=True):
                 if reply is True or reply == 1:
-                    results[i] = BlockResult(keys[i], BlockStatus.OK, "remote")
+                    results[i] = BlockResult(keys[i], BlockStatus.OK, Tier.REMOTE)
                     self._count("put_skipped")
                 else:
                     todo.append(i)
@@ -897,12 +898,12 @@ class RemoteBlocks:
                 self._count("errors")
                 self._warn(f"remote tier {self.config.url} rejected a block: {reply}")
                 error = TierError(f"remote tier rejected the block: {reply}")
-                results[i] = BlockResult(keys[i], BlockStatus.ERROR, "remote", error)
+                results[i] = BlockResult(keys[i], BlockStatus.ERROR, Tier.REMOTE, error)
             else:
                 with self._lock:
                     self._stats.puts += 1
                     self._stats.put_bytes += sizes[i]
-                results[i] = BlockResult(keys[i], BlockStatus.OK, "remote")
+                results[i] = BlockResult(keys[i], BlockStatus.OK, Tier.REMOTE)
 
     def _fetch_or_fail(
         self, keys: Sequence[BlockKey], batch: list[int], values: list[RemoteValue | None]
@@ -970,7 +971,7 @@ class RemoteBlocks:
         with self._lock:
             self._stats.errors += len(batch)
         for i in batch:
-            results[i] = BlockResult(keys[i], BlockStatus.ERROR, "remote", error)
+            results[i] = BlockResult(keys[i], BlockStatus.ERROR, Tier.REMOTE, error)
 
     def _count(self, name: str) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 """Per-block transfer outcomes shared by every tier (re-exported by store.py).
 
 Primitives:
-    TierName      'host', 'disk' or 'remote'.
+    Tier          the one tier enum (agentkv.tier), re-exported: HOST, DISK, REMOTE here.
     BlockStatus   ok / miss / error.
     BlockResult   the outcome for one block: status, the tier involved, the error.
 """
@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Literal
 
 from agentkv.errors import TierError
+from agentkv.tier import Tier
 from agentkv.tiers.keys import BlockKey
-
-TierName = Literal["host", "disk", "remote"]
 
 
 class BlockStatus(enum.Enum):
@@ -30,7 +28,7 @@ class BlockResult:
 
     key: BlockKey
     status: BlockStatus
-    tier: TierName | None = None
+    tier: Tier | None = None
     error: TierError | None = None
 
     @property

@@ -82,7 +82,7 @@ from agentkv.tiers.eviction import EvictionOrder
 from agentkv.tiers.host import HostArena
 from agentkv.tiers.keys import BlockKey
 from agentkv.tiers.remote import RemoteBlocks, RemoteStats
-from agentkv.tiers.results import BlockResult, BlockStatus, TierName
+from agentkv.tiers.results import BlockResult, BlockStatus, Tier
 
 log = logging.getLogger(__name__)
 
@@ -306,15 +306,15 @@ class TieredStore:
                 count += 1
         return count
 
-    def tier_of(self, key: BlockKey) -> TierName | None:
+    def tier_of(self, key: BlockKey) -> Tier | None:
         """Return the fastest tier holding ``key``, or None when no tier does."""
         with self._lock:
             block = self._blocks.get(key)
             if block is None:
                 return None
             if block.host_slot is not None:
-                return "host"
-            return "disk" if block.on_disk else None
+                return Tier.HOST
+            return Tier.DISK if block.on_disk else None
 
     def stats(self) -> StoreStats:
         """Return a consistent snapshot of use and counters."""
@@ -363,7 +363,7 @@ class TieredStore:
                 if block is not None:
                     block.lease_until = until_monotonic
 
-    def drop(self, keys: Iterable[BlockKey], tier: TierName | None = None) -> int:
+    def drop(self, keys: Iterable[BlockKey], tier: Tier | None = None) -> int:
         """Remove ``keys`` from ``tier`` (None: host and disk) whoever owns them; returns how many
         were present there. A host copy being read keeps its slot until the read ends.
 
@@ -371,7 +371,7 @@ class TieredStore:
         I/O: not on an engine thread; never raises; 0 without a remote tier or when it cannot
         answer). None never touches the remote tier.
         """
-        if tier == "remote":
+        if tier == Tier.REMOTE:
             return self._remote.delete_many(list(keys)) if self._remote is not None else 0
         doomed: list[BlockKey] = []
         present = 0
@@ -384,14 +384,14 @@ class TieredStore:
                     present += 1
                     if self._forget(block):
                         doomed.append(key)
-                elif tier == "host" and block.host_slot is not None:
+                elif tier == Tier.HOST and block.host_slot is not None:
                     present += 1
                     if not block.on_disk:
                         if self._forget(block):
                             doomed.append(key)
                     elif not self._host_order.pinned(block):
                         self._release_host(block)
-                elif tier == "disk" and block.on_disk:
+                elif tier == Tier.DISK and block.on_disk:
                     present += 1
                     block.on_disk = False
                     self._disk_order.remove(block)
@@ -426,7 +426,7 @@ class TieredStore:
         self,
         keys: Sequence[BlockKey],
         buffers: Sequence[BlockBuffer],
-        tier: TierName = "host",
+        tier: Tier = Tier.HOST,
         lease_until: float | None = None,
         owner: str | None = None,
     ) -> TransferHandle:
@@ -437,16 +437,16 @@ class TieredStore:
         tier are not copied again (content addressed); they gain the owner and lease. Remote
         stores ignore owner and lease (the server's TTL governs them).
         """
-        if tier not in ("host", "disk", "remote"):
+        if tier not in (Tier.HOST, Tier.DISK, Tier.REMOTE):
             raise ConfigError(f"unknown tier {tier!r}")
-        if tier == "disk" and self._files is None:
+        if tier == Tier.DISK and self._files is None:
             raise ConfigError("this store has no disk tier")
-        if tier == "remote":
+        if tier == Tier.REMOTE:
             return self._submit_remote_store(keys, buffers)
-        if tier == "host" and self._arena.num_slots == 0:
+        if tier == Tier.HOST and self._arena.num_slots == 0:
             if self._files is None:
                 raise ConfigError("this store has neither host capacity nor a disk tier")
-            tier = "disk"
+            tier = Tier.DISK
         segments = self._segments(keys, buffers, writable=False)
         handle = TransferHandle(keys)
 
@@ -736,19 +736,19 @@ class TieredStore:
                 key = keys[index]
                 with self._lock:
                     block = self._blocks.get(key)
-                    source: TierName | None = None
+                    source: Tier | None = None
                     if block is not None and block.host_slot is not None:
                         self._host_order.pin(block)
                         pinned.append(block)
-                        source = "host"
+                        source = Tier.HOST
                     elif block is not None and block.on_disk:
                         self._disk_order.pin(block)
-                        source = "disk"
+                        source = Tier.DISK
                 if block is None or source is None:
                     results[index] = self._failed(
                         key, TierError("block is in no local tier; nothing to copy to remote")
                     )
-                elif source == "host":
+                elif source == Tier.HOST:
                     assert block.host_slot is not None
                     sources.append((index, [self._arena.slot(block.host_slot)]))
                 else:
@@ -795,7 +795,7 @@ class TieredStore:
         self,
         key: BlockKey,
         segments: Segments,
-        tier: TierName,
+        tier: Tier,
         lease_until: float | None,
         owner: str | None,
     ) -> BlockResult:
@@ -803,12 +803,12 @@ class TieredStore:
             self._counters["stores"] += 1
             block = self._blocks.get(key)
             if block is not None and (
-                block.host_slot is not None if tier == "host" else block.on_disk
+                block.host_slot is not None if tier == Tier.HOST else block.on_disk
             ):
                 self._adopt(block, lease_until, owner)
-                (self._host_order if tier == "host" else self._disk_order).touch(block)
+                (self._host_order if tier == Tier.HOST else self._disk_order).touch(block)
                 return BlockResult(key, BlockStatus.OK, tier)
-        if tier == "disk":
+        if tier == Tier.DISK:
             self._write_disk(key, segments)
             with self._lock:
                 block = self._publish(key)
@@ -818,7 +818,7 @@ class TieredStore:
                 else:
                     block.on_disk = True
                     self._disk_order.add(block)
-            return BlockResult(key, BlockStatus.OK, "disk")
+            return BlockResult(key, BlockStatus.OK, Tier.DISK)
         slot = self._reserve_host_slot()
         gather_into(self._arena.slot(slot), segments)
         with self._lock:
@@ -829,24 +829,24 @@ class TieredStore:
             else:
                 block.host_slot = slot
                 self._host_order.add(block)
-        return BlockResult(key, BlockStatus.OK, "host")
+        return BlockResult(key, BlockStatus.OK, Tier.HOST)
 
     def _load_one(self, key: BlockKey, segments: Segments, count_miss: bool = True) -> BlockResult:
         with self._lock:
             self._counters["loads"] += 1
             block = self._blocks.get(key)
-            source: TierName | None = None
+            source: Tier | None = None
             if block is not None and block.host_slot is not None:
-                source = "host"
+                source = Tier.HOST
                 self._host_order.pin(block)
             elif block is not None and block.on_disk:
-                source = "disk"
+                source = Tier.DISK
                 self._disk_order.pin(block)
             if block is None or source is None:
                 if count_miss:  # with a remote tier, the remote read decides hit or miss
                     self._counters["misses"] += 1
                 return BlockResult(key, BlockStatus.MISS)
-        if source == "host":
+        if source == Tier.HOST:
             try:
                 scatter_from(self._arena.slot(block.host_slot), segments)  # type: ignore[arg-type]
             finally:
@@ -854,7 +854,7 @@ class TieredStore:
                     self._unpin_host(block)
                     self._host_order.touch(block)
                     self._counters["hits_host"] += 1
-            return BlockResult(key, BlockStatus.OK, "host")
+            return BlockResult(key, BlockStatus.OK, Tier.HOST)
         return self._read_disk(block, segments, count_miss=count_miss)
 
     def _read_disk(
@@ -874,7 +874,7 @@ class TieredStore:
                 self._disk_order.touch(block)
                 if count:
                     self._counters["hits_disk"] += 1
-                return BlockResult(block.key, BlockStatus.OK, "disk")
+                return BlockResult(block.key, BlockStatus.OK, Tier.DISK)
             # Absent or corrupt: the file is gone (read_into deleted a corrupt one); fix the index.
             if block.on_disk:
                 block.on_disk = False
@@ -887,14 +887,14 @@ class TieredStore:
                     self._counters["misses"] += 1
                 return BlockResult(block.key, BlockStatus.MISS)
             self._counters["corrupt" if isinstance(error, CorruptBlockError) else "errors"] += 1
-            return BlockResult(block.key, BlockStatus.ERROR, "disk", error)
+            return BlockResult(block.key, BlockStatus.ERROR, Tier.DISK, error)
 
     def _promote_one(self, key: BlockKey) -> BlockResult:
         with self._lock:
             block = self._blocks.get(key)
             if block is not None and block.host_slot is not None:
                 self._host_order.touch(block)
-                return BlockResult(key, BlockStatus.OK, "host")
+                return BlockResult(key, BlockStatus.OK, Tier.HOST)
             if block is None or not block.on_disk:
                 self._counters["misses"] += 1
                 return BlockResult(key, BlockStatus.MISS)
@@ -913,7 +913,9 @@ class TieredStore:
                 block.host_slot = slot
                 self._host_order.add(block)
                 self._counters["promotions"] += 1
-        return BlockResult(key, result.status, "host" if result.ok else result.tier, result.error)
+        return BlockResult(
+            key, result.status, Tier.HOST if result.ok else result.tier, result.error
+        )
 
     def _demote_one(self, key: BlockKey) -> BlockResult:
         with self._lock:
@@ -922,7 +924,7 @@ class TieredStore:
                 self._counters["misses"] += 1
                 return BlockResult(key, BlockStatus.MISS)
             if block.host_slot is None:
-                return BlockResult(key, BlockStatus.OK, "disk")
+                return BlockResult(key, BlockStatus.OK, Tier.DISK)
             self._host_order.pin(block)
         written = False
         try:
@@ -934,13 +936,13 @@ class TieredStore:
                     self._release_host(block)
         if not written:
             return BlockResult(key, BlockStatus.MISS)
-        return BlockResult(key, BlockStatus.OK, "disk")
+        return BlockResult(key, BlockStatus.OK, Tier.DISK)
 
     def _copy_down_one(self, key: BlockKey) -> BlockResult:
         with self._lock:
             block = self._blocks.get(key)
             if block is not None and block.on_disk:
-                return BlockResult(key, BlockStatus.OK, "disk")
+                return BlockResult(key, BlockStatus.OK, Tier.DISK)
             if block is None or block.host_slot is None:
                 self._counters["misses"] += 1
                 return BlockResult(key, BlockStatus.MISS)
@@ -950,7 +952,7 @@ class TieredStore:
         finally:
             with self._lock:
                 self._unpin_host(block)
-        return BlockResult(key, BlockStatus.OK if written else BlockStatus.MISS, "disk")
+        return BlockResult(key, BlockStatus.OK if written else BlockStatus.MISS, Tier.DISK)
 
     def _copy_host_to_disk(self, block: _Block) -> bool:
         """Write a pinned host block to disk unless it is there; False when dropped meanwhile."""

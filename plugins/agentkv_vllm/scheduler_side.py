@@ -3,7 +3,9 @@ TrajectoryManager (``agentkv.manager``), which owns every state, pin, job and ti
 
 Primitives (engine thread, from vLLM's scheduler hooks; each returns at once for requests without
 agentkv params, before any lock):
-  lookup(request, num_computed)        -> (tokens the tiers hold past vLLM's own hit, async?)
+  lookup(request, num_computed)        -> (tokens the tiers hold past vLLM's own hit, async?);
+                                          None tokens: ask again next step (the manager's
+                                          PENDING: a remote fetch or an admission wait)
   plan_load(request, blocks, n_ext)    -> the load job for the allocated blocks
   fail_load(request, blocks, n_ext)    -> fail closed: those blocks are reported as load errors
   finish(request, block_ids)           -> (False, {"agentkv": turn stats})
@@ -22,7 +24,6 @@ until vLLM needs the memory (write-back offload).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -36,7 +37,8 @@ from agentkv.online_profile import OnlineProfile
 from agentkv.otel_export import OTelExport
 from agentkv.policy import CostModel, PolicyParams
 from agentkv.profile import load_profile
-from agentkv.tiers.keys import ModelFingerprint
+from agentkv.tier import LOCAL_TIERS
+from agentkv.tiers.keys import logical_fingerprint, logical_key
 from agentkv_vllm import plugin
 from agentkv_vllm.kv_events import TierEvents
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
@@ -45,7 +47,6 @@ from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.scheduler")
 GiB = 1 << 30
-KEY_BYTES = 16
 # A step counts as a prefill sample when it scheduled at least this many prompt tokens and they
 # were most of the step (decode tokens cost far less each).
 PREFILL_SAMPLE_MIN_TOKENS = 32
@@ -116,14 +117,12 @@ class SchedulerSide:
         page = groups[0].kv_cache_spec.page_size_bytes if groups else 0
         self.block_bytes_per_rank = page * num_layers
         self.block_bytes_total = self.block_bytes_per_rank * self.tp_size
-        fingerprint = ModelFingerprint(
-            model_id=str(model_config.model),
-            dtype=str(model_config.dtype),
-            block_size=self.block_size,
-            num_layers=num_layers,
-            tp_rank=-1,
-            tp_size=self.tp_size,
-            layout="logical-v2",
+        fingerprint = logical_fingerprint(
+            str(model_config.model),
+            str(model_config.dtype),
+            self.block_size,
+            num_layers,
+            self.tp_size,
         )
         self._fp = fingerprint.digest()
         host_blocks = int(settings.host_capacity_gib * GiB) // max(1, self.block_bytes_per_rank)
@@ -200,10 +199,6 @@ class SchedulerSide:
         self.counters: Counter[str] = Counter()
         # request id -> parsed params, for agentkv requests only (plain ones never enter)
         self._params: dict[str, AgentKVParams] = {}
-        self.remote_enabled = bool(settings.remote_url)
-        # request id -> fetch job id while its trajectory's blocks come from the remote tier;
-        # requests already checked (fetched or nothing to fetch) map to 0
-        self._remote_fetch: dict[str, int] = {}
         self.started_at = time.time()
 
     @property
@@ -215,11 +210,8 @@ class SchedulerSide:
         self.pinner.pool = pool
 
     def _key_of(self, block_hash: bytes) -> bytes:
-        """Tier key of one vLLM block hash: vLLM's hash already chains the prefix and carries
-        cache_salt, LoRA and multimodal extras; the fingerprint adds model, dtype and layout."""
-        key = hashlib.blake2b(
-            bytes(block_hash), digest_size=KEY_BYTES, key=self._fp[:64], person=b"agentkv-key-v2"
-        ).digest()
+        """Tier key of one vLLM block hash (``agentkv.tiers.keys.logical_key``)."""
+        key = logical_key(block_hash, self._fp)
         if self.events is not None:
             self.events.note_key(key, bytes(block_hash))
         return key
@@ -257,8 +249,6 @@ class SchedulerSide:
             params = self._params_of(request)
             if params is None:
                 return 0, False
-            if self.remote_enabled and self._waits_for_remote(request, params, num_computed):
-                return None, False  # vLLM asks again next step
             zones = params.zones
             answer = self.manager.on_lookup(
                 request.request_id,
@@ -275,26 +265,6 @@ class SchedulerSide:
         finally:
             self.cpu.add("request", start)
 
-    def _waits_for_remote(self, request: Any, params: AgentKVParams, num_computed: int) -> bool:
-        """A trajectory this replica never saw may have run elsewhere (failover, rebalancing):
-        its prompt's blocks past the device hit are fetched from the remote tier into host
-        before the first lookup, which then loads them like any host hit. True while the fetch
-        runs (bounded by job_timeout_s); misses only cost the recompute vLLM would do anyway."""
-        job = self._remote_fetch.get(request.request_id)
-        if job is None:
-            self._remote_fetch[request.request_id] = 0
-            if self.manager.knows(params.trajectory_id):
-                return False
-            prompt = request.prompt_token_ids or []
-            first, last = num_computed // self.block_size, len(prompt) // self.block_size
-            hashes = list(request.block_hashes[first:last])
-            if not hashes:
-                return False
-            keys = [self._key_of(h) for h in hashes]
-            job = self.manager.fetch_remote(params.trajectory_id, keys) or 0
-            self._remote_fetch[request.request_id] = job
-        return bool(job) and self.manager.job_pending(job)
-
     def plan_load(self, request: Any, blocks: Any, num_external: int) -> None:
         if request.request_id not in self._params and num_external <= 0:
             return
@@ -308,7 +278,6 @@ class SchedulerSide:
         self.manager.fail_load(request.request_id, blocks.get_block_ids()[0], num_external)
 
     def finish(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._remote_fetch.pop(request.request_id, None)
         params = self._params.pop(request.request_id, None)
         if params is None:
             return False, None
@@ -364,7 +333,7 @@ class SchedulerSide:
                 self._reannounce = False
                 out.extend(
                     self.events.reannounce(
-                        {tier: self.manager.tier_keys(tier) for tier in ("host", "disk")}
+                        {tier: self.manager.tier_keys(tier) for tier in LOCAL_TIERS}
                     )
                 )
             return out

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agentkv.policy import DEFAULT_POLICY, HIGH_WATER, Action
+
 if TYPE_CHECKING:
     from agentkv.tiers.remote import RemoteConfig
 
@@ -38,17 +40,19 @@ class ConnectorSettings(BaseModel):
         ge=0,
         description="How long finished blocks stay pinned waiting for a pause decision.",
     )
-    default_action: str = Field(
-        default="offload_host", pattern="^(offload_host|offload_disk|drop|retain)$"
+    default_action: Action = Field(
+        default=Action.OFFLOAD_HOST,
+        description="What a finished turn's blocks get when no pause decision came in grace_s "
+        "(one of agentkv.policy.Action).",
     )
     high_water: float = Field(
-        default=0.88,
+        default=HIGH_WATER,
         gt=0,
         le=1,
         description="Pool use above which retained trajectories are demoted.",
     )
-    lease_margin_s: float = Field(default=2.0, ge=0)
-    max_lease_s: float = Field(default=600.0, gt=0)
+    lease_margin_s: float = Field(default=DEFAULT_POLICY.lease_margin_s, ge=0)
+    max_lease_s: float = Field(default=DEFAULT_POLICY.max_lease_s, gt=0)
     admission_wait: bool = Field(
         default=False, description="Above high water, new trajectories wait instead of evicting."
     )
@@ -69,7 +73,7 @@ class ConnectorSettings(BaseModel):
     )
 
     disk_after_s: float = Field(
-        default=300.0,
+        default=DEFAULT_POLICY.disk_after_s,
         ge=0,
         description="Predicted median waits at least this long go to the disk tier (policy).",
     )

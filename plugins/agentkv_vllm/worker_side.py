@@ -28,7 +28,6 @@ for its own layer (``wait_for_layer``). A block missing from host, or any copy e
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -44,9 +43,10 @@ import numpy as np
 
 from agentkv.errors import CorruptBlockError
 from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
+from agentkv.tier import Tier
 from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
 from agentkv.tiers.batched import StagedBlocks, staging_budget
-from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
+from agentkv.tiers.keys import BlockKey, ModelFingerprint, rank_key
 from agentkv_vllm.block_copy import BlockViews
 from agentkv_vllm.device_copy import LayerCopier
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
@@ -193,11 +193,7 @@ class WorkerSide:
         key = self._key_cache.get(logical)
         if key is None:
             assert self.fingerprint is not None
-            fp = self.fingerprint.digest()
-            digest = hashlib.blake2b(
-                logical + fp, digest_size=KEY_BYTES, person=b"agentkv-rank-v1"
-            ).digest()
-            key = BlockKey(digest, fp)
+            key = rank_key(logical, self.fingerprint.digest())
             if len(self._key_cache) > 1_000_000:
                 self._key_cache.clear()
             self._key_cache[logical] = key
@@ -580,7 +576,7 @@ class WorkerSide:
             return self._fetch_remote_into_host(keys)
         except Exception as exc:  # a tier fault costs a recompute, never the engine
             log.warning("agentkv: remote fetch failed: %s", exc)
-            return [BlockResult(k, BlockStatus.ERROR, "remote", None) for k in keys]
+            return [BlockResult(k, BlockStatus.ERROR, Tier.REMOTE, None) for k in keys]
 
     def _fetch_remote_into_host(self, keys: list[BlockKey]) -> list[Any]:
         store = self.store
@@ -597,14 +593,14 @@ class WorkerSide:
             stored = store.submit_store(
                 [keys[i] for i in good],
                 [np.frombuffer(values[i].payload, np.uint8) for i in good],  # type: ignore[arg-type]
-                tier="host",
+                tier=Tier.HOST,
             ).result()
             for i, r in zip(good, stored, strict=True):
                 results[i] = r
         good_set = set(good)
         for i, v in enumerate(values):
             if v.status is BlockStatus.OK and i not in good_set:  # another block size
-                results[i] = BlockResult(keys[i], BlockStatus.ERROR, "remote", None)
+                results[i] = BlockResult(keys[i], BlockStatus.ERROR, Tier.REMOTE, None)
         return results
 
     def load_error_block_ids(self) -> set[int]:

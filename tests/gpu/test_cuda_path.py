@@ -20,9 +20,10 @@ torch = pytest.importorskip("torch")
 from agentkv.tiers import buffers  # noqa: E402
 from agentkv.tiers.disk import HEADER_BYTES  # noqa: E402
 from agentkv.tiers.gds import gds_available  # noqa: E402
-from agentkv.tiers.keys import ModelFingerprint, chain_keys  # noqa: E402
+from agentkv.tiers.keys import ModelFingerprint  # noqa: E402
 from agentkv.tiers.store import TieredStore  # noqa: E402
 from agentkv_vllm.block_copy import BlockViews  # noqa: E402
+from tests.unit.key_helpers import make_keys  # noqa: E402
 
 DEVICE = os.environ.get("AGENTKV_GPU_TEST_DEVICE", "cuda")
 CUDA = DEVICE == "cuda"
@@ -96,7 +97,7 @@ def _round_trip(make_store, layout: str, tier: str, **store_kw: object) -> None:
     s = make_store(views.block_bytes, **store_kw)
     if CUDA:
         assert s.stats().pinned_memory, "the host arena must be pinned on CUDA"
-    keys = chain_keys(FP, f"{layout}-{tier}", range(3))
+    keys = make_keys(FP, f"{layout}-{tier}", range(3))
     stored = s.submit_store(keys, [views.segments(b) for b in (1, 4, 9)], tier=tier).result(30)
     assert all(r.ok and r.tier == tier for r in stored), stored
     for t in caches.values():
@@ -131,7 +132,7 @@ def test_gds_and_staged_files_are_interchangeable(make_store, tmp_path: Path) ->
     kv = random_bf16(2, NUM_BLOCKS, BLOCK, HEADS, DIM, seed=5)
     views = BlockViews({"l0": kv}, NUM_BLOCKS)
     gds = TieredStore(0, tmp_path / "a", 8 << 20, views.block_bytes, gds=True)
-    key = chain_keys(FP, "x", range(1))
+    key = make_keys(FP, "x", range(1))
     assert gds.submit_store(key, [views.segments(2)], tier="disk").result(30)[0].ok
     gds.close()
     staged = TieredStore(0, tmp_path / "a", 8 << 20, views.block_bytes, gds=False)
@@ -146,7 +147,7 @@ def test_copies_wait_for_the_producers_stream(make_store) -> None:  # type: igno
     kv = torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.bfloat16, device=DEVICE)
     views = BlockViews({"l0": kv}, NUM_BLOCKS)
     s = make_store(views.block_bytes)
-    keys = chain_keys(FP, "order", range(4))
+    keys = make_keys(FP, "order", range(4))
     side = 2048 if CUDA else 32
     work = torch.ones(side, side, device=DEVICE)
     for round_ in range(4):

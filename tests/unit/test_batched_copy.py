@@ -18,9 +18,10 @@ torch = pytest.importorskip("torch")
 
 from agentkv.tiers.batched import BlockRef, BlockTable, Run, StagedBlocks, staging_budget  # noqa: E402
 from agentkv.tiers.disk import HEADER_BYTES  # noqa: E402
-from agentkv.tiers.keys import ModelFingerprint, chain_keys  # noqa: E402
+from agentkv.tiers.keys import ModelFingerprint  # noqa: E402
 from agentkv.tiers.store import TieredStore  # noqa: E402
 from agentkv_vllm.block_copy import BlockViews  # noqa: E402
+from tests.unit.key_helpers import make_keys  # noqa: E402
 
 NUM_BLOCKS, HEADS, BLOCK, DIM, LAYERS = 12, 2, 16, 32, 3
 FP = ModelFingerprint("batched", "bfloat16", BLOCK, LAYERS)
@@ -142,7 +143,7 @@ def test_block_refs_round_trip_shuffled_ids_through_the_store(
     before = {name: t.clone() for name, t in caches.items()}
     views = BlockViews(caches, NUM_BLOCKS)
     s = store(views.block_bytes)
-    keys = chain_keys(FP, f"{layout}-{tier}", range(len(SRC)))
+    keys = make_keys(FP, f"{layout}-{tier}", range(len(SRC)))
     stored = s.submit_store(keys, [views.block(b) for b in SRC], tier=tier).result(10)
     assert all(r.ok and r.tier == tier for r in stored)
     loaded = s.submit_load(keys, [views.block(b) for b in DST]).result(10)

@@ -656,3 +656,36 @@ def test_a_pause_on_parallel_tools_predicts_and_learns_the_longest() -> None:
     assert branch(rig).tool == "build"  # the resume's observed wait teaches build
     code, body = rig.mgr.pause("t1", "main", "grep", None)
     assert code == 200 and "tools" not in body and branch(rig).tool == "grep"
+
+
+# ============================================================================ remote fetch wait
+
+
+def test_a_trajectory_never_seen_waits_pending_for_its_remote_fetch_then_loads_from_host() -> None:
+    """The wait for a remote fetch is the manager's: the lookup of a trajectory this replica
+    does not know answers PENDING until the fetch completes, then HIT from host."""
+    from agentkv.manager import LookupStatus
+
+    rig = make_rig(remote_enabled=True)
+    offloaded(rig)  # its first lookup asked the (empty) remote tier too
+    fetches = rig.mgr.counters["remote_fetches"]
+    rig.settle()  # the upload of the confirmed host copies
+    assert rig.mgr.counters["remote_uploaded_blocks"] == 4
+    rig.mgr.delete("t1")  # its local copies go; the shared remote tier keeps them
+    rig.eng.step()
+    rig.flush()
+    assert not rig.host_keys()
+    req = rig.eng.new_request("elsewhere", "main", P1)
+    hashes = rig.eng.hashes(P1)
+    params = req.params
+    first = rig.mgr.on_lookup(req.req_id, params, P1, hashes, 0)
+    assert first.status is LookupStatus.PENDING
+    assert rig.mgr.counters["remote_fetches"] == fetches + 1
+    again = rig.mgr.on_lookup(req.req_id, params, P1, hashes, 0)
+    assert again.status is LookupStatus.PENDING  # the fetch is still in flight
+    rig.settle()  # the fetch completes: 4 blocks into host
+    assert rig.mgr.counters["remote_fetched_blocks"] == 4
+    assert len(rig.host_keys()) == 4
+    hit = rig.mgr.on_lookup(req.req_id, params, P1, hashes, 0)
+    assert hit.status is LookupStatus.HIT and hit.tokens == 16
+    assert rig.mgr.counters["remote_fetches"] == fetches + 1  # asked once per request

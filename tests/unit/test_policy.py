@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from agentkv.cli import app
 from agentkv.policy import (
     DEFAULT_POLICY,
+    LEASE_MARGIN_S,
     CostModel,
     Decision,
     PolicyParams,
@@ -84,9 +85,15 @@ def test_figure_10_break_even_and_ratio() -> None:
 
 
 def test_figure_10_short_pause_is_retained_with_a_lease() -> None:
-    d = decide(tokens=16_384, kv_bytes=FIG10_BYTES, wait=0.1, costs=FIG10, pressure=1.0)
+    # The reference's model has no lease margin; the default (LEASE_MARGIN_S) adds one.
+    bare = PolicyParams(lease_margin_s=0.0)
+    d = decide(
+        tokens=16_384, kv_bytes=FIG10_BYTES, wait=0.1, costs=FIG10, pressure=1.0, params=bare
+    )
     assert d.action == "retain"
     assert d.lease_s == pytest.approx(d.break_even_wait_s)
+    default = decide(tokens=16_384, kv_bytes=FIG10_BYTES, wait=0.1, costs=FIG10, pressure=1.0)
+    assert default.lease_s == pytest.approx(0.1 + LEASE_MARGIN_S)
     assert d.prefetch_at_s is None
     assert d.expected_resume_stall_s == 0.0
 

@@ -13,10 +13,11 @@ import pytest
 from agentkv.errors import CorruptBlockError, TierFullError
 from agentkv.tiers import disk
 from agentkv.tiers.disk import HEADER_BYTES, BlockFiles
-from agentkv.tiers.keys import ModelFingerprint, chain_keys
+from agentkv.tiers.keys import ModelFingerprint
+from tests.unit.key_helpers import make_keys
 
 BLOCK = 10_000  # not a multiple of 4096: exercises payload padding
-KEYS = chain_keys(ModelFingerprint("tiny", "bf16", 16, 2), None, range(4))
+KEYS = make_keys(ModelFingerprint("tiny", "bf16", 16, 2), None, range(4))
 
 
 def payload(seed: int) -> np.ndarray:

@@ -17,7 +17,8 @@ from agentkv.errors import CorruptBlockError  # noqa: E402
 from agentkv.tiers import gds  # noqa: E402
 from agentkv.tiers.device import DeviceSegments  # noqa: E402
 from agentkv.tiers.disk import HEADER_BYTES, BlockFiles  # noqa: E402
-from agentkv.tiers.keys import ModelFingerprint, chain_keys  # noqa: E402
+from agentkv.tiers.keys import ModelFingerprint  # noqa: E402
+from tests.unit.key_helpers import make_keys  # noqa: E402
 
 FP = ModelFingerprint("tiny", "bfloat16", 16, 2)
 
@@ -101,7 +102,7 @@ def gds_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[BlockFil
 def test_gds_branch_round_trips_and_writes_the_staged_format(gds_files) -> None:  # type: ignore[no-untyped-def]
     files, fake = gds_files
     size = files.block_bytes
-    a, b = chain_keys(FP, "gds", range(2))
+    a, b = make_keys(FP, "gds", range(2))
     data = torch.randint(0, 256, (size,), dtype=torch.uint8)
     files.write(a, DeviceSegments(list(data.split([10, 4096, 4096]))))
     assert fake.writes == 1
@@ -120,7 +121,7 @@ def test_gds_branch_round_trips_and_writes_the_staged_format(gds_files) -> None:
 
 def test_gds_branch_verifies_before_writing_the_destination(gds_files) -> None:  # type: ignore[no-untyped-def]
     files, _ = gds_files
-    [key] = chain_keys(FP, "corrupt", range(1))
+    [key] = make_keys(FP, "corrupt", range(1))
     files.write(key, DeviceSegments([torch.full((files.block_bytes,), 7, dtype=torch.uint8)]))
     path = files.path_for(key)
     raw = bytearray(path.read_bytes())

@@ -16,11 +16,12 @@ import valkey
 
 from agentkv.errors import ConfigError, CorruptBlockError
 from agentkv.tiers.disk import HEADER_BYTES as HEADER_BYTES_DISK
-from agentkv.tiers.keys import BlockKey, ModelFingerprint, chain_keys
+from agentkv.tiers.keys import BlockKey, ModelFingerprint
 from agentkv.tiers.remote import HEADER_BYTES, RemoteBlocks, RemoteConfig, remote_key
 from agentkv.tiers.results import BlockStatus
 from agentkv.tiers.store import TieredStore
 from agentkv.tiers.valkey_server import ValkeyProcess
+from tests.unit.key_helpers import make_keys
 from tests.valkey_fixture import unique_prefix, valkey_server, valkey_url  # noqa: F401
 
 BLOCK = 16 * 1024
@@ -30,7 +31,7 @@ FILE = HEADER_BYTES_DISK + BLOCK
 
 
 def keys(n: int, salt: str = "s", fp: ModelFingerprint = FP) -> list[BlockKey]:
-    return chain_keys(fp, salt, range(n))
+    return make_keys(fp, salt, range(n))
 
 
 def content(key: BlockKey, size: int = BLOCK) -> np.ndarray:
@@ -157,7 +158,7 @@ def test_keys_differing_by_salt_rank_fingerprint_or_prefix_never_collide(
     [stored] = keys(1, salt="tenant-a")
     variants = {
         "salt": keys(1, salt="tenant-b")[0],
-        "no salt": chain_keys(FP, None, range(1))[0],
+        "no salt": make_keys(FP, None, range(1))[0],
         "tp rank": keys(1, "tenant-a", ModelFingerprint("tiny", "bfloat16", 16, 4, tp_rank=1))[0],
         "layout": keys(1, "tenant-a", ModelFingerprint("tiny", "bfloat16", 16, 4, layout="HND"))[0],
         "model": keys(1, "tenant-a", ModelFingerprint("other", "bfloat16", 16, 4))[0],

@@ -17,8 +17,9 @@ import pytest
 from agentkv.errors import CorruptBlockError, TierFullError
 from agentkv.tiers import disk, store
 from agentkv.tiers.disk import HEADER_BYTES
-from agentkv.tiers.keys import BlockKey, ModelFingerprint, chain_keys
+from agentkv.tiers.keys import BlockKey, ModelFingerprint
 from agentkv.tiers.store import BlockStatus, TieredStore
+from tests.unit.key_helpers import make_keys
 
 BLOCK = 64 * 1024
 FILE = HEADER_BYTES + BLOCK
@@ -26,7 +27,7 @@ FP = ModelFingerprint("tiny", "bfloat16", 16, 4)
 
 
 def keys(n: int, salt: str = "s") -> list[BlockKey]:
-    return chain_keys(FP, salt, range(n))
+    return make_keys(FP, salt, range(n))
 
 
 def content(key: BlockKey) -> np.ndarray:
@@ -194,8 +195,8 @@ def test_damaged_file_is_an_error_never_data_and_then_a_miss(make, damage: str) 
 def test_drop_owner_keeps_blocks_another_owner_holds(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     s = make(8, 8)
     shared = keys(2)
-    fork_a = chain_keys(FP, "s", [0, 1, 10])[2:]
-    fork_b = chain_keys(FP, "s", [0, 1, 20])[2:]
+    fork_a = make_keys(FP, "s", [0, 1, 10])[2:]
+    fork_b = make_keys(FP, "s", [0, 1, 20])[2:]
     store_all(s, shared + fork_a, owner="a")
     store_all(s, shared + fork_b, owner="b", tier="disk")
     assert s.drop_owner("a") == 1

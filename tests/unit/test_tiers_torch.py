@@ -17,8 +17,9 @@ torch = pytest.importorskip("torch")
 from agentkv.tiers import buffers, device  # noqa: E402
 from agentkv.tiers.device import DeviceSegments  # noqa: E402
 from agentkv.tiers.disk import HEADER_BYTES, BlockFiles  # noqa: E402
-from agentkv.tiers.keys import ModelFingerprint, chain_keys  # noqa: E402
+from agentkv.tiers.keys import ModelFingerprint  # noqa: E402
 from agentkv.tiers.store import TieredStore  # noqa: E402
+from tests.unit.key_helpers import make_keys  # noqa: E402
 
 FP = ModelFingerprint("tiny", "bfloat16", 16, 2)
 NUM_BLOCKS = 6
@@ -58,7 +59,7 @@ def test_single_tensor_and_segment_list_round_trip_bit_exact(store, tier: str) -
     block = random_bf16(4, 16, 64, seed=1)  # 8 KiB
     nbytes = block.numel() * block.element_size()
     s = store(nbytes)
-    k1, k2 = chain_keys(FP, f"t-{tier}", range(2))
+    k1, k2 = make_keys(FP, f"t-{tier}", range(2))
     layers = [random_bf16(2, 16, 64, seed=2 + i) for i in range(2)]  # one segment per "layer"
     results = s.submit_store([k1, k2], [block, layers], tier=tier).result(10)
     assert all(r.ok and r.tier == tier for r in results)
@@ -118,7 +119,7 @@ def test_block_views_of_vllm_layouts_round_trip_through_the_store(
     assert len(views.table.runs) == 3 * runs_per_layer
     assert all(run.rows.dtype == torch.uint8 for run in views.table.runs)
     s = store(views.block_bytes)
-    keys = chain_keys(FP, layout, range(2))
+    keys = make_keys(FP, layout, range(2))
     assert all(
         r.ok for r in s.submit_store(keys, [views.block(1), views.block(4)], tier=tier).result(10)
     )
@@ -154,7 +155,7 @@ def test_device_path_round_trips_bit_exact(store, device_path: None, tier: str) 
     kv = random_bf16(2, NUM_BLOCKS, 16, 2, 32, seed=3)  # FlashAttention: 2 runs per block
     block_bytes = kv[:, 0].numel() * 2
     s = store(block_bytes)
-    keys = chain_keys(FP, f"dev-{tier}", range(3))
+    keys = make_keys(FP, f"dev-{tier}", range(3))
     single = random_bf16(block_bytes // 2, seed=4)
     blocks = [list(kv[:, 1].unbind(0)), list(kv[:, 3].unbind(0)), single]
     assert isinstance(buffers.as_segments(blocks[0], block_bytes), DeviceSegments)
@@ -173,7 +174,7 @@ def test_device_files_are_the_same_files(tmp_path: Path, device_path: None) -> N
     one file format and checksum."""
     block_bytes = 3 * 4096 + 100  # payload padded to 4 KiB on disk
     files = BlockFiles(tmp_path, block_bytes, direct_io=False)
-    a, b = chain_keys(FP, "files", range(2))
+    a, b = make_keys(FP, "files", range(2))
     data = torch.randint(0, 256, (block_bytes,), dtype=torch.uint8)
     parts = list(data.split([4096, 100, 2 * 4096]))
     files.write(a, DeviceSegments(parts))

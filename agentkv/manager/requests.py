@@ -1,0 +1,446 @@
+"""The request side: one engine request of a trajectory, from lookup to finish.
+
+Primitives:
+  RequestParams           what a request says about its trajectory (the adapter validated it)
+  LookupStatus            HIT | MISS | PENDING; LookupAnswer(tokens, load_async).status
+  Request                 a running request: its turn, its load plan, its load job and state
+  RequestTable.lookup     HIT: the longest run of blocks past vLLM's own hit that a local tier
+                          holds (read-pinned until loaded); MISS; PENDING while a remote fetch
+                          for a trajectory this replica never saw, or an admission wait, runs
+  RequestTable.alloc      the lookup becomes a LOAD job on the blocks vLLM allocated
+  RequestTable.fail_load  fail closed: a load every rank reports failed (vLLM recomputes)
+  RequestTable.finish     the branch's context becomes the turn's trusted blocks, pinned; HELD
+                          for the grace period (or a decision made meanwhile applies)
+
+Load states: none -> planned (lookup) -> in_flight (alloc) -> ok | failed (job completes).
+Only blocks computed or loaded with a confirmed load are ever pinned or stored (invariant 1).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from agentkv.manager import views
+from agentkv.manager.jobs import BlockTransfer, LoadJob
+from agentkv.manager.jobtable import JobKind
+from agentkv.manager.state import Branch, BranchState, Trajectory, TurnStats
+from agentkv.manager.timers import TimerKind
+from agentkv.policy import Action
+from agentkv.tier import Tier
+
+if TYPE_CHECKING:
+    from agentkv.manager.core import TrajectoryManager
+
+log = logging.getLogger("agentkv.manager")
+
+LoadState = Literal["none", "planned", "in_flight", "ok", "failed"]
+ADMISSION_MAX_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What a request says about its trajectory (the adapter parsed and validated it)."""
+
+    trajectory_id: str
+    branch: str = "main"
+    zone_of: Callable[[int], str | None] | None = None  # token index -> zone name
+
+
+class LookupStatus(enum.StrEnum):
+    HIT = "hit"  # the tiers hold ``tokens`` more tokens: vLLM allocates, then on_alloc loads
+    MISS = "miss"  # nothing past vLLM's own hit
+    PENDING = "pending"  # ask again next step (a remote fetch or an admission wait runs)
+
+
+@dataclass(frozen=True)
+class LookupAnswer:
+    tokens: int | None  # None: PENDING, ask again later
+    load_async: bool = False
+
+    @property
+    def status(self) -> LookupStatus:
+        if self.tokens is None:
+            return LookupStatus.PENDING
+        return LookupStatus.HIT if self.tokens > 0 else LookupStatus.MISS
+
+
+PENDING = LookupAnswer(None)
+MISS = LookupAnswer(0)
+
+
+@dataclass
+class LoadPlan:
+    start_block: int
+    keys: list[bytes]
+    tier: Tier
+    layerwise: bool
+
+
+@dataclass
+class Request:
+    req_id: str
+    traj: Trajectory
+    branch: str
+    turn: TurnStats
+    first_seen: float
+    device_hit: int = 0
+    plan: LoadPlan | None = None
+    load_job: int | None = None
+    load_state: LoadState = "none"
+    # What the last lookup told vLLM: False = it waits for the load (WAITING_FOR_REMOTE_KVS);
+    # True = it runs the forward this step, the load must happen layer by layer inside it.
+    layerwise: bool = False
+    key_cache: list[bytes] = field(default_factory=list)
+
+
+class RequestTable:
+    """Requests with agentkv params, by id. Engine thread, under the manager's lock."""
+
+    def __init__(self, mgr: TrajectoryManager) -> None:
+        self.m = mgr
+        self.requests: dict[str, Request] = {}
+        self._admission_seen: dict[str, float] = {}
+        # request id -> remote fetch job for its trajectory (0: checked, nothing to wait for)
+        self._remote_waits: dict[str, int] = {}
+
+    def lookup(
+        self,
+        req_id: str,
+        params: RequestParams,
+        prompt_token_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        num_computed: int,
+    ) -> LookupAnswer:
+        """Contract: HIT with tokens (a multiple of the block size) the tiers hold past
+        ``num_computed``, never the prompt's last token; MISS (0) when nothing; PENDING (None)
+        while a remote fetch for a trajectory this replica never saw, or an admission wait,
+        runs. Repeatable for one request (vLLM asks again after a failed allocation, a
+        preemption or a PENDING): each call replaces the last plan."""
+        now = self.m.clock.now()
+        req = self.requests.get(req_id)
+        if req is None:
+            if self._waits_for_remote(req_id, params, prompt_token_ids, block_hashes, num_computed):
+                return PENDING
+            if self._waits_for_admission(req_id, params, now):
+                return PENDING
+            req = self._start_request(req_id, params, prompt_token_ids, now)
+        else:
+            self._release_plan(req)
+            req.load_job = None
+        req.device_hit = num_computed
+        req.turn.device_hit_tokens = num_computed
+        req.load_state = "none"
+        req.layerwise = False
+        return self._plan_load(req, len(prompt_token_ids), block_hashes, num_computed)
+
+    def _waits_for_remote(
+        self,
+        req_id: str,
+        params: RequestParams,
+        prompt: Sequence[int],
+        block_hashes: Sequence[bytes],
+        num_computed: int,
+    ) -> bool:
+        """A trajectory this replica never saw may have run elsewhere (failover, rebalancing):
+        its prompt's full blocks past the device hit are fetched from the remote tier into host
+        before its first lookup, which then loads them like any host hit. True while the fetch
+        runs (bounded by job_timeout_s); misses only cost the recompute vLLM would do anyway."""
+        if not self.m.config.remote_enabled:
+            return False
+        job = self._remote_waits.get(req_id)
+        if job is None:
+            self._remote_waits[req_id] = job = 0
+            if params.trajectory_id not in self.m.table:
+                bs = self.m.config.block_size
+                hashes = block_hashes[num_computed // bs : len(prompt) // bs]
+                if hashes:
+                    keys = [self.m.key_of(h) for h in hashes]
+                    job = self.m.fetch_remote(params.trajectory_id, keys) or 0
+                    self._remote_waits[req_id] = job
+        return bool(job) and job in self.m.jobs
+
+    def _waits_for_admission(self, req_id: str, params: RequestParams, now: float) -> bool:
+        """A new trajectory waits (at most ADMISSION_MAX_WAIT_S) for pressure demotion rather
+        than evicting live ones, when ``admission_wait`` is on and the pool is over high water."""
+        traj = self.m.table.get(params.trajectory_id)
+        if (
+            self.m.config.admission_wait
+            and (traj is None or not traj.turn_count)
+            and self.m.pinner.usage() > self.m.config.high_water
+        ):
+            first = self._admission_seen.setdefault(req_id, now)
+            if now - first < ADMISSION_MAX_WAIT_S:
+                self.m.counters["admission_waits"] += 1
+                return True
+        self._admission_seen.pop(req_id, None)
+        return False
+
+    def _start_request(
+        self, req_id: str, params: RequestParams, prompt: Sequence[int], now: float
+    ) -> Request:
+        """A new turn of a branch: the branch becomes ACTIVE (the pause it was in ends)."""
+        traj = self.m.names.for_request(params.trajectory_id, now)
+        turn = TurnStats(turn=traj.turn_count + 1, branch=params.branch, prompt_tokens=len(prompt))
+        req = self.requests[req_id] = Request(req_id, traj, params.branch, turn, now)
+        branch = traj.branch(params.branch)
+        if branch.state is not BranchState.ACTIVE:
+            branch.pending = None  # a decision for the pause that this turn ends
+        self.m.pauses.note_resume(traj, branch, now)
+        branch.running.add(req_id)
+        self.m.transitions.set_state(traj, branch, BranchState.ACTIVE)
+        if branch.token_ids:
+            lcp = _lcp(branch.token_ids, prompt)
+            if lcp < min(len(branch.token_ids), len(prompt)):
+                turn.first_divergence_token = lcp
+                turn.divergence_zone = params.zone_of(lcp) if params.zone_of else None
+        return req
+
+    def _plan_load(
+        self, req: Request, prompt_len: int, block_hashes: Sequence[bytes], num_computed: int
+    ) -> LookupAnswer:
+        """The longest run of blocks past the device hit that a local tier holds, read-pinned
+        until loaded (never evicted mid-plan)."""
+        bs = self.m.config.block_size
+        n_max = min((prompt_len - 1) // bs, len(block_hashes))
+        start = num_computed // bs
+        if start >= n_max:
+            return MISS
+        keys = self._keys(req, block_hashes, n_max)
+        count = 0
+        tiers: set[Tier] = set()
+        for key in keys[start:n_max]:
+            tier = self.m.index.usable(key)
+            if tier is None:
+                break
+            tiers.add(tier)
+            count += 1
+        if count == 0:
+            return MISS
+        plan_keys = keys[start : start + count]
+        for key in plan_keys:
+            self.m.index.begin_read(key)
+        layerwise = self.m.config.layerwise and tiers == {Tier.HOST}
+        tier = Tier.DISK if Tier.DISK in tiers else Tier.HOST
+        req.plan = LoadPlan(start, plan_keys, tier, layerwise)
+        req.layerwise = layerwise
+        req.load_state = "planned"
+        return LookupAnswer(count * bs, load_async=not layerwise)
+
+    def alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
+        """Contract: after this returns, every external token vLLM counted is covered by a queued
+        LoadJob (possibly one that fails, so vLLM recomputes): never a silent hole."""
+        req = self.requests.get(req_id)
+        if req is None:
+            if num_external > 0:  # not ours, yet vLLM counts tokens: fail closed
+                self._queue_failing_load(req_id, block_ids, 0, num_external)
+            return
+        traj = req.traj
+        branch = traj.branches.get(req.branch)
+        if branch is not None and branch.pinned and not traj.deleted:
+            # The request now holds its own references to the blocks it hit.
+            self.m.pins.unpin_now(branch.pinned)
+            branch.pinned = []
+        plan, req.plan = req.plan, None
+        if num_external <= 0 or plan is None:
+            if plan is not None:
+                self._end_reads(plan.keys)
+            req.load_state = "none"
+            if num_external > 0:
+                self._queue_failing_load(
+                    req_id, block_ids, req.device_hit, num_external, req.layerwise
+                )
+            return
+        bs = self.m.config.block_size
+        n = num_external // bs
+        targets = list(block_ids[plan.start_block : plan.start_block + n])
+        keys = plan.keys[:n]
+        self._end_reads(plan.keys[n:])
+        if len(targets) != len(keys) or len(keys) != n:
+            log.warning("agentkv: load plan mismatch for %s; recomputing", req_id)
+            self._end_reads(keys)
+            self._queue_failing_load(
+                req_id, block_ids, plan.start_block * bs, num_external, plan.layerwise
+            )
+            req.load_state = "failed"
+            return
+        self._queue_load(req, plan, keys, targets)
+
+    def _queue_load(
+        self, req: Request, plan: LoadPlan, keys: list[bytes], targets: list[int]
+    ) -> None:
+        job = self.m.job_table.prepare(JobKind.LOAD, keys, plan.tier, req_id=req.req_id)
+        self.m.outbox.loads.append(
+            LoadJob(
+                job.job_id,
+                req.req_id,
+                [BlockTransfer(k, b) for k, b in zip(keys, targets, strict=True)],
+                layerwise=plan.layerwise,
+            )
+        )
+        req.load_job = job.job_id
+        req.load_state = "in_flight"
+        req.turn.tier_hit_tokens = len(keys) * self.m.config.block_size
+        req.turn.tier = plan.tier
+        for key in keys:
+            self.m.index.touch(key)
+        self.m.counters["loads"] += 1
+        self.m.counters["load_blocks"] += len(keys)
+        if plan.layerwise:
+            self.m.counters["layerwise_loads"] += 1
+
+    def fail_load(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
+        """Fail closed after an internal error: queue a load every rank reports as failed for the
+        blocks past the request's device hit, so vLLM recomputes them."""
+        req = self.requests.get(req_id)
+        start = req.device_hit if req is not None else 0
+        layerwise = req.layerwise if req is not None else False
+        if req is not None:
+            self._release_plan(req)
+            req.load_state = "failed"
+        self._queue_failing_load(req_id, block_ids, start, num_external, layerwise)
+
+    def finish(
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        *,
+        computed_tokens: int,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        aborted: bool,
+    ) -> dict[str, Any] | None:
+        """Contract: pins only blocks whose KV is trustworthy: every computed block when the
+        request finished normally or its load was confirmed; only the blocks before its load
+        otherwise (an abort while its tier load was unconfirmed). Returns the turn's stats, or
+        None for a request without agentkv params. Never pins for a deleted trajectory."""
+        req = self.requests.pop(req_id, None)
+        self._admission_seen.pop(req_id, None)
+        self._remote_waits.pop(req_id, None)
+        if req is None:
+            return None
+        now = self.m.clock.now()
+        self._release_plan(req)
+        traj = req.traj
+        branch = traj.branch(req.branch)
+        branch.running.discard(req_id)
+        traj.add_turn(req.turn)
+        views.record_turn(self.m.metrics, req.turn)
+        stats = req.turn.to_dict()
+        stats["trajectory_id"] = traj.trajectory_id
+        stats["prefix_hit_ratio"] = round(traj.prefix_hit_ratio, 6)
+        if traj.deleted:
+            if traj.running == 0:
+                self.m.tombstones.pop(id(traj), None)
+            return stats
+        trusted = computed_tokens
+        if req.load_state in ("planned", "in_flight", "failed") and aborted:
+            trusted = min(trusted, req.device_hit)
+            self.m.counters["aborted_loads"] += 1
+            if len(branch.keys) > trusted // self.m.config.block_size:
+                # The aborted turn knows less than the branch's last context: keep that
+                # context (and its tier copies) instead of shrinking it.
+                traj.last_active = now
+                if not branch.running:
+                    self.m.transitions.fall_back(traj, branch, "aborted")
+                return stats
+        self._keep_context(req, branch, block_ids, token_ids, block_hashes, trusted)
+        traj.last_active = now
+        self.m.names.reown(traj)
+        if not branch.running:  # else another request of the branch runs: stays ACTIVE
+            self._hold(traj, branch, now)
+        return stats
+
+    def _keep_context(
+        self,
+        req: Request,
+        branch: Branch,
+        block_ids: Sequence[int],
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        trusted: int,
+    ) -> None:
+        """The branch's context becomes the finished turn's trusted blocks, pinned."""
+        n_full = max(0, min(len(block_ids), trusted // self.m.config.block_size, len(block_hashes)))
+        keys = self._keys(req, block_hashes, n_full)[:n_full]
+        if branch.pinned:
+            self.m.pins.unpin_now(branch.pinned)
+        ids = [b for b in block_ids[:n_full] if b is not None and b >= 0]
+        n_full = len(ids)
+        branch.token_ids = list(token_ids[:trusted])
+        branch.keys = keys[:n_full]
+        branch.hashes = list(block_hashes[:n_full])
+        branch.block_ids = ids
+        self.m.pins.pin_now(ids)
+        branch.pinned = ids
+
+    def _hold(self, traj: Trajectory, branch: Branch, now: float) -> None:
+        """HELD for the grace period; a decision made while the request ran applies now."""
+        self.m.transitions.set_state(traj, branch, BranchState.HELD)
+        branch.grace_until = now + self.m.config.grace_s
+        pending, branch.pending = branch.pending, None
+        if pending is not None:
+            self.m.transitions.apply(traj, branch, Action(pending[0]), pending[1], now)
+        elif self.m.config.grace_s <= 0:
+            self.m.transitions.apply(traj, branch, Action(self.m.config.default_action), 0.0, now)
+        else:
+            self.m.timers.add(
+                branch.grace_until, TimerKind.GRACE, (traj, branch), branch.timer_token
+            )
+
+    def _keys(self, req: Request, block_hashes: Sequence[bytes], n: int) -> list[bytes]:
+        cache = req.key_cache
+        for h in block_hashes[len(cache) : n]:
+            cache.append(self.m.key_of(h))
+        return cache
+
+    def _end_reads(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.m.index.end_read(key)
+        self.m.transitions.drain_doomed()
+
+    def _release_plan(self, req: Request) -> None:
+        if req.plan is not None:
+            keys, req.plan = req.plan.keys, None
+            self._end_reads(keys)
+
+    def _queue_failing_load(
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        start_token: int,
+        num_external: int,
+        layerwise: bool = False,
+    ) -> None:
+        """``layerwise`` as the lookup told vLLM: a request it runs this step must see the
+        failure inside this step's forward, not after it computed on unloaded blocks."""
+        bs = self.m.config.block_size
+        first = start_token // bs
+        targets = list(block_ids[first : first + max(0, num_external) // bs]) or list(
+            block_ids[first:]
+        )
+        # Empty keys are held by no tier: every rank reports each block as failed to load.
+        self.m.outbox.loads.append(
+            LoadJob(
+                self.m.job_table.next_id(),
+                req_id,
+                [BlockTransfer(b"", b) for b in targets],
+                layerwise=layerwise,
+            )
+        )
+        self.m.counters["failed_closed_loads"] += 1
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    import numpy as np
+
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
