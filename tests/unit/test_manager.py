@@ -641,3 +641,81 @@ def test_b9_the_engine_recomputes_what_a_layerwise_fail_closed_load_covered() ->
     rig.eng.schedule(req, adapter_error=True)
     rig.run(req)
     assert req.status == "FINISHED" and not rig.eng.violations
+
+
+# ============================================================================ net (issue 24)
+
+
+def test_two_salts_with_the_same_tokens_share_no_key_and_no_block() -> None:
+    """vLLM's cache_salt isolates tenants: the same tokens under another salt hit neither the
+    device prefix cache nor a tier copy, and their blocks and keys are their own."""
+    rig = make_rig()
+    rig.turn("t1", P1)
+    rig.clock.advance(1.0)
+    rig.settle()  # t1's context on host, its device blocks still cached
+    salted = rig.eng.new_request("t2", "main", [*P1, 4], salt="tenant-b")
+    rig.run(salted)
+    assert salted.device_hit == 0 and salted.load_n == 0
+    plain = rig.eng.new_request("t3", "main", [*P1, 4])  # the control: no salt hits both
+    rig.eng.schedule(plain)
+    assert plain.device_hit + plain.load_n * 4 >= 16
+    rig.run(plain)
+    salted_keys = {key_of(h) for h in rig.eng.hashes(salted.tokens, "tenant-b")}
+    assert not salted_keys & set(keys_of(rig, plain.tokens))
+    assert set(branch(rig, "t2").keys) == salted_keys
+    assert not set(branch(rig, "t2").pinned) & set(branch(rig, "t3").pinned)
+    assert not rig.eng.violations
+
+
+def test_a_trajectory_that_changes_salt_reuses_nothing_of_its_old_context() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    req = rig.eng.new_request("t1", "main", [*P1, 4], salt="tenant-b")
+    rig.run(req)
+    assert req.device_hit == 0 and req.load_n == 0 and req.status == "FINISHED"
+    assert not rig.eng.violations
+
+
+def test_a_load_a_silent_rank_never_reports_waits_for_the_workers_deadline() -> None:
+    """The manager timing out its load job tells vLLM nothing (no adapter code fails it): the
+    request waits until the stuck rank's worker cancels the load at its own deadline, then
+    vLLM recomputes the blocks and the turn finishes with true KV."""
+    rig = make_rig(tp=2)
+    offloaded(rig)
+    rig.flush()
+    rig.workers.silent.add(1)
+    req = rig.eng.new_request("t1", "main", [*P1, 4])
+    rig.eng.schedule(req)
+    assert req.status == "WAITING_FOR_REMOTE_KVS" and req.load_n == 4
+    rig.clock.advance(1.0)  # the workers start the load a second after the manager's job
+    rig.eng.step()
+    for p in rig.workers.completable():
+        rig.workers.complete(p)
+    rig.eng.deliver_reports()
+    rig.clock.advance(9.5)
+    rig.eng.step()  # the manager's job timed out
+    assert rig.mgr.counters["job_timeouts"] == 1 and not rig.mgr.jobs
+    rig.eng.deliver_reports()
+    assert req.status == "WAITING_FOR_REMOTE_KVS"  # rank 1 has not answered: vLLM waits
+    rig.clock.advance(1.0)
+    rig.eng.step()  # rank 1's worker cancels the load at its own deadline
+    rig.eng.deliver_reports()
+    assert req.status == "RUNNING" and req.num_computed == 0  # everything is recomputed
+    rig.run(req)
+    assert req.status == "FINISHED" and not rig.eng.violations
+    assert not rig.mgr.jobs
+
+
+def test_a_damaged_disk_copy_is_reported_corrupt_and_recomputed() -> None:
+    rig = make_rig(disk=32)
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "main", "human", 400.0)[1]["decision"]["action"] == "offload_disk"
+    rig.settle()
+    rig.flush()
+    key = keys_of(rig, P1)[1]
+    assert rig.workers.damage(0, key)
+    req = rig.eng.new_request("t1", "main", [*P1, 4])
+    rig.run(req, steps=16)
+    assert req.status == "FINISHED" and not rig.eng.violations
+    assert rig.mgr.counters["tier_corrupt_blocks"] == 1
+    assert rig.mgr.index.usable(key) is None and key not in rig.disk_keys()
