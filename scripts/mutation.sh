@@ -25,6 +25,13 @@ mutmut="$bin/mutmut"
 [[ -x "$mutmut" ]] || { echo "mutmut not installed in $bin (pip install -e '.[dev]')"; exit 2; }
 children=${MUTATION_CHILDREN:-$(nproc)}
 
+if [[ "${MUTATION_REUSE:-0}" == 1 && -d "$work/mutants" ]]; then
+    # Reuse the mutants and the test map of the last run (same sources and tests): only the
+    # sample is drawn and run again.
+    cd "$work"
+    unset PYTHONPATH
+    export PATH="$bin:$PATH" AGENTKV_HYPOTHESIS_PROFILE=mutation
+else
 rm -rf "$work"
 mkdir -p "$work/tests/unit"
 cp -r "$root/agentkv" "$work/agentkv"
@@ -45,6 +52,7 @@ export AGENTKV_HYPOTHESIS_PROFILE=mutation
 # 1. Generate every mutant and record which tests reach which function (a filter that matches
 #    nothing stops mutmut right after that).
 "$mutmut" run --max-children "$children" "generate-only-no-such-mutant" >gen.log 2>&1 || true
+fi
 "$PYTHON" - "$sample" "$seed" >sample.txt <<'EOF'
 import json, random, sys
 from pathlib import Path

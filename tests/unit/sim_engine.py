@@ -540,7 +540,7 @@ class SimEngine:
     # ---------------------------------------------------------------- scheduling
     def schedule(self, req: SimRequest, adapter_error: bool = False) -> bool:
         """One scheduling attempt of a WAITING request: lookup, allocate, on_alloc (or, when
-        the adapter failed after the lookup, ``fail_load``)."""
+        the adapter's plan_load raised, ``fail_load`` if vLLM counted external tokens)."""
         assert req.status == "WAITING"
         bs = self.bs
         tokens = req.tokens  # a preempted request resumes with its output so far
@@ -568,7 +568,10 @@ class SimEngine:
         req.load_async = bool(ext) and answer.load_async
         req.layerwise = bool(ext) and not answer.load_async
         if adapter_error:
-            self.mgr.fail_load(req.req_id, req.blocks, ext)
+            # connector.update_state_after_alloc: plan_load raised; fail_load only when vLLM
+            # counted external tokens
+            if ext > 0:
+                self.mgr.fail_load(req.req_id, req.blocks, ext)
         else:
             self.mgr.on_alloc(req.req_id, req.blocks, ext)
         if ext:
