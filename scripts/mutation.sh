@@ -25,22 +25,29 @@ mutmut="$bin/mutmut"
 [[ -x "$mutmut" ]] || { echo "mutmut not installed in $bin (pip install -e '.[dev]')"; exit 2; }
 children=${MUTATION_CHILDREN:-$(nproc)}
 
+copy_tests() {  # into $1: the tests the selection names, and what they import
+    mkdir -p "$1/tests/unit"
+    cp "$root/pyproject.toml" "$1/"
+    cp "$root/tests/__init__.py" "$root/tests/valkey_fixture.py" "$1/tests/"
+    for f in __init__.py sim_engine.py fake_store.py test_manager.py test_manager_stateful.py \
+        test_tiers_store.py test_fake_store.py test_tiers_remote.py; do
+        cp "$root/tests/unit/$f" "$1/tests/unit/"
+    done
+}
 if [[ "${MUTATION_REUSE:-0}" == 1 && -d "$work/mutants" ]]; then
-    # Reuse the mutants and the test map of the last run (same sources and tests): only the
-    # sample is drawn and run again.
+    # Reuse the generated mutants (the sources must be unchanged); the tests are copied again and
+    # the test map recollected, so tests added since count.
+    copy_tests "$work"
+    copy_tests "$work/mutants"
+    rm -f "$work/mutants/mutmut-stats.json"
     cd "$work"
     unset PYTHONPATH
     export PATH="$bin:$PATH" AGENTKV_HYPOTHESIS_PROFILE=mutation
 else
 rm -rf "$work"
-mkdir -p "$work/tests/unit"
+mkdir -p "$work"
 cp -r "$root/agentkv" "$work/agentkv"
-cp "$root/pyproject.toml" "$work/"
-cp "$root/tests/__init__.py" "$work/tests/"
-for f in __init__.py sim_engine.py fake_store.py test_manager.py test_manager_stateful.py \
-    test_tiers_store.py test_fake_store.py; do
-    cp "$root/tests/unit/$f" "$work/tests/unit/"
-done
+copy_tests "$work"
 find "$work" -name __pycache__ -prune -exec rm -rf {} +
 cd "$work"
 # Imports resolve to mutants/ (mutmut puts it first on sys.path), never to the checkout.

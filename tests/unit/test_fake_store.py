@@ -178,3 +178,59 @@ def test_a_full_tier_fails_the_block_and_evicts_nothing() -> None:
     (r,) = fake.store([KEYS[1]], [b"B"], "host")
     assert r.status is BlockStatus.ERROR and r.full
     assert fake.tier_of(KEYS[0]) == "host" and fake.tier_of(KEYS[1]) is None
+
+
+# ----------------------------------------------------------------- the real store's own contract
+
+
+def test_the_real_stores_counters_count_each_block_once() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        real = Real(Path(tmp), 2, 2)
+        try:
+            real.store(KEYS[:2], [b"A", b"B"], "host")
+            real.store(KEYS[2:3], [b"C"], "disk")
+            real.store(KEYS[:1], [b"A"], "host")  # present: counted as a store, not copied
+            real.load(KEYS[:4])  # two host hits, one disk hit, one miss
+            c = real.s.stats().counters
+            assert (c["stores"], c["loads"]) == (4, 4)
+            assert (c["hits_host"], c["hits_disk"], c["misses"]) == (2, 1, 1)
+            assert c["errors"] == c["corrupt"] == 0
+            real.damage(KEYS[2])
+            real.load(KEYS[2:3])
+            c = real.s.stats().counters
+            assert (c["corrupt"], c["errors"], c["hits_disk"]) == (1, 0, 1)
+        finally:
+            real.s.close()
+
+
+def test_a_disk_file_removed_behind_the_stores_back_is_a_miss_not_an_error() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        real = Real(Path(tmp), 1, 2)
+        try:
+            real.store(KEYS[:1], [b"A"], "disk")
+            assert real.s._files is not None
+            real.s._files.path_for(real.key(KEYS[0])).unlink()
+            assert real.load(KEYS[:1]) == [(BlockStatus.MISS, None, None)]
+            assert real.s.tier_of(real.key(KEYS[0])) is None
+            assert real.s.stats().counters["errors"] == 0
+            assert real.s.stats().disk.used_bytes == 0  # type: ignore[union-attr]
+        finally:
+            real.s.close()
+
+
+def test_a_bug_inside_a_transfer_is_that_blocks_error_and_the_handle_completes() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        real = Real(Path(tmp), 2, 2)
+        try:
+
+            def broken(*args: object, **kw: object) -> None:
+                raise RuntimeError("a bug")
+
+            real.s._store_one = broken  # type: ignore[method-assign,assignment]
+            keys = [real.key(k) for k in KEYS[:2]]
+            results = real.s.submit_store(keys, [payload(b"A"), payload(b"B")]).result(10)
+            assert [r.key for r in results] == keys
+            assert all(r.status is BlockStatus.ERROR and "a bug" in str(r.error) for r in results)
+            assert real.s.stats().counters["errors"] == 2
+        finally:
+            real.s.close()
