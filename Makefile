@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.agentkv-installed
 
-.PHONY: setup demo test test-fast test-e2e test-gpu lint typecheck clean
+.PHONY: setup demo test test-deep test-fast test-e2e test-gpu lint typecheck clean mutation
 
 setup: $(STAMP)
 
@@ -23,6 +23,16 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -ra --timeout=900
+
+# The safety net at depth: the manager's stateful test with 5,000 programs of up to 150 steps
+# (docs/testing.md), and the fake-store contract with more sequences. ~30 min on 2 cores.
+test-deep: setup
+	AGENTKV_HYPOTHESIS_PROFILE=deep $(BIN)/python -m pytest -q -ra --timeout=7200 \
+		tests/unit/test_manager_stateful.py tests/unit/test_fake_store.py
+
+# Mutation testing of agentkv/manager/ and agentkv/tiers/store.py (docs/testing.md).
+mutation: setup
+	nice -n 10 scripts/mutation.sh
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not e2e"

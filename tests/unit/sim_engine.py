@@ -3,22 +3,31 @@
 Primitives:
   chain_hashes(tokens, bs)   vLLM-style block hashes: chained content ids, so identical prefixes
                              give identical hashes (the hash *is* the content id of a full block)
+  salt_root(salt)            the chain's root for a cache_salt (vLLM hashes it into block 0)
   key_of(hash)               the tier key of a block hash (blake2b of b"fp" + hash)
   SimPool                    the device block pool (ports.BlockPinner): reference counts, a prefix
                              cache by hash, a free queue (least recently freed first), the KV
                              content each TP rank holds in each block (a content id, or garbage)
-  SimWorkers                 tp_size ranks executing StepPlans into per-rank host/disk dicts;
-                             jobs complete only when a test says so; a silent rank never reports
+  SimWorkers                 tp_size ranks executing StepPlans as the plugin's worker does, each
+                             on a fake_store.FakeTierStore (the real store's results: no
+                             overwrite of an existing copy, full tiers fail, damaged disk copies
+                             are corrupt errors); jobs complete only when a test says so; a
+                             silent rank never reports; async loads are cancelled at the
+                             worker's own deadline
   FakeClock                  ports.Clock the test advances
   SimEngine                  the request driver that mimics vLLM's scheduler around the manager:
                              lookup -> alloc -> (async load | layerwise load) -> compute -> finish,
                              abort (also while WAITING_FOR_REMOTE_KVS: blocks freed only when the
-                             load reports), preemption, pressure spikes (non-agent requests)
+                             load reports), preemption, pressure spikes (non-agent requests). An
+                             async load ends only when every rank reported it (as vLLM's output
+                             aggregator): the manager's job timeout alone tells vLLM nothing.
+  pinned_content_breaches    pinned blocks that do not hold their keys' true KV
 
-Ground truth: block content is the hash of the tokens it holds; a tier copy under key k is true
-iff ``key_of(content) == k``. ``SimEngine.violations`` collects every breach the sim can see on
-its own (a load of a wrong copy, a finished request with wrong KV, a tier over capacity, a hole
-in a counted load); the stateful test adds the manager-side invariants.
+Ground truth: block content is the hash of the tokens it holds (salt included); a tier copy
+under key k is true iff ``key_of(content) == k``. ``SimEngine.violations`` collects every breach
+the sim can see on its own (a load of a wrong copy, a finished request with wrong KV, a tier
+written past capacity, a hole in a counted load, an upload of a wrong copy); the stateful test
+adds the manager-side invariants.
 """
 
 from __future__ import annotations
@@ -30,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentkv.manager import (
-    DropOp,
     LoadJob,
     MoveJob,
     RequestParams,
@@ -39,6 +47,8 @@ from agentkv.manager import (
     TrajectoryManager,
     WorkerReport,
 )
+from agentkv.tiers.results import BlockStatus
+from tests.unit.fake_store import FakeTierStore, Result
 
 GARBAGE = b"garbage"
 TierName = Literal["host", "disk"]
@@ -56,6 +66,12 @@ def chain_hashes(tokens: Sequence[int], bs: int, parent: bytes = b"root") -> lis
         h = block_hash(h, tokens[i * bs : (i + 1) * bs])
         out.append(h)
     return out
+
+
+def salt_root(salt: str | None) -> bytes:
+    """The parent of a request's first block hash: vLLM hashes cache_salt into the first
+    block's extra keys, so the chain of every later block carries it too."""
+    return b"root" if salt is None else b"root|salt=" + salt.encode()
 
 
 def key_of(h: bytes) -> bytes:
@@ -186,12 +202,16 @@ class SimPool:
 # ====================================================================== workers
 
 
+JobOutcome = Literal["ok", "io_error", "start_error"]
+
+
 @dataclass
 class Pending:
     rank: int
     kind: Literal["store", "load", "move"]
     job: Any
     snapshot: list[bytes | None] = field(default_factory=list)  # store: content at start
+    started: float = 0.0  # async load: when the worker started it (its own deadline)
 
 
 @dataclass
@@ -203,17 +223,22 @@ class LoadEvent:
 
 
 class SimWorkers:
-    """tp_size ranks; each holds host and disk dicts {key: content}. Stores never evict."""
+    """tp_size ranks, each with its own store (fake_store.FakeTierStore: the real TieredStore's
+    results, ``auto_evict=False``), plus the shared remote tier. Each job runs as the plugin's
+    worker (plugins/agentkv_vllm/worker_side.py) runs it: what it reports on success, on a
+    block's I/O error (``io_error``: the key is reported bad) and on a job that failed to start
+    (``start_error``); an async load past the worker's own deadline is cancelled and reported
+    failed (``expire_loads``, the worker's poll)."""
 
     def __init__(self, pool: SimPool, tp_size: int, capacity: dict[str, int]) -> None:
         self.pool = pool
         self.tp = tp_size
         self.capacity = capacity
-        self.tiers: list[dict[str, dict[bytes, bytes | None]]] = [
-            {"host": {}, "disk": {}} for _ in range(tp_size)
-        ]
+        self.stores = [FakeTierStore(capacity["host"], capacity["disk"]) for _ in range(tp_size)]
+        # tiers[rank]["host" | "disk"] -> {key: content}: the stores' copies, read-only views
+        self.tiers = self.stores
         # the shared remote tier, per rank (keys are rank-salted in the real system): filled by
-        # the manager's upload jobs, read by its fetch jobs
+        # the manager's upload jobs, read by its fetch jobs; a key it has keeps its copy
         self.remote: list[dict[bytes, bytes | None]] = [{} for _ in range(tp_size)]
         self.pending: list[Pending] = []
         self.silent: set[int] = set()
@@ -222,10 +247,12 @@ class SimWorkers:
         self.violations: list[str] = []
 
     # ---------------------------------------------------------------- plans
-    def deliver(self, plan: StepPlan) -> None:
+    def deliver(self, plan: StepPlan, now: float = 0.0) -> None:
+        """start_step on every rank: drops first, then stores, loads (layerwise ones run in this
+        step's forward) and moves."""
         for rank in range(self.tp):
             for drop in plan.drops:
-                self._drop(rank, drop)
+                self.stores[rank].drop(drop.keys, drop.tier)
         for rank in range(self.tp):
             for store in plan.stores:
                 snap = [self.pool.content[rank][t.block_id] for t in store.blocks]
@@ -234,125 +261,197 @@ class SimWorkers:
                 if load.layerwise:
                     # Copied during this step's forward, on every rank (a stuck rank would stall
                     # the forward itself); a silent rank just never reports it.
-                    self._run(Pending(rank, "load", load), ok=True, report=rank not in self.silent)
+                    self._run(Pending(rank, "load", load), "ok", report=rank not in self.silent)
                 else:
-                    self.pending.append(Pending(rank, "load", load))
+                    self.pending.append(Pending(rank, "load", load, started=now))
             for move in plan.moves:
                 self.pending.append(Pending(rank, "move", move))
-
-    def _drop(self, rank: int, drop: DropOp) -> None:
-        tiers = ("host", "disk") if drop.tier is None else (drop.tier,)
-        for tier in tiers:
-            for key in drop.keys:
-                self.tiers[rank][tier].pop(key, None)
 
     def completable(self) -> list[Pending]:
         return [p for p in self.pending if p.rank not in self.silent]
 
-    def complete(self, p: Pending, ok: bool = True) -> None:
+    def complete(self, p: Pending, ok: bool | JobOutcome = True) -> None:
+        """One rank finishes ``p``: ``ok`` (True / "ok"), a block I/O error (False / "io_error")
+        or a job that failed to start ("start_error")."""
+        outcome: JobOutcome = ok if isinstance(ok, str) else ("ok" if ok else "io_error")
         self.pending.remove(p)
-        self._run(p, ok, report=True)
+        self._run(p, outcome, report=True)
+
+    def expire_loads(self, now: float, timeout_s: float) -> None:
+        """The worker's poll: an async load not done by its deadline is cancelled (nothing more
+        is written into its blocks) and reported failed, on any rank (a rank whose transfers are
+        stuck still polls; only the forward would stall a whole rank)."""
+        for p in [p for p in self.pending if p.kind == "load"]:
+            if now >= p.started + timeout_s:
+                self.pending.remove(p)
+                self._cancel_load(p)
+
+    def _cancel_load(self, p: Pending) -> None:
+        load: LoadJob = p.job
+        self.reports.append(WorkerReport(jobs_done={load.job_id: 1}, jobs_failed={load.job_id}))
+        self.load_events.append(
+            LoadEvent(load.req_id, load.job_id, p.rank, [t.block_id for t in load.blocks])
+        )
 
     def wake(self, rank: int, newest_first: bool = False) -> None:
         """A silent rank finishes its stores and moves late, in either order; its loads are
-        cancelled (reported failed, nothing copied: a late load could land in reused device
-        blocks, which no manager can prevent)."""
+        cancelled (reported failed, nothing copied: the worker's deadline fence)."""
         self.silent.discard(rank)
         late = [p for p in self.pending if p.rank == rank]
         for p in reversed(late) if newest_first else late:
             self.pending.remove(p)
-            if p.kind != "load":
-                self._run(p, ok=True, report=True)
-                continue
-            load: LoadJob = p.job
-            failed = [t.block_id for t in load.blocks]
-            self.reports.append(WorkerReport(jobs_done={load.job_id: 1}, jobs_failed={load.job_id}))
-            self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
-
-    def _put(self, rank: int, tier: str, key: bytes, content: bytes | None) -> None:
-        store = self.tiers[rank][tier]
-        if key not in store and len(store) >= self.capacity[tier]:
-            self.violations.append(
-                f"rank {rank} {tier} over capacity {self.capacity[tier]} writing {key.hex()[:8]}"
-            )
-        store[key] = content
-
-    def _run(self, p: Pending, ok: bool, report: bool) -> None:
-        rank = p.rank
-        rep = WorkerReport(jobs_done={p.job.job_id: 1})
-        pool = self.pool
-        if p.kind == "store":
-            job: StoreJob = p.job
-            if ok:
-                for t, before in zip(job.blocks, p.snapshot, strict=True):
-                    now = pool.content[rank][t.block_id]
-                    self._put(rank, job.tier, t.key, now if now == before else GARBAGE)
+            if p.kind == "load":
+                self._cancel_load(p)
             else:
-                rep.jobs_failed.add(job.job_id)
-            rep.transfers[("offload", job.tier, str(job.job_id))] = (len(job.blocks), 0.001)
-        elif p.kind == "load":
-            load: LoadJob = p.job
-            failed: list[int] = []
-            for t in load.blocks:
-                tiers = self.tiers[rank]
-                src = tiers["host"].get(t.key) if t.key in tiers["host"] else None
-                if src is None and t.key in tiers["disk"]:
-                    src = tiers["disk"][t.key]
-                if (
-                    not ok
-                    or not t.key
-                    or (t.key not in tiers["host"] and t.key not in tiers["disk"])
-                ):
-                    rep.bad_keys[t.key] = "miss" if ok or not t.key else "error"
-                    failed.append(t.block_id)
-                    continue
-                if src is None or key_of(src) != t.key:
-                    self.violations.append(
-                        f"load {load.job_id} rank {rank}: copy of {t.key.hex()[:8]} is not its "
-                        f"true content ({src!r:.20})"
-                    )
-                pool.write(t.block_id, src, rank)
-            if failed:
-                rep.jobs_failed.add(load.job_id)
-            rep.transfers[("reload", "host", str(load.job_id))] = (len(load.blocks), 0.001)
-            self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
-        elif p.job.kind == "upload":
-            up: MoveJob = p.job
-            for key in up.keys:
-                tiers = self.tiers[rank]
-                src = tiers["host"].get(key, tiers["disk"].get(key))
-                if not ok or (key not in tiers["host"] and key not in tiers["disk"]):
-                    rep.jobs_failed.add(up.job_id)
-                    continue
-                if src is None or src == GARBAGE or key_of(src) != key:
-                    self.violations.append(
-                        f"upload {up.job_id} rank {rank}: {key.hex()[:8]} would publish wrong "
-                        f"KV to the shared remote tier ({src!r:.20})"
-                    )
-                self.remote[rank][key] = src
-        elif p.job.kind == "fetch":
-            fetch: MoveJob = p.job
-            for key in fetch.keys:
-                if ok and key in self.remote[rank]:
-                    self._put(rank, "host", key, self.remote[rank][key])
-                else:
-                    rep.fetch_missing.setdefault(fetch.job_id, []).append(key)
-            if not ok:
-                rep.jobs_failed.add(fetch.job_id)
+                self._run(p, "ok", report=True)
+
+    def damage(self, rank: int, key: bytes) -> bool:
+        """Fault injection: rank's disk copy of ``key`` no longer verifies."""
+        return self.stores[rank].damage(key)
+
+    # ---------------------------------------------------------------- execution
+    def _bad(self, rep: WorkerReport, key: bytes, r: Result) -> None:
+        """worker_side._bad: the reason a rank could not serve or write ``key``."""
+        if not key:
+            return  # a fail-closed load: no tier was asked
+        if r.corrupt:
+            rep.bad_keys[key] = "corrupt"
+        elif r.status is BlockStatus.MISS:
+            rep.bad_keys.setdefault(key, "miss")
         else:
-            move: MoveJob = p.job
-            src_t, dst_t = ("disk", "host") if move.kind == "promote" else ("host", "disk")
-            tiers = self.tiers[rank]
-            for key in move.keys:
-                if not ok or key not in tiers[src_t]:
-                    rep.bad_keys[key] = "miss" if ok else "error"
-                    rep.jobs_failed.add(move.job_id)
-                    continue
-                self._put(rank, dst_t, key, tiers[src_t][key])
-            if not ok:
-                rep.jobs_failed.add(move.job_id)
+            rep.bad_keys.setdefault(key, "error")
+
+    def _full(self, rank: int, what: str, results: Sequence[Result]) -> None:
+        for r in results:
+            if r.full:  # the manager reserves every slot it writes: a full tier is its bug
+                self.violations.append(
+                    f"rank {rank} {what}: {r.tier} full ({self.capacity[r.tier or 'host']}) "
+                    f"writing {r.key.hex()[:8]}"
+                )
+
+    def _run(self, p: Pending, outcome: JobOutcome, report: bool) -> None:
+        rank = p.rank
+        rep = WorkerReport()
+        if outcome == "start_error":
+            rep.jobs_done[p.job.job_id] = 1
+            rep.jobs_failed.add(p.job.job_id)
+            if p.kind == "load":
+                load: LoadJob = p.job
+                failed = [t.block_id for t in load.blocks]
+                self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
+        elif p.kind == "store":
+            self._run_store(p, outcome == "ok", rep)
+        elif p.kind == "load":
+            self._run_load(p, outcome == "ok", rep)
+        elif p.job.kind == "upload":
+            self._run_upload(p, outcome == "ok", rep)
+        elif p.job.kind == "fetch":
+            self._run_fetch(p, outcome == "ok", rep)
+        else:
+            self._run_move(p, outcome == "ok", rep)
         if report:
             self.reports.append(rep)
+
+    def _done(self, rep: WorkerReport, job_id: int, ok: bool) -> None:
+        rep.jobs_done[job_id] = rep.jobs_done.get(job_id, 0) + 1
+        if not ok:
+            rep.jobs_failed.add(job_id)
+
+    def _run_store(self, p: Pending, io_ok: bool, rep: WorkerReport) -> None:
+        job: StoreJob = p.job
+        store = self.stores[p.rank]
+        keys = [t.key for t in job.blocks]
+        if io_ok:
+            # The copy reads the device blocks while the job runs: a block that changed since
+            # the job started is copied as garbage (checksums cannot tell).
+            contents = [
+                now if now == before else GARBAGE
+                for now, before in (
+                    (self.pool.content[p.rank][t.block_id], snap)
+                    for t, snap in zip(job.blocks, p.snapshot, strict=True)
+                )
+            ]
+            results = store.store(keys, contents, job.tier)
+            self._full(p.rank, f"store {job.job_id}", results)
+        else:
+            results = [Result(k, BlockStatus.ERROR, job.tier) for k in keys]
+        for key, r in zip(keys, results, strict=True):
+            if not r.ok:
+                self._bad(rep, key, r)
+        self._done(rep, job.job_id, all(r.ok for r in results))
+        rep.transfers[("offload", job.tier, str(job.job_id))] = (len(job.blocks), 0.001)
+
+    def _run_load(self, p: Pending, io_ok: bool, rep: WorkerReport) -> None:
+        load: LoadJob = p.job
+        rank = p.rank
+        keys = [t.key for t in load.blocks]
+        if io_ok:
+            results = self.stores[rank].load(keys)
+        else:
+            results = [Result(k, BlockStatus.ERROR) for k in keys]
+        failed: list[int] = []
+        for t, r in zip(load.blocks, results, strict=True):
+            if not r.ok:
+                self._bad(rep, t.key, r)
+                failed.append(t.block_id)
+                continue
+            if r.content is None or key_of(r.content) != t.key:
+                self.violations.append(
+                    f"load {load.job_id} rank {rank}: copy of {t.key.hex()[:8]} is not its "
+                    f"true content ({r.content!r:.20})"
+                )
+            self.pool.write(t.block_id, r.content, rank)
+        self._done(rep, load.job_id, not failed)
+        rep.transfers[("reload", "host", str(load.job_id))] = (len(load.blocks), 0.001)
+        self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
+
+    def _run_upload(self, p: Pending, remote_ok: bool, rep: WorkerReport) -> None:
+        """A remote tier that is down fails the job; nothing local is lost or reported bad."""
+        up: MoveJob = p.job
+        if not remote_ok:
+            self._done(rep, up.job_id, False)
+            return
+        results = self.stores[p.rank].copy_to_remote(up.keys, self.remote[p.rank])
+        for key, r in zip(up.keys, results, strict=True):
+            if r.ok and (r.content is None or r.content == GARBAGE or key_of(r.content) != key):
+                self.violations.append(
+                    f"upload {up.job_id} rank {p.rank}: {key.hex()[:8]} would publish wrong KV "
+                    f"to the shared remote tier ({r.content!r:.20})"
+                )
+        self._done(rep, up.job_id, all(r.ok for r in results))
+
+    def _run_fetch(self, p: Pending, remote_ok: bool, rep: WorkerReport) -> None:
+        """Best effort: keys the remote lacks (or a remote that is down, or no host room) are
+        this rank's misses; the job itself reports done and ok."""
+        fetch: MoveJob = p.job
+        remote = self.remote[p.rank]
+        missing: list[bytes] = []
+        for key in fetch.keys:
+            if not remote_ok or key not in remote:
+                missing.append(key)
+                continue
+            results = self.stores[p.rank].store([key], [remote[key]], "host")
+            self._full(p.rank, f"fetch {fetch.job_id}", results)
+            if not results[0].ok:
+                missing.append(key)
+        if missing:
+            rep.fetch_missing[fetch.job_id] = missing
+        self._done(rep, fetch.job_id, True)
+
+    def _run_move(self, p: Pending, io_ok: bool, rep: WorkerReport) -> None:
+        move: MoveJob = p.job
+        store = self.stores[p.rank]
+        if not io_ok:
+            results = [Result(k, BlockStatus.ERROR) for k in move.keys]
+        elif move.kind == "promote":
+            results = store.promote(move.keys)
+        else:  # 'demote': copy_to_disk, the host copy stays until the manager drops it
+            results = store.copy_to_disk(move.keys)
+        self._full(p.rank, f"{move.kind} {move.job_id}", results)
+        for key, r in zip(move.keys, results, strict=True):
+            if not r.ok:
+                self._bad(rep, key, r)
+        self._done(rep, move.job_id, all(r.ok for r in results))
 
     def take_reports(self) -> WorkerReport | None:
         if not self.reports:
@@ -389,6 +488,7 @@ class SimRequest:
     layerwise: bool = False
     covered: bool = True  # every counted block has a LoadJob
     aborted_waiting: bool = False  # aborted in WAITING_FOR_REMOTE_KVS: free when the load ends
+    salt: str | None = None  # vLLM's cache_salt (a tenant's isolation): part of every hash
 
     @property
     def tokens(self) -> list[int]:
@@ -411,17 +511,26 @@ class SimEngine:
         self.finished_contexts: dict[tuple[str, str], list[int]] = {}
 
     # ---------------------------------------------------------------- helpers
-    def hashes(self, tokens: Sequence[int]) -> list[bytes]:
-        return chain_hashes(tokens, self.bs)
+    def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[bytes]:
+        """vLLM's block hashes; ``salt`` (the request's cache_salt) enters the first block's
+        hash, so the whole chain, every tier key and every block's content differ per salt."""
+        return chain_hashes(tokens, self.bs, salt_root(salt))
 
     def new_request(
-        self, traj_id: str, branch: str, prompt: list[int], max_new: int = 4, **kw: Any
+        self,
+        traj_id: str,
+        branch: str,
+        prompt: list[int],
+        max_new: int = 4,
+        salt: str | None = None,
+        **kw: Any,
     ) -> SimRequest:
         self._seq += 1
         rid = f"r{self._seq}"
         req = SimRequest(
             rid, traj_id, branch, list(prompt), max_new, RequestParams(traj_id, branch, **kw)
         )
+        req.salt = salt
         self.requests[rid] = req
         return req
 
@@ -431,11 +540,11 @@ class SimEngine:
     # ---------------------------------------------------------------- scheduling
     def schedule(self, req: SimRequest, adapter_error: bool = False) -> bool:
         """One scheduling attempt of a WAITING request: lookup, allocate, on_alloc (or, when
-        the adapter failed after the lookup, ``fail_load``)."""
+        the adapter's plan_load raised, ``fail_load`` if vLLM counted external tokens)."""
         assert req.status == "WAITING"
         bs = self.bs
         tokens = req.tokens  # a preempted request resumes with its output so far
-        hashes = self.hashes(tokens)
+        hashes = self.hashes(tokens, req.salt)
         hit = self.pool.computed_prefix(hashes, (len(tokens) - 1) // bs)
         num_computed = len(hit) * bs
         # Like the adapter: the prompt's token ids, the hashes of every full block.
@@ -459,7 +568,10 @@ class SimEngine:
         req.load_async = bool(ext) and answer.load_async
         req.layerwise = bool(ext) and not answer.load_async
         if adapter_error:
-            self.mgr.fail_load(req.req_id, req.blocks, ext)
+            # connector.update_state_after_alloc: plan_load raised; fail_load only when vLLM
+            # counted external tokens
+            if ext > 0:
+                self.mgr.fail_load(req.req_id, req.blocks, ext)
         else:
             self.mgr.on_alloc(req.req_id, req.blocks, ext)
         if ext:
@@ -479,7 +591,9 @@ class SimEngine:
         ship it; layerwise loads run during this step's forward."""
         plan = self.mgr.take_step()
         self._check_cover(plan)
-        self.workers.deliver(plan)
+        now = self.mgr.clock.now()
+        self.workers.deliver(plan, now)
+        self.workers.expire_loads(now, self.mgr.config.job_timeout_s)
         self._absorb_load_events()
         return plan
 
@@ -527,19 +641,11 @@ class SimEngine:
             req.num_computed = min(req.num_computed, min(idx) * self.bs)
 
     def _load_done(self, req: SimRequest) -> bool:
+        """vLLM: finished receiving once every rank reported the request's loads (the manager's
+        own job timeout tells vLLM nothing; the worker's load deadline does, per rank)."""
         if not req.covered:
             return False
-        for job in req.load_jobs:
-            ranks = req.load_reports.get(job, set())
-            if len(ranks) >= self.workers.tp:
-                continue
-            if job in self.mgr.jobs:  # still waited for (a silent rank: until its timeout)
-                return False
-            if len(ranks | self.workers.silent) < self.workers.tp:
-                return False
-            # The manager timed it out: the adapter fails it, vLLM recomputes.
-            req.load_failed.update(req.blocks[req.load_from : req.load_from + req.load_n])
-        return True
+        return all(len(req.load_reports.get(job, ())) >= self.workers.tp for job in req.load_jobs)
 
     def _settle_loads(self) -> None:
         for req in list(self.requests.values()):
@@ -557,7 +663,7 @@ class SimEngine:
                     n_ok = i - req.load_from
                     break
             req.num_computed = (req.load_from + n_ok) * self.bs
-            hashes = self.hashes(req.tokens)
+            hashes = self.hashes(req.tokens, req.salt)
             for i in range(req.load_from, req.load_from + n_ok):
                 self.pool.cache(req.blocks[i], hashes[i])
             req.status = "RUNNING"
@@ -587,7 +693,7 @@ class SimEngine:
         if n_tokens is not None:
             target = min(target, req.num_computed + n_tokens)
         start = req.num_computed
-        hashes = self.hashes(req.tokens)
+        hashes = self.hashes(req.tokens, req.salt)
         for i in range(start // bs, min(target // bs, len(hashes))):
             self.pool.write(req.blocks[i], hashes[i])
             self.pool.cache(req.blocks[i], hashes[i])
@@ -606,7 +712,7 @@ class SimEngine:
         assert self.can_finish(req)
         bs = self.bs
         tokens = req.tokens
-        hashes = self.hashes(tokens)
+        hashes = self.hashes(tokens, req.salt)
         for i in range(min(req.num_computed // bs, len(hashes))):
             b = req.blocks[i]
             for r in range(self.pool.tp):
@@ -628,7 +734,7 @@ class SimEngine:
 
     def abort(self, req: SimRequest) -> dict[str, Any] | None:
         tokens = req.tokens
-        hashes = self.hashes(tokens)
+        hashes = self.hashes(tokens, req.salt)
         computed = req.num_computed
         if req.status == "WAITING_FOR_REMOTE_KVS":
             computed = (req.load_from + req.load_n) * self.bs  # optimistic: the worst case
@@ -677,6 +783,41 @@ class SimEngine:
     def release_spike(self) -> None:
         if self.spikes:
             self.pool.free(self.spikes.pop(0))
+
+
+def pinned_content_breaches(
+    mgr: TrajectoryManager, pool: SimPool, trajs: Sequence[Any]
+) -> list[str]:
+    """Every device block the manager pins holds its key's true KV on every rank: a branch's
+    pinned blocks hold its context's blocks (content == the block hash), a store job's pinned
+    sources hold the KV of the keys it writes (key_of(content) == key)."""
+    out: list[str] = []
+    seen: set[int] = set()
+    for traj in trajs:
+        if id(traj) in seen:
+            continue
+        seen.add(id(traj))
+        for name, branch in traj.branches.items():
+            if len(branch.pinned) > len(branch.hashes):
+                out.append(f"{traj.trajectory_id}/{name} pins more blocks than its context has")
+            for i, (b, h) in enumerate(zip(branch.pinned, branch.hashes, strict=False)):
+                for r in range(pool.tp):
+                    if pool.content[r][b] != h:
+                        out.append(
+                            f"{traj.trajectory_id}/{name} pins block {i} (id {b}) rank {r} "
+                            f"holding {pool.content[r][b]!r:.20}, not its KV"
+                        )
+    for job in mgr.jobs.values():
+        if job.kind != "store":
+            continue
+        for key, b in zip(job.keys, job.block_ids, strict=True):
+            for r in range(pool.tp):
+                c = pool.content[r][b]
+                if c is None or key_of(c) != key:
+                    out.append(
+                        f"store job {job.job_id} pins block {b} rank {r} not holding {key.hex()[:8]}"
+                    )
+    return out
 
 
 # ====================================================================== a ready-made rig

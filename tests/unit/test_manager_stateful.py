@@ -1,22 +1,28 @@
 """Race hunting: a hypothesis state machine over the real TrajectoryManager and a simulated engine.
 
 Rules drive requests like vLLM's scheduler (lookup, allocation, async and layerwise loads,
-compute, finish, abort also during an async load, preemption), the control channel (pause with
-tiny to huge waits, resume, DELETE, GET, a control-thread tick), the workers (each job completes
-or fails per rank; a silent rank that wakes late), pool pressure spikes and clock jumps.
+compute, finish, abort also during an async load, preemption; two cache_salts), the control
+channel (pause with tiny to huge waits, resume, DELETE, GET, a control-thread tick), the workers
+(each job completes, fails a block's I/O, or fails to start, per rank; a silent rank that wakes
+late; an async load cancelled at the worker's own deadline; a damaged disk file), pool pressure
+spikes and clock jumps. The sim does only what the plugin's adapter and worker do
+(sim_engine.py), on stores that behave like the real TieredStore (fake_store.py).
 
 Invariants after every step (numbers from agentkv/manager/core.py's docstring):
   1. no load copies a tier copy that is not its key's true content; every normally finished
-     request holds the true KV in all its computed blocks; tier copies the index lists are true
+     request holds the true KV in all its computed blocks; tier copies the index lists are true;
+     no upload publishes a wrong copy
   2. every counted external block is covered by a LoadJob in the next plan
   3. pins in the pool == the manager's recorded pins == branch pins + store-job pins + queued
-     unpins; all balance to zero at the end (teardown)
+     unpins; all balance to zero at the end (teardown); every pinned block holds its keys'
+     true KV on every rank (a branch's context blocks, a store job's sources)
   4. only live trajectories own indexed keys (and know it); deleted ones hold nothing, answer
      404, never come back through their running requests; tombstones only while running
-  5. every pressure demotion is one pressure_victims picked; a demotion that covered its excess
+  5. every branch pressure_victims picks leaves RETAINED; a demotion that covered its excess
      is not followed by another unless usage grew or a store completed
   6. index == stores: what the index lists complete is on every rank; the ranks hold nothing the
-     index does not know (drops still in the outbox aside)
+     index does not know (drops still in the outbox aside); no tier is written past capacity
+  7. the KV-event change log replays to exactly the index
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from collections import Counter
 from typing import Any
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -37,9 +43,17 @@ from hypothesis.stateful import (
 )
 
 import agentkv.manager.core as core
-from agentkv.manager import ManagerConfig, Trajectory, TrajectoryManager
+from agentkv.manager import BranchState, ManagerConfig, Trajectory, TrajectoryManager
 from agentkv.policy import CostModel, PolicyParams
-from tests.unit.sim_engine import GARBAGE, FakeClock, SimEngine, SimPool, SimWorkers, key_of
+from tests.unit.sim_engine import (
+    GARBAGE,
+    FakeClock,
+    SimEngine,
+    SimPool,
+    SimWorkers,
+    key_of,
+    pinned_content_breaches,
+)
 
 BS = 4
 POOL = 32
@@ -49,6 +63,8 @@ TIMEOUT = 10.0
 WAITS = [None, 0.0, 0.001, 0.05, 2.0, 30.0, 400.0, 1e5]
 CLOCK_STEPS = [0.05, 0.3, 0.6, 3.0, 2 * TIMEOUT, 70.0, 700.0]
 SYSTEM = [7, 7, 7, 7, 9, 9, 9, 9]  # a shared system prompt: identical blocks across trajectories
+SALTS = [None, None, "tenant-b"]  # vLLM cache_salt: the same tokens, another tenant's blocks
+OUTCOMES = ["ok", "ok", "ok", "io_error", "start_error"]  # how one rank ends one job
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -116,11 +132,13 @@ class ManagerMachine(RuleBasedStateMachine):
         core.pressure_victims = self._record_victims  # type: ignore[assignment]
         self.last_demotion: dict[str, Any] | None = None
         self.cascades: list[str] = []
-        self.victims_picked = 0
+        # (branch, its decision then): each pressure victim picked, until the invariant checks
+        # it was demoted
+        self.victims: list[tuple[Any, Any]] = []
 
     def _record_victims(self, candidates: list[Any], excess: float) -> list[object]:
         out = self._orig_victims(candidates, excess)
-        self.victims_picked += len(out)
+        self.victims += [(handle[1], handle[1].decision) for handle in out]  # type: ignore[index]
         mgr = self.mgr
         assert mgr is not None
         stores = {j for j, job in mgr.jobs.items() if job.kind == "store"}
@@ -184,12 +202,21 @@ class ManagerMachine(RuleBasedStateMachine):
         system=st.booleans(),
         tail=st.lists(st.integers(1, 3), min_size=1, max_size=9),
         max_new=st.integers(0, 5),
+        salt=st.sampled_from(SALTS),
     )
     def new_request(
-        self, traj: int, branch: str, cut: int, system: bool, tail: list[int], max_new: int
+        self,
+        traj: int,
+        branch: str,
+        cut: int,
+        system: bool,
+        tail: list[int],
+        max_new: int,
+        salt: str | None = None,
     ) -> None:
         """A turn of a live trajectory (continuing its branch, or forking main at ``cut``), of
-        a deleted one, or of a new one (``traj`` past the candidates)."""
+        a deleted one, or of a new one (``traj`` past the candidates), under a cache_salt (the
+        same tokens under two salts are two tenants' blocks: never one key, never one block)."""
         ids = self._live_ids()
         ids = ids + ids + sorted(self.deleted_ids)[:1]
         if traj < len(ids):
@@ -204,7 +231,7 @@ class ManagerMachine(RuleBasedStateMachine):
             ctx = list(SYSTEM) if system else []
         if len(ctx) > 28:
             ctx = ctx[:20]
-        self.eng.new_request(tid, branch, ctx + tail, max_new=max_new)
+        self.eng.new_request(tid, branch, ctx + tail, max_new=max_new, salt=salt)
 
     @precondition(lambda self: len(self.eng.requests) < 4)
     @rule(
@@ -217,6 +244,7 @@ class ManagerMachine(RuleBasedStateMachine):
         gap=st.sampled_from([0.01, 0.6, 3.0, 30.0, 150.0]),
         jobs=st.sampled_from([0xFFFF, 0xFFFF, 0x5555, 0]),
         flush=st.booleans(),
+        salt=st.sampled_from(SALTS),
     )
     def agent_turn(
         self,
@@ -229,12 +257,13 @@ class ManagerMachine(RuleBasedStateMachine):
         gap: float,
         jobs: int,
         flush: bool,
+        salt: str | None,
     ) -> None:
         """What an agent does: one turn runs to its end (the engine loops meanwhile), the
         harness declares the tool call (pause), the tool runs for ``gap`` seconds (meanwhile
         other traffic may ``flush`` vLLM's prefix cache)."""
         before = set(self.eng.requests)
-        self.new_request(traj, branch, cut, True, tail, 1)
+        self.new_request(traj, branch, cut, True, tail, 1, salt)
         (rid,) = set(self.eng.requests) - before
         req = self.eng.requests[rid]
         for _ in range(6):
@@ -350,12 +379,21 @@ class ManagerMachine(RuleBasedStateMachine):
             self.eng.preempt(req)
 
     # ------------------------------------------------------------------ workers
-    @rule(i=st.integers(0, 15), ok=st.sampled_from([True, True, True, False]))
-    def complete_job(self, i: int, ok: bool) -> None:
-        """One rank finishes (or fails) one job."""
+    @rule(i=st.integers(0, 15), outcome=st.sampled_from(OUTCOMES))
+    def complete_job(self, i: int, outcome: str) -> None:
+        """One rank finishes one job: done, a block I/O error, or it failed to start."""
         pending = self.workers.completable()
         if pending:
-            self.workers.complete(pending[i % len(pending)], ok)
+            self.workers.complete(pending[i % len(pending)], outcome)  # type: ignore[arg-type]
+
+    @rule(rank=st.integers(0, 1), i=st.integers(0, 15))
+    def damage_disk_copy(self, rank: int, i: int) -> None:
+        """A disk file on one rank no longer verifies (a flipped bit, a truncated write): its
+        next read is an error (corrupt) and the copy is gone."""
+        store = self.workers.stores[rank % self.tp]
+        keys = sorted(store.disk)
+        if keys:
+            self.workers.damage(rank % self.tp, keys[i % len(keys)])
 
     @rule()
     def complete_all_jobs(self) -> None:
@@ -448,8 +486,26 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert not self.eng.violations, self.eng.violations
         assert not self.cascades, self.cascades
-        # every pressure demotion is one pressure_victims picked, no more
-        assert self.mgr.counters["pressure_demotions"] == self.victims_picked
+
+    @invariant()
+    def pressure_victims_are_demoted(self) -> None:
+        """Each branch pressure_victims picked left RETAINED (its pins went to a store job or
+        back to vLLM), unless a newer pause decided again since."""
+        for branch, decision in self.victims:
+            if branch.decision is decision:
+                assert branch.state is not BranchState.RETAINED, branch.summary()
+        self.victims = []
+
+    @invariant()
+    def pinned_blocks_hold_their_keys_kv(self) -> None:
+        """Every device block the manager pins (for a branch or a store job) holds its keys'
+        true KV on every rank: a wrong pin would serve or store another context's KV."""
+        mgr = self.mgr
+        if mgr is None:
+            return
+        trajs = list(mgr.table.values()) + list(mgr.tombstones.values()) + self.deleted
+        breaches = pinned_content_breaches(mgr, self.pool, trajs)
+        assert not breaches, breaches
 
     @invariant()
     def change_log_replays_to_the_index(self) -> None:
@@ -543,9 +599,14 @@ class ManagerMachine(RuleBasedStateMachine):
                     if e is not None and e.has(tier):  # type: ignore[arg-type]
                         assert content != GARBAGE and content is not None
                         assert key_of(content) == key, f"{tier} copy of {key.hex()[:8]} is wrong"
+        # A rank that found its copy damaged deleted it (as the real store deletes the file);
+        # the index forgets it when that rank's report (the key: corrupt) arrives.
+        reported_bad = {k for rep in self.workers.reports for k in rep.bad_keys}
         for key in mgr.index:
             e = mgr.index.get(key)
             assert e is not None
+            if key in reported_bad:
+                continue
             for tier in ("host", "disk"):
                 if e.has(tier) and tier not in e.writing:  # type: ignore[arg-type]
                     for rank in range(self.tp):
@@ -592,12 +653,21 @@ class ManagerMachine(RuleBasedStateMachine):
             assert mgr.index.reserved(tier) == 0  # type: ignore[arg-type]
 
 
-# 500 examples of up to 50 steps take ~10 s on 2 cores (a failure's shrinking takes longer).
-# AGENTKV_STATEFUL_EXAMPLES / AGENTKV_STATEFUL_STEPS raise them for a longer hunt.
+# Profiles (AGENTKV_HYPOTHESIS_PROFILE): "default" -- 500 programs of up to 50 steps, ~20-60 s on
+# 2 shared cores, what `make test` runs; "deep" -- 5,000 programs of up to 150 steps, what
+# `make test-deep` runs (~20-40 min). AGENTKV_STATEFUL_EXAMPLES / AGENTKV_STATEFUL_STEPS override
+# either for a longer hunt.
+# "mutation" (scripts/mutation.sh) runs 100 programs without shrinking: a mutant's run costs ~5x
+# less on 2 shared cores; its kills are a lower bound of the default profile's (docs/testing.md).
+PROFILES = {"default": (500, 50), "deep": (5000, 150), "mutation": (100, 50)}
+PROFILE = os.environ.get("AGENTKV_HYPOTHESIS_PROFILE", "default")
+if PROFILE not in PROFILES:
+    raise ValueError(f"AGENTKV_HYPOTHESIS_PROFILE={PROFILE!r}: one of {sorted(PROFILES)}")
 ManagerMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("AGENTKV_STATEFUL_EXAMPLES", "500")),
-    stateful_step_count=int(os.environ.get("AGENTKV_STATEFUL_STEPS", "50")),
+    max_examples=int(os.environ.get("AGENTKV_STATEFUL_EXAMPLES", PROFILES[PROFILE][0])),
+    stateful_step_count=int(os.environ.get("AGENTKV_STATEFUL_STEPS", PROFILES[PROFILE][1])),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate] if PROFILE == "mutation" else list(Phase),
 )
 TestManagerStateful = ManagerMachine.TestCase
