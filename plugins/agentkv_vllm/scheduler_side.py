@@ -22,7 +22,6 @@ until vLLM needs the memory (write-back offload).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -30,14 +29,16 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from agentkv.identity import LogicalKeys
 from agentkv.manager import ManagerConfig, RequestParams, TrajectoryManager
+from agentkv.manager.invalidation import Invalidation, invalidate_tiers
 from agentkv.metrics import MetricsRecorder, Snapshot
 from agentkv.online_profile import OnlineProfile
 from agentkv.otel_export import OTelExport
 from agentkv.policy import CostModel, PolicyParams
 from agentkv.profile import load_profile
-from agentkv.tiers.keys import ModelFingerprint
 from agentkv_vllm import plugin
+from agentkv_vllm.identity import identity_from_config
 from agentkv_vllm.kv_events import TierEvents
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.params import AgentKVParams, parse_request_params
@@ -45,7 +46,6 @@ from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.scheduler")
 GiB = 1 << 30
-KEY_BYTES = 16
 # A step counts as a prefill sample when it scheduled at least this many prompt tokens and they
 # were most of the step (decode tokens cost far less each).
 PREFILL_SAMPLE_MIN_TOKENS = 32
@@ -116,16 +116,17 @@ class SchedulerSide:
         page = groups[0].kv_cache_spec.page_size_bytes if groups else 0
         self.block_bytes_per_rank = page * num_layers
         self.block_bytes_total = self.block_bytes_per_rank * self.tp_size
-        fingerprint = ModelFingerprint(
-            model_id=str(model_config.model),
-            dtype=str(model_config.dtype),
-            block_size=self.block_size,
-            num_layers=num_layers,
-            tp_rank=-1,
-            tp_size=self.tp_size,
-            layout="logical-v2",
+        # Logical keys are rank-agnostic (tp_rank -1); each worker salts them with its own rank
+        # identity. The generation changes on reset_cache() and weight updates (invalidate()).
+        self.keys = LogicalKeys(
+            identity_from_config(
+                vllm_config,
+                num_layers=num_layers,
+                layout=f"logical-v3:{_spec_layout(groups)}",
+                tp_rank=-1,
+                block_size=self.block_size,
+            )
         )
-        self._fp = fingerprint.digest()
         host_blocks = int(settings.host_capacity_gib * GiB) // max(1, self.block_bytes_per_rank)
         disk_blocks = (
             int(settings.disk_capacity_gib * GiB) // max(1, self.block_bytes_per_rank + 8192)
@@ -216,13 +217,30 @@ class SchedulerSide:
 
     def _key_of(self, block_hash: bytes) -> bytes:
         """Tier key of one vLLM block hash: vLLM's hash already chains the prefix and carries
-        cache_salt, LoRA and multimodal extras; the fingerprint adds model, dtype and layout."""
-        key = hashlib.blake2b(
-            bytes(block_hash), digest_size=KEY_BYTES, key=self._fp[:64], person=b"agentkv-key-v2"
-        ).digest()
+        cache_salt, LoRA and multimodal extras; LogicalKeys adds the KV identity and the
+        generation."""
+        key = self.keys.key_of(block_hash)
         if self.events is not None:
             self.events.note_key(key, bytes(block_hash))
         return key
+
+    def invalidate(self, reason: str) -> Invalidation:
+        """A cache reset or a weight update: switch to a new generation and end every
+        trajectory's KV (``agentkv.manager.invalidation``) in one critical section, so no tier
+        copy written before can load. Engine thread (reset_cache, the weight-update hooks)."""
+        with self.lock:
+            self.keys.new_generation()
+            self._remote_fetch.clear()
+            result = invalidate_tiers(self.manager, reason)
+        log.info(
+            "agentkv: %s: new KV generation %s; %d trajectories ended, %d tier blocks dropped%s",
+            reason,
+            self.keys.generation.hex()[:12],
+            result.trajectories,
+            result.dropped_blocks,
+            f", {result.stale_loads} loads still in flight" if result.stale_loads else "",
+        )
+        return result
 
     # ------------------------------------------------------------------ engine-thread hooks
 
@@ -481,6 +499,8 @@ class SchedulerSide:
                 "worker_pids": {str(k): v for k, v in self.worker_pids.items()},
                 "uptime_s": round(time.time() - self.started_at, 3),
                 "tp_size": self.tp_size,
+                "kv_identity": self.keys.identity_digest.hex(),
+                "kv_generation": self.keys.generation.hex(),
             }
             body["connector_cpu"] = self.cpu.view()
             body["profile"] = {
@@ -488,6 +508,18 @@ class SchedulerSide:
                 "live": self.online.view(self.base_costs),
             }
         return body
+
+
+def _spec_layout(groups: Sequence[Any]) -> str:
+    """The attention layout the scheduler sees: per KV cache group, the spec's kind and shape."""
+    parts = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        parts.append(
+            f"{type(spec).__name__}/{getattr(spec, 'num_kv_heads', '')}x"
+            f"{getattr(spec, 'head_size', '')}/{spec.page_size_bytes}/{len(g.layer_names)}"
+        )
+    return ";".join(parts)
 
 
 def _zone_at(zones: Sequence[Any], token: int) -> str | None:

@@ -36,16 +36,17 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from agentkv.errors import CorruptBlockError
+from agentkv.identity import KVIdentity
 from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
 from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
-from agentkv.tiers.keys import KEY_BYTES, BlockKey, ModelFingerprint
+from agentkv.tiers.keys import KEY_BYTES, BlockKey
 from agentkv_vllm.block_copy import BlockViews
 from agentkv_vllm.device_copy import LayerCopier
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
@@ -126,7 +127,8 @@ class WorkerSide:
     num_blocks: int
     views: BlockViews | None = None
     store: TieredStore | None = None
-    fingerprint: ModelFingerprint | None = None
+    identity: KVIdentity | None = None  # from vLLM's config; the rank's layout is added here
+    fingerprint: KVIdentity | None = None
     _jobs: list[_Pending] = field(default_factory=list)
     _loads: list[_Pending] = field(default_factory=list)
     _recving_done: set[str] = field(default_factory=set)
@@ -143,14 +145,12 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.views = BlockViews(kv_caches, self.num_blocks)
         self._layers = self.views.layer_slices()
-        self.fingerprint = ModelFingerprint(
-            model_id=self.model_id,
-            dtype=self.views.dtype,
-            block_size=0,
+        self.fingerprint = replace(
+            self.identity or KVIdentity(model=self.model_id),
             num_layers=len(self.views.layer_names),
+            layout=self.views.layout,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
-            layout=self.views.layout,
         )
         disk_dir = None
         if self.settings.disk_dir:
@@ -193,7 +193,7 @@ class WorkerSide:
             assert self.fingerprint is not None
             fp = self.fingerprint.digest()
             digest = hashlib.blake2b(
-                logical + fp, digest_size=KEY_BYTES, person=b"agentkv-rank-v1"
+                logical + fp, digest_size=KEY_BYTES, person=b"agentkv-rank-v2"
             ).digest()
             key = BlockKey(digest, fp)
             if len(self._key_cache) > 1_000_000:
