@@ -32,6 +32,7 @@ from typing import Any
 from agentkv.identity import LogicalKeys
 from agentkv.manager import ManagerConfig, RequestParams, TrajectoryManager
 from agentkv.manager.invalidation import Invalidation, invalidate_tiers
+from agentkv.manager.recovery import ManifestKeeper, load_records, manifest_path, restore
 from agentkv.metrics import MetricsRecorder, Snapshot
 from agentkv.online_profile import OnlineProfile
 from agentkv.otel_export import OTelExport
@@ -206,6 +207,9 @@ class SchedulerSide:
         # requests already checked (fetched or nothing to fetch) map to 0
         self._remote_fetch: dict[str, int] = {}
         self.started_at = time.time()
+        self.manifest: ManifestKeeper | None = None
+        if settings.disk_dir:
+            self._restore_from_disk(vllm_config)
 
     @property
     def block_pool(self) -> Any:
@@ -223,6 +227,23 @@ class SchedulerSide:
         if self.events is not None:
             self.events.note_key(key, bytes(block_hash))
         return key
+
+    def _restore_from_disk(self, vllm_config: Any) -> None:
+        """Restart recovery (``agentkv.manager.recovery``): the trajectories this engine's
+        manifest lists under its identity and the base generation come back OFFLOADED on disk
+        (the workers kept exactly their files); from now on the manifest follows the manager."""
+        dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        assert self.settings.disk_dir is not None
+        path = manifest_path(self.settings.disk_dir, dp_rank)
+        records = load_records(
+            path, self.keys.identity_digest, self.keys.generation, self.block_size
+        )
+        restored = restore(self.manager, records)
+        if restored:
+            log.info("agentkv: %d trajectory branches restored from %s", restored, path)
+        self.manifest = ManifestKeeper(
+            self.manager, path, lambda: (self.keys.identity_digest, self.keys.generation)
+        )
 
     def invalidate(self, reason: str) -> Invalidation:
         """A cache reset or a weight update: switch to a new generation and end every
@@ -482,6 +503,8 @@ class SchedulerSide:
         return self.metrics.snapshot(self._gauges())
 
     def close(self) -> None:
+        if self.manifest is not None:
+            self.manifest.close()
         if self.otel is not None:
             self.otel.shutdown()
 

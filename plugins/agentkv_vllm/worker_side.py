@@ -32,7 +32,6 @@ import hashlib
 import logging
 import math
 import os
-import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +44,7 @@ import numpy as np
 from agentkv.errors import CorruptBlockError
 from agentkv.identity import KVIdentity
 from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
+from agentkv.manager.recovery import prune_rank_files
 from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
 from agentkv.tiers.keys import KEY_BYTES, BlockKey
 from agentkv_vllm.block_copy import BlockViews
@@ -155,11 +155,23 @@ class WorkerSide:
         disk_dir = None
         if self.settings.disk_dir:
             disk_dir = Path(self.settings.disk_dir) / f"rank{self.tp_rank}"
-            # The residency index lives in the engine's scheduler and starts empty: files from
-            # an earlier run would be blocks no one indexes, so they go.
-            if disk_dir.exists():
-                shutil.rmtree(disk_dir, ignore_errors=True)
             disk_dir.mkdir(parents=True, exist_ok=True)
+            # Restart: the scheduler restores the trajectories its manifest lists; this rank
+            # keeps exactly their files (under its own identity) and deletes every other one.
+            kept, removed = prune_rank_files(
+                self.settings.disk_dir,
+                disk_dir,
+                self.views.block_bytes,
+                self.rank_key,
+                self.fingerprint.digest(),
+            )
+            if kept or removed:
+                log.info(
+                    "agentkv rank %d: disk tier kept %d blocks, removed %d files",
+                    self.tp_rank,
+                    kept,
+                    removed,
+                )
         remote_config = self.settings.remote_config()
         remote = None
         if remote_config is not None:
