@@ -10,7 +10,7 @@ Primitives:
                     flight (planned or copying: they were looked up before the reset, so their
                     KV is stale; ``clean`` is False while any exists).
 
-Contract: the caller changes the key derivation (a new generation, ``agentkv.identity``) under
+Contract: engine thread only (device pins are released at once). The caller changes the key derivation (a new generation, ``agentkv.identity``) under
 the manager's lock in the same critical section, so a lookup after this derives keys that no
 copy written before can match, on any tier, remote included. Safe while jobs are in flight:
 stores of ended trajectories are dropped when they complete (the manager's tombstone rules),
@@ -65,5 +65,8 @@ def invalidate_tiers(manager: TrajectoryManager, reason: str) -> Invalidation:
             orphans.append(key)
         if orphans:
             manager._outbox.drops.append(DropOp(orphans))
+        # Engine thread: the released pins go now, so a prefix-cache reset that follows in the
+        # same call (vLLM's reset_prefix_cache) finds no block agentkv holds.
+        manager._apply_pin_ops()
         manager.counters[f"invalidations_{reason}"] += 1
         return Invalidation(reason, ended, dropped + len(orphans), stale)

@@ -11,6 +11,12 @@ thread of the scheduler's connector, so ``install`` wraps those two methods:
     change) and again after it returns or fails (KV computed during the change mixes weights);
   - a new weight version invalidates after it is set.
 
+A prefix-cache reset that includes the connector (``reset_prefix_cache?reset_external=true``,
+vLLM's pause or sleep with clear_cache) invalidates *before* vLLM resets its own block pool
+(``Scheduler.reset_prefix_cache`` is wrapped too): agentkv's device pins (trajectories held or
+retained) are released first, so vLLM's reset is not refused for blocks agentkv holds; the
+connector's ``reset_cache`` then reports whether anything stale can still load.
+
 Invalidation is ``AgentKVConnector.agentkv_weights_changed`` (a new KV generation and every
 trajectory ended). Independent of whether the trainer also resets the prefix cache. Other RPCs
 and engines without agentkv pass through untouched; a failure in the hook is logged and never
@@ -21,6 +27,7 @@ Primitives:
     install()          wrap the engine core once (idempotent; vLLM runs general plugins in
                        every process)
     notify(core, why)  tell the core's connector, if it is agentkv's
+    notify_scheduler(scheduler, why)  the same from the scheduler
 """
 
 from __future__ import annotations
@@ -46,13 +53,7 @@ _MARK = "_agentkv_weight_sync"
 
 def notify(core: Any, reason: str) -> None:
     """Invalidate the tiers of ``core``'s connector when it is agentkv's; never raises."""
-    try:
-        connector = getattr(getattr(core, "scheduler", None), "connector", None)
-        hook = getattr(connector, "agentkv_weights_changed", None)
-        if hook is not None:
-            hook(reason)
-    except Exception:
-        log.exception("agentkv: weight-change hook failed (%s)", reason)
+    notify_scheduler(getattr(core, "scheduler", None), reason)
 
 
 def _method_name(method: Any) -> str:
@@ -90,7 +91,36 @@ def install() -> bool:
         notify(self, "weight_version")
         return result
 
+    _wrap_reset()
     EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
     EngineCore.set_weight_version = set_weight_version  # type: ignore[method-assign]
     setattr(EngineCore, _MARK, True)
     return True
+
+
+def _wrap_reset() -> None:
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except Exception:
+        return
+    reset = getattr(Scheduler, "reset_prefix_cache", None)
+    if reset is None:
+        return
+
+    @functools.wraps(reset)
+    def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("reset_connector", args[1] if len(args) > 1 else False):
+            notify_scheduler(self, "reset")
+        return reset(self, *args, **kwargs)
+
+    Scheduler.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
+
+
+def notify_scheduler(scheduler: Any, reason: str) -> None:
+    """Invalidate ``scheduler``'s connector's tiers when it is agentkv's; never raises."""
+    try:
+        hook = getattr(getattr(scheduler, "connector", None), "agentkv_weights_changed", None)
+        if hook is not None:
+            hook(reason)
+    except Exception:
+        log.exception("agentkv: invalidation before a cache reset failed")
