@@ -146,3 +146,21 @@ def test_weight_update_makes_older_tier_copies_unloadable(rl_server: Server) -> 
     assert _output(got) == _output(new_ref)
     assert _output(new_ref) != _output(old_ref), "the weights did not change"
     server.end(tid)
+
+
+def test_vllm_pause_clearing_caches_succeeds_while_agentkv_holds_device_blocks(
+    rl_server: Server,
+) -> None:
+    """vLLM's /pause (clear_cache defaults to true) resets its prefix cache, which it refuses
+    while any block is held; a retained trajectory's pins are released first, so the RL loop's
+    pause succeeds, and the retained KV (old weights) is gone."""
+    server = rl_server
+    first, _ = _turns(30)
+    tid = "retained-at-pause"
+    server.chat(first, trajectory=tid)
+    assert server.pause(tid, "retain-at-pause", 0.0005)["decision"]["action"] == "retain"
+    assert server.status()["pool"]["pinned_blocks"] > 0
+    _post(server, "/pause")  # mode abort, clear_cache true: vLLM's defaults
+    _post(server, "/resume")
+    assert server.status()["pool"]["pinned_blocks"] == 0
+    assert server.trajectory_code(tid) == 404
