@@ -13,6 +13,9 @@ Primitives:
     BlockFiles.remove    delete a block's file (absent is fine).
     BlockFiles.scan      rebuild the index after a restart from headers only, oldest first;
                          deletes temp leftovers and files with a broken header or size.
+    BlockFiles.prune     before that scan, at an engine's start: keep only the blocks a
+                         predicate accepts (the engine keeps those its restart manifest lists
+                         under its rank identity, ``agentkv.manager.recovery``), delete the rest.
 
 File format (little endian), header padded to HEADER_BYTES so the payload stays aligned:
     magic "AKVB" | version u16 | flags u16 | header_bytes u32 | payload_len u64 |
@@ -43,7 +46,7 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -392,6 +395,34 @@ class BlockFiles:
             )
         found.sort(key=lambda info: info.mtime_ns)
         return found
+
+    def prune(self, keep: Callable[[DiskBlockInfo], bool]) -> tuple[int, int]:
+        """After a restart: delete every file but the well-formed blocks ``keep`` accepts (temp
+        leftovers of a write a crash cut short, broken headers, files of another block size,
+        identity or generation); returns (kept, removed). Reads headers only: a torn payload is
+        caught by the checksum of the load that reads it."""
+        kept = removed = 0
+        for subdir in list(self.directory.iterdir()):
+            if subdir.name.startswith(TEMP_PREFIX):
+                self._discard(subdir)
+                removed += 1
+                continue
+            if not subdir.is_dir() or len(subdir.name) != 2:
+                continue
+            for path in list(subdir.iterdir()):
+                info = None
+                if path.name.endswith(SUFFIX) and not path.name.startswith(TEMP_PREFIX):
+                    found = self._scan_one(path)  # deletes a broken file itself
+                    info = found if isinstance(found, DiskBlockInfo) else None
+                    if found is None:
+                        removed += 1
+                        continue
+                if info is not None and keep(info):
+                    kept += 1
+                else:
+                    self._discard(path)
+                    removed += 1
+        return kept, removed
 
     def _scan_one(self, path: Path) -> DiskBlockInfo | str | None:
         try:

@@ -23,24 +23,21 @@ Primitives:
                             presence queries (EXISTS, pipelined); lookup_prefix returns the
                             longest leading run present. Live answers: no index is kept.
     RemoteBlocks.delete_many, ping, stats, close.
-    remote_key              the server key of a BlockKey; encode_value / decode_value the format.
+    remote_key              the server key of a BlockKey; encode_value the format (remote_auth).
 
-Key layout: ``{key_prefix}:kv1:{32 hex}``, the hex being BLAKE2b-128 of the BlockKey's digest and
-its fingerprint digest. The BlockKey digest already covers the model fingerprint (model, dtype,
-block size, layers, TP rank/size, layout), the cache_salt and the whole parent chain, so a block
-is never served to another model, layout, rank or tenant; ``key_prefix`` separates deployments
-sharing a server. One key per block: Redis Cluster is not supported (pipelines span slots).
-
-Value format (little endian), a 64-byte header then the payload:
-    magic "AKVR" | version u16 | flags u16 | payload_len u64 | payload xxh3_64 u64 |
-    key digest 16B | fingerprint digest 16B | header xxh3_64 u64
-xxh3 is the disk tier's checksum (disk.py). No pickle, nothing executable.
+Key layout and value format: ``remote_auth`` (``{key_prefix}:kv2:{32 hex}`` named with the
+deployment secret; a 96-byte header with xxh3 checksums and an HMAC-SHA256 tag, then the
+payload). The BlockKey covers the KV identity and generation, the TP rank, the cache_salt and
+the whole parent chain, so a block is never served to another model, weights, format, layout,
+rank or tenant; ``key_prefix`` separates deployments sharing a server. One key per block: Redis
+Cluster is not supported (pipelines span slots). No pickle, nothing executable.
 
 Invariants:
     - A read reports ok only after the header (magic, version, header checksum, both digests),
-      the length and the payload checksum all match; a value failing any of them is deleted from
-      the server and reported as an error carrying CorruptBlockError. A well-formed value of
-      another length (another block size) is an error and stays.
+      the length, the payload checksum and the tag all match. Damage (anything but the tag) is
+      an error carrying CorruptBlockError; a bad tag (forged, or another secret) is a miss,
+      counted in ``bad_tags``; either way the value is deleted from the server. A well-formed
+      value of another length (another block size) is an error and stays.
     - Every write sets a TTL (``ttl_s``); every successful read and every skipped re-put refreshes
       it, so blocks in use stay and abandoned ones expire without anyone deleting them.
     - One round trip per batch (at most ``max_batch_bytes`` of payload, or one block): puts with
@@ -59,12 +56,10 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
 import re
-import struct
 import threading
 import time
 import urllib.parse
@@ -79,19 +74,19 @@ from agentkv.errors import ConfigError, CorruptBlockError, TierError
 from agentkv.tier import Tier
 from agentkv.tiers.buffers import BlockBuffer, Segments, as_segments, gather_into, scatter_from
 from agentkv.tiers.device import DeviceSegments
-from agentkv.tiers.keys import KEY_BYTES, BlockKey
+from agentkv.tiers.keys import BlockKey
+from agentkv.tiers.remote_auth import (
+    HEADER_BYTES,
+    SECRET_ENV,
+    BadTagError,
+    RemoteAuth,
+    pack_header,
+    verify,
+)
 from agentkv.tiers.results import BlockResult, BlockStatus
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"AKVR"
-VERSION = 1
-_HEADER = struct.Struct(f"<4sHHQQ{KEY_BYTES}s{KEY_BYTES}s")
-_HEADER_CHECKSUM = struct.Struct("<Q")
-HEADER_BYTES = _HEADER.size + _HEADER_CHECKSUM.size
-"""Bytes in front of every payload (64)."""
-KEY_SPACE = "kv1"
-"""Version of the key layout; a new value format gets a new key space, never a mixed one."""
 
 SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}
 """URL scheme -> TLS."""
@@ -100,6 +95,7 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _WARN_INTERVAL_S = 30.0
 _MAX_TTL_S = 365 * 86400.0
 _MAX_BULK_BYTES = 1 << 30  # Redis and Valkey cap a string at 512 MiB; larger is a broken stream
+_UNAUTHENTICATED_WARNED: set[str] = set()
 _LOOKUP_CHUNK = 512  # keys per EXISTS pipeline in lookup_prefix: stops early on long chains
 
 
@@ -121,6 +117,9 @@ class RemoteConfig:
     tls_check_hostname: bool = True
     """Check that the server certificate names the host of the URL (an IP needs an IP SAN)."""
     key_prefix: str = "agentkv"
+    auth_key: str | None = field(default=None, repr=False)
+    """The deployment secret that names and signs blocks (remote_auth); None: the
+    ``AGENTKV_REMOTE_KEY`` environment variable, else unauthenticated."""
     ttl_s: float = 3600.0
     connect_timeout_s: float = 2.0
     op_timeout_s: float = 5.0
@@ -251,6 +250,10 @@ class RemoteConfig:
             return value
         return None
 
+    def resolved_auth_key(self) -> str | None:
+        """The deployment secret: ``auth_key``, else the ``AGENTKV_REMOTE_KEY`` variable."""
+        return self.auth_key or os.environ.get(SECRET_ENV) or None
+
     @property
     def url(self) -> str:
         """The server URL without credentials or options (safe to log)."""
@@ -292,27 +295,20 @@ def _redact(url: str) -> str:
 # ------------------------------------------------------------------------------- value format
 
 
-def remote_key(prefix: str, key: BlockKey) -> str:
-    """Return the server key of ``key`` under ``prefix`` (see the module docstring)."""
-    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"agentkv-remote1")
-    h.update(key.digest)
-    h.update(key.fingerprint_digest)
-    return f"{prefix}:{KEY_SPACE}:{h.hexdigest()}"
+def remote_key(prefix: str, key: BlockKey, secret: str | None = None) -> str:
+    """Return the server key of ``key`` under ``prefix`` for a deployment ``secret``."""
+    return RemoteAuth(secret).name(prefix, key)
 
 
-def value_header(key: BlockKey, nbytes: int, checksum: int) -> bytes:
-    """Return the 64-byte header of a value whose payload has ``nbytes`` and xxh3 ``checksum``."""
-    header = _HEADER.pack(MAGIC, VERSION, 0, nbytes, checksum, key.digest, key.fingerprint_digest)
-    return header + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
-
-
-def encode_value(key: BlockKey, segments: Segments) -> bytearray:
-    """Return header + payload for one block (one copy of the payload: the gather)."""
+def encode_value(auth: RemoteAuth, key: BlockKey, segments: Segments) -> bytearray:
+    """Return header + tag + payload for one block (one copy of the payload: the gather)."""
     nbytes = segments.nbytes if isinstance(segments, DeviceSegments) else _host_nbytes(segments)
     value = bytearray(HEADER_BYTES + nbytes)
     payload = np.frombuffer(value, np.uint8)[HEADER_BYTES:]
     gather_into(payload, segments)
-    value[:HEADER_BYTES] = value_header(key, nbytes, xxhash.xxh3_64_intdigest(payload.data))
+    value[:HEADER_BYTES] = pack_header(
+        auth, key, nbytes, xxhash.xxh3_64_intdigest(payload.data), [payload.data]
+    )
     return value
 
 
@@ -320,7 +316,7 @@ _COALESCE_BYTES = 64 << 10  # segments smaller than this are joined before sendi
 
 
 def _set_command(
-    name: str, key: BlockKey, segments: Segments, ttl_ms: int
+    auth: RemoteAuth, name: str, key: BlockKey, segments: Segments, ttl_ms: int
 ) -> tuple[list[bytes | memoryview], int]:
     """Return ``SET name value PX ttl`` as RESP chunks, and the payload size.
 
@@ -328,7 +324,7 @@ def _set_command(
     allocation per block); device segments are gathered to host first (encode_value).
     """
     if isinstance(segments, DeviceSegments):
-        value = encode_value(key, segments)
+        value = encode_value(auth, key, segments)
         nbytes = len(value) - HEADER_BYTES
         header = b""
         payload: list[bytes | memoryview] = [memoryview(value)]
@@ -337,7 +333,9 @@ def _set_command(
         for segment in segments:
             digest.update(segment.data)
         nbytes = _host_nbytes(segments)
-        header = value_header(key, nbytes, digest.intdigest())
+        header = pack_header(
+            auth, key, nbytes, digest.intdigest(), (segment.data for segment in segments)
+        )
         payload = []
         small: list[bytes] = []
         for segment in segments:
@@ -360,35 +358,6 @@ def _set_command(
     )
     tail = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl)
     return [head, *payload, tail], nbytes
-
-
-def decode_value(key: BlockKey, value: bytes | bytearray | memoryview) -> memoryview:
-    """Return the verified payload of ``value`` (a view, no copy).
-
-    Raises CorruptBlockError for a truncated value, a bad magic, version or header checksum,
-    a header naming another key, a length that disagrees with the value, or a payload checksum
-    mismatch.
-    """
-    if len(value) < HEADER_BYTES:
-        raise CorruptBlockError(f"remote value truncated ({len(value)} bytes, no full header)")
-    magic, version, _flags, length, checksum, digest, fingerprint = _HEADER.unpack_from(value)
-    (header_sum,) = _HEADER_CHECKSUM.unpack_from(value, _HEADER.size)
-    if magic != MAGIC:
-        raise CorruptBlockError("remote value has a bad magic")
-    if version != VERSION:
-        raise CorruptBlockError(f"remote value has unsupported version {version}")
-    if xxhash.xxh3_64_intdigest(memoryview(value)[: _HEADER.size]) != header_sum:
-        raise CorruptBlockError("remote value header checksum mismatch")
-    if digest != key.digest or fingerprint != key.fingerprint_digest:
-        raise CorruptBlockError("remote value header names another key")
-    if len(value) - HEADER_BYTES != length:
-        raise CorruptBlockError(
-            f"remote value truncated ({len(value) - HEADER_BYTES} of {length} payload bytes)"
-        )
-    payload = memoryview(value)[HEADER_BYTES:]
-    if xxhash.xxh3_64_intdigest(payload) != checksum:
-        raise CorruptBlockError("remote value payload checksum mismatch")
-    return payload
 
 
 def _host_nbytes(segments: Sequence[Any]) -> int:
@@ -451,6 +420,7 @@ class RemoteStats:
     get_bytes: int = 0
     errors: int = 0
     corrupt: int = 0
+    bad_tags: int = 0
     unavailable: int = 0
 
 
@@ -553,6 +523,15 @@ class RemoteBlocks:
         self.config.validate()
         self._clock = clock
         self._ttl_ms = max(1, round(self.config.ttl_s * 1000))
+        self._auth = RemoteAuth(self.config.resolved_auth_key())
+        if not self._auth.authenticated and self.config.url not in _UNAUTHENTICATED_WARNED:
+            _UNAUTHENTICATED_WARNED.add(self.config.url)  # once per server and process
+            log.warning(
+                "no deployment secret (remote_key or %s) for %s: remote blocks are checksummed "
+                "but not authenticated, so anyone who can write to the server can plant KV",
+                SECRET_ENV,
+                self.config.url,
+            )
         self._lock = threading.Lock()
         self._stats = RemoteStats()
         self._down_until = 0.0
@@ -751,7 +730,7 @@ class RemoteBlocks:
     # ------------------------------------------------------------------------------ internals
 
     def _name(self, key: BlockKey) -> str:
-        return remote_key(self.config.key_prefix, key)
+        return self._auth.name(self.config.key_prefix, key)
 
     def _batches(self, sizes: Sequence[int]) -> Iterator[list[int]]:
         """Index lists of at most max_batch_bytes of payload each (a bigger block goes alone)."""
@@ -881,14 +860,14 @@ class RemoteBlocks:
             chunks: list[bytes | memoryview] = []
             for i in todo:
                 command, sizes[i] = _set_command(
-                    self._name(keys[i]), keys[i], segments[i], self._ttl_ms
+                    self._auth, self._name(keys[i]), keys[i], segments[i], self._ttl_ms
                 )
                 chunks += command
             return chunks
 
         def plain(pipe: Any) -> None:
             for i in todo:
-                value = encode_value(keys[i], segments[i])
+                value = encode_value(self._auth, keys[i], segments[i])
                 sizes[i] = len(value) - HEADER_BYTES
                 pipe.set(self._name(keys[i]), memoryview(value), px=self._ttl_ms)
 
@@ -945,7 +924,15 @@ class RemoteBlocks:
                 values[i] = RemoteValue(key, BlockStatus.MISS)
             else:
                 try:
-                    payload = decode_value(key, raw)
+                    payload = verify(self._auth, key, raw)
+                except BadTagError:
+                    # Forged, or written under another secret: a miss for us. Deleted, so this
+                    # deployment's next write of the block is not skipped as "present".
+                    self._count("bad_tags")
+                    self._warn(f"remote block {names[n]} has a bad tag; treated as a miss")
+                    corrupt.append(names[n])
+                    values[i] = RemoteValue(key, BlockStatus.MISS)
+                    continue
                 except CorruptBlockError as exc:
                     self._count("corrupt")
                     log.warning("remote block %s is corrupt (%s); deleting it", names[n], exc)

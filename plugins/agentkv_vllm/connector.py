@@ -90,9 +90,12 @@ class AgentKVConnector(KVConnectorBase_V1):
                 raise RuntimeError(
                     f"agentkv: cannot read this worker's tensor-parallel rank from vLLM ({exc})"
                 ) from exc
+            from agentkv_vllm.kv_identity import identity_from_config
+
             self._worker = WorkerSide(
                 settings=self.settings,
                 model_id=str(vllm_config.model_config.model),
+                identity=identity_from_config(vllm_config, num_layers=0, layout="", tp_rank=rank),
                 tp_rank=rank,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
@@ -264,6 +267,33 @@ class AgentKVConnector(KVConnectorBase_V1):
         except Exception:
             log.exception("agentkv: request_finished failed for %s", request.request_id)
             return False, None
+
+    def reset_cache(self) -> bool | None:
+        """Scheduler: an external cache reset (``POST /reset_prefix_cache?reset_external=true``,
+        vLLM's pause or sleep with clear_cache). Every tier copy becomes unloadable at once: a
+        new KV generation (host and disk copies dropped, remote copies fenced: their names are
+        never derived again) and every trajectory ended as DELETE ends it. True only when
+        nothing stale can load: False while a load looked up before the reset is still in
+        flight (call again). A plain prefix-cache reset never calls this: tier copies stay.
+        The worker role answers None (nothing of its own to reset)."""
+        if self._scheduler is None:
+            return None
+        try:
+            return self._scheduler.invalidate("reset").clean
+        except Exception:
+            log.exception("agentkv: cache reset failed")
+            return False
+
+    def agentkv_weights_changed(self, reason: str) -> None:
+        """Scheduler: the weights changed or are changing (``weight_sync`` hooks vLLM's weight
+        update calls): every older tier copy becomes unloadable, as for ``reset_cache``. Never
+        raises: a weight update must not fail because of agentkv."""
+        if self._scheduler is None:
+            return
+        try:
+            self._scheduler.invalidate(reason)
+        except Exception:
+            log.exception("agentkv: invalidating the tiers after %s failed", reason)
 
     def has_pending_push_work(self) -> bool:
         """Scheduler: keep the engine stepping while jobs are queued or in flight (their reports

@@ -31,16 +31,19 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from agentkv.kv_identity import LogicalKeys
 from agentkv.manager import ManagerConfig, RequestParams, TrajectoryManager
+from agentkv.manager.invalidation import Invalidation, invalidate_tiers
+from agentkv.manager.recovery import ManifestKeeper, load_records, manifest_path, restore
 from agentkv.metrics import MetricsRecorder, Snapshot
 from agentkv.online_profile import OnlineProfile
 from agentkv.otel_export import OTelExport
 from agentkv.policy import CostModel, PolicyParams
 from agentkv.profile import load_profile
 from agentkv.tier import LOCAL_TIERS
-from agentkv.tiers.keys import logical_fingerprint, logical_key
 from agentkv_vllm import plugin
 from agentkv_vllm.kv_events import TierEvents
+from agentkv_vllm.kv_identity import identity_from_config
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.params import AgentKVParams, parse_request_params
 from agentkv_vllm.settings import ConnectorSettings
@@ -117,14 +120,17 @@ class SchedulerSide:
         page = groups[0].kv_cache_spec.page_size_bytes if groups else 0
         self.block_bytes_per_rank = page * num_layers
         self.block_bytes_total = self.block_bytes_per_rank * self.tp_size
-        fingerprint = logical_fingerprint(
-            str(model_config.model),
-            str(model_config.dtype),
-            self.block_size,
-            num_layers,
-            self.tp_size,
+        # Logical keys are rank-agnostic (tp_rank -1); each worker salts them with its own rank
+        # identity. The generation changes on reset_cache() and weight updates (invalidate()).
+        self.keys = LogicalKeys(
+            identity_from_config(
+                vllm_config,
+                num_layers=num_layers,
+                layout=f"logical-v3:{_spec_layout(groups)}",
+                tp_rank=-1,
+                block_size=self.block_size,
+            )
         )
-        self._fp = fingerprint.digest()
         host_blocks = int(settings.host_capacity_gib * GiB) // max(1, self.block_bytes_per_rank)
         disk_blocks = (
             int(settings.disk_capacity_gib * GiB) // max(1, self.block_bytes_per_rank + 8192)
@@ -200,6 +206,9 @@ class SchedulerSide:
         # request id -> parsed params, for agentkv requests only (plain ones never enter)
         self._params: dict[str, AgentKVParams] = {}
         self.started_at = time.time()
+        self.manifest: ManifestKeeper | None = None
+        if settings.disk_dir:
+            self._restore_from_disk(vllm_config)
 
     @property
     def block_pool(self) -> Any:
@@ -210,11 +219,47 @@ class SchedulerSide:
         self.pinner.pool = pool
 
     def _key_of(self, block_hash: bytes) -> bytes:
-        """Tier key of one vLLM block hash (``agentkv.tiers.keys.logical_key``)."""
-        key = logical_key(block_hash, self._fp)
+        """Tier key of one vLLM block hash: vLLM's hash already chains the prefix and carries
+        cache_salt, LoRA and multimodal extras; LogicalKeys adds the KV identity and the
+        generation."""
+        key = self.keys.key_of(block_hash)
         if self.events is not None:
             self.events.note_key(key, bytes(block_hash))
         return key
+
+    def _restore_from_disk(self, vllm_config: Any) -> None:
+        """Restart recovery (``agentkv.manager.recovery``): the trajectories this engine's
+        manifest lists under its identity and the base generation come back OFFLOADED on disk
+        (the workers kept exactly their files); from now on the manifest follows the manager."""
+        dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        assert self.settings.disk_dir is not None
+        path = manifest_path(self.settings.disk_dir, dp_rank)
+        records = load_records(
+            path, self.keys.identity_digest, self.keys.generation, self.block_size
+        )
+        restored = restore(self.manager, records)
+        if restored:
+            log.info("agentkv: %d trajectory branches restored from %s", restored, path)
+        self.manifest = ManifestKeeper(
+            self.manager, path, lambda: (self.keys.identity_digest, self.keys.generation)
+        )
+
+    def invalidate(self, reason: str) -> Invalidation:
+        """A cache reset or a weight update: switch to a new generation and end every
+        trajectory's KV (``agentkv.manager.invalidation``) in one critical section, so no tier
+        copy written before can load. Engine thread (reset_cache, the weight-update hooks)."""
+        with self.lock:
+            self.keys.new_generation()
+            result = invalidate_tiers(self.manager, reason)
+        log.info(
+            "agentkv: %s: new KV generation %s; %d trajectories ended, %d tier blocks dropped%s",
+            reason,
+            self.keys.generation.hex()[:12],
+            result.trajectories,
+            result.dropped_blocks,
+            f", {result.stale_loads} loads still in flight" if result.stale_loads else "",
+        )
+        return result
 
     # ------------------------------------------------------------------ engine-thread hooks
 
@@ -437,6 +482,8 @@ class SchedulerSide:
         return self.metrics.snapshot(self._gauges())
 
     def close(self) -> None:
+        if self.manifest is not None:
+            self.manifest.close()
         if self.otel is not None:
             self.otel.shutdown()
 
@@ -454,6 +501,8 @@ class SchedulerSide:
                 "worker_pids": {str(k): v for k, v in self.worker_pids.items()},
                 "uptime_s": round(time.time() - self.started_at, 3),
                 "tp_size": self.tp_size,
+                "kv_identity": self.keys.identity_digest.hex(),
+                "kv_generation": self.keys.generation.hex(),
             }
             body["connector_cpu"] = self.cpu.view()
             body["profile"] = {
@@ -461,6 +510,18 @@ class SchedulerSide:
                 "live": self.online.view(self.base_costs),
             }
         return body
+
+
+def _spec_layout(groups: Sequence[Any]) -> str:
+    """The attention layout the scheduler sees: per KV cache group, the spec's kind and shape."""
+    parts = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        parts.append(
+            f"{type(spec).__name__}/{getattr(spec, 'num_kv_heads', '')}x"
+            f"{getattr(spec, 'head_size', '')}/{spec.page_size_bytes}/{len(g.layer_names)}"
+        )
+    return ";".join(parts)
 
 
 def _zone_at(zones: Sequence[Any], token: int) -> str | None:

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from agentkv.policy import DEFAULT_POLICY, HIGH_WATER, Action
 
@@ -111,6 +111,12 @@ class ConnectorSettings(BaseModel):
         max_length=64,
         description="Key prefix of this deployment on the remote server.",
     )
+    remote_key: SecretStr | None = Field(
+        default=None,
+        description="Deployment secret that names and authenticates remote blocks (HMAC-SHA256); "
+        "default: the AGENTKV_REMOTE_KEY environment variable. Every replica of a deployment "
+        "uses the same one; without one, remote blocks are checksummed but not authenticated.",
+    )
     remote_ttl_s: float = Field(
         default=3600.0, gt=0, description="Remote blocks expire this long after their last use."
     )
@@ -143,7 +149,10 @@ class ConnectorSettings(BaseModel):
         from agentkv.tiers.remote import RemoteConfig
 
         return RemoteConfig.parse(
-            self.remote_url, key_prefix=self.remote_key_prefix, ttl_s=self.remote_ttl_s
+            self.remote_url,
+            key_prefix=self.remote_key_prefix,
+            ttl_s=self.remote_ttl_s,
+            auth_key=self.remote_key.get_secret_value() if self.remote_key else None,
         )
 
     def control_endpoint(self, engine_id: str | None = None, dp_rank: int = 0) -> str:

@@ -31,22 +31,23 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from agentkv.errors import CorruptBlockError
+from agentkv.kv_identity import KVIdentity
 from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
+from agentkv.manager.recovery import prune_rank_files
 from agentkv.tier import Tier
 from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
 from agentkv.tiers.batched import StagedBlocks, staging_budget
-from agentkv.tiers.keys import BlockKey, ModelFingerprint, rank_key
+from agentkv.tiers.keys import BlockKey, rank_key
 from agentkv_vllm.block_copy import BlockViews
 from agentkv_vllm.device_copy import LayerCopier
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
@@ -128,7 +129,8 @@ class WorkerSide:
     num_blocks: int
     views: BlockViews | None = None
     store: TieredStore | None = None
-    fingerprint: ModelFingerprint | None = None
+    identity: KVIdentity | None = None  # from vLLM's config; the rank's layout is added here
+    fingerprint: KVIdentity | None = None
     _jobs: list[_Pending] = field(default_factory=list)
     _loads: list[_Pending] = field(default_factory=list)
     _recving_done: set[str] = field(default_factory=set)
@@ -145,23 +147,33 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.views = BlockViews(kv_caches, self.num_blocks)
         self._layers = self.views.layer_slices()
-        self.fingerprint = ModelFingerprint(
-            model_id=self.model_id,
-            dtype=self.views.dtype,
-            block_size=0,
+        self.fingerprint = replace(
+            self.identity or KVIdentity(model=self.model_id),
             num_layers=len(self.views.layer_names),
+            layout=self.views.layout,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
-            layout=self.views.layout,
         )
         disk_dir = None
         if self.settings.disk_dir:
             disk_dir = Path(self.settings.disk_dir) / f"rank{self.tp_rank}"
-            # The residency index lives in the engine's scheduler and starts empty: files from
-            # an earlier run would be blocks no one indexes, so they go.
-            if disk_dir.exists():
-                shutil.rmtree(disk_dir, ignore_errors=True)
             disk_dir.mkdir(parents=True, exist_ok=True)
+            # Restart: the scheduler restores the trajectories its manifest lists; this rank
+            # keeps exactly their files (under its own identity) and deletes every other one.
+            kept, removed = prune_rank_files(
+                self.settings.disk_dir,
+                disk_dir,
+                self.views.block_bytes,
+                self.rank_key,
+                self.fingerprint.digest(),
+            )
+            if kept or removed:
+                log.info(
+                    "agentkv rank %d: disk tier kept %d blocks, removed %d files",
+                    self.tp_rank,
+                    kept,
+                    removed,
+                )
         remote_config = self.settings.remote_config()
         remote = None
         if remote_config is not None:

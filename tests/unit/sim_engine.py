@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -786,11 +786,16 @@ class SimEngine:
 
 
 def pinned_content_breaches(
-    mgr: TrajectoryManager, pool: SimPool, trajs: Sequence[Any]
+    mgr: TrajectoryManager,
+    pool: SimPool,
+    trajs: Sequence[Any],
+    true_key: Callable[[bytes], Any] | None = None,
 ) -> list[str]:
     """Every device block the manager pins holds its key's true KV on every rank: a branch's
     pinned blocks hold its context's blocks (content == the block hash), a store job's pinned
-    sources hold the KV of the keys it writes (key_of(content) == key)."""
+    sources hold the KV of the keys it writes (key_of(content) == key; ``true_key`` replaces
+    key_of where keys of several generations are legitimately in flight)."""
+    true_key = true_key or key_of
     out: list[str] = []
     seen: set[int] = set()
     for traj in trajs:
@@ -813,7 +818,7 @@ def pinned_content_breaches(
         for key, b in zip(job.keys, job.block_ids, strict=True):
             for r in range(pool.tp):
                 c = pool.content[r][b]
-                if c is None or key_of(c) != key:
+                if c is None or true_key(c) != key:
                     out.append(
                         f"store job {job.job_id} pins block {b} rank {r} not holding {key.hex()[:8]}"
                     )

@@ -504,7 +504,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if mgr is None:
             return
         trajs = list(mgr.table.values()) + list(mgr.tombstones.values()) + self.deleted
-        breaches = pinned_content_breaches(mgr, self.pool, trajs)
+        breaches = pinned_content_breaches(mgr, self.pool, trajs, key_of)
         assert not breaches, breaches
 
     @invariant()

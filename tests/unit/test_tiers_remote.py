@@ -174,7 +174,7 @@ def test_keys_differing_by_salt_rank_fingerprint_or_prefix_never_collide(
     assert other.get_many([stored], zeros(1))[0].status is BlockStatus.MISS
     assert other.delete_many([stored]) == 0
     assert r.lookup_prefix([stored]) == 1
-    assert r.name_of(stored).startswith(f"{r.config.key_prefix}:kv1:")
+    assert r.name_of(stored).startswith(f"{r.config.key_prefix}:kv2:")
     assert raw.exists(r.name_of(stored)) == 1
 
 
@@ -351,7 +351,7 @@ def test_password_auth(remote: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_remote_key_is_prefix_and_digest_of_the_whole_key() -> None:
     a, b = keys(2)
     assert remote_key("p", a) != remote_key("p", b) != remote_key("q", b)
-    assert remote_key("p", a).startswith("p:kv1:") and len(remote_key("p", a)) == len("p:kv1:") + 32
+    assert remote_key("p", a).startswith("p:kv2:") and len(remote_key("p", a)) == len("p:kv2:") + 32
     assert not ValkeyProcess().running()
 
 

@@ -1,0 +1,126 @@
+"""Weight updates reach the connector: every tier copy older than the weights becomes unloadable.
+
+vLLM 0.32 changes weights through worker RPCs (``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, the dev ``/collective_rpc`` ``reload_weights``, ``/weight_checker``
+reset) and names them with ``/update_weight_version`` (or ``finish_weight_update``'s
+``weight_version``); no connector hook sees either. All of them pass through the engine core
+(``EngineCore.collective_rpc`` and ``EngineCore.set_weight_version``), in the process and on the
+thread of the scheduler's connector, so ``install`` wraps those two methods:
+
+  - a weight-changing RPC invalidates before it runs (nothing older loads while the weights
+    change) and again after it returns or fails (KV computed during the change mixes weights);
+  - a new weight version invalidates after it is set.
+
+A prefix-cache reset that includes the connector (``reset_prefix_cache?reset_external=true``,
+vLLM's pause or sleep with clear_cache) invalidates *before* vLLM resets its own block pool
+(``Scheduler.reset_prefix_cache`` is wrapped too): agentkv's device pins (trajectories held or
+retained) are released first, so vLLM's reset is not refused for blocks agentkv holds; the
+connector's ``reset_cache`` then reports whether anything stale can still load.
+
+Invalidation is ``AgentKVConnector.agentkv_weights_changed`` (a new KV generation and every
+trajectory ended). Independent of whether the trainer also resets the prefix cache. Other RPCs
+and engines without agentkv pass through untouched; a failure in the hook is logged and never
+fails the call.
+
+Primitives:
+    WEIGHT_RPCS        the worker methods that change weights
+    install()          wrap the engine core once (idempotent; vLLM runs general plugins in
+                       every process)
+    notify(core, why)  tell the core's connector, if it is agentkv's
+    notify_scheduler(scheduler, why)  the same from the scheduler
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+log = logging.getLogger("agentkv.weight_sync")
+
+WEIGHT_RPCS = frozenset(
+    {
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reload_weights",
+        "reset_weights",
+        "update_config",
+    }
+)
+_MARK = "_agentkv_weight_sync"
+
+
+def notify(core: Any, reason: str) -> None:
+    """Invalidate the tiers of ``core``'s connector when it is agentkv's; never raises."""
+    notify_scheduler(getattr(core, "scheduler", None), reason)
+
+
+def _method_name(method: Any) -> str:
+    return method if isinstance(method, str) else str(getattr(method, "__name__", ""))
+
+
+def install() -> bool:
+    """Wrap ``EngineCore.collective_rpc`` and ``set_weight_version``; False when vLLM lacks them."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except Exception:  # another vLLM layout: nothing to hook
+        return False
+    if getattr(EngineCore, _MARK, False):
+        return True
+    rpc = getattr(EngineCore, "collective_rpc", None)
+    set_version = getattr(EngineCore, "set_weight_version", None)
+    if rpc is None or set_version is None:
+        log.warning("agentkv: this vLLM has no weight-update entry points to watch")
+        return False
+
+    @functools.wraps(rpc)
+    def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+        name = _method_name(method)
+        if name not in WEIGHT_RPCS:
+            return rpc(self, method, *args, **kwargs)
+        notify(self, f"weights_{name}")
+        try:
+            return rpc(self, method, *args, **kwargs)
+        finally:
+            notify(self, f"weights_{name}")
+
+    @functools.wraps(set_version)
+    def set_weight_version(self: Any, weight_version: str) -> Any:
+        result = set_version(self, weight_version)
+        notify(self, "weight_version")
+        return result
+
+    _wrap_reset()
+    EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
+    EngineCore.set_weight_version = set_weight_version  # type: ignore[method-assign]
+    setattr(EngineCore, _MARK, True)
+    return True
+
+
+def _wrap_reset() -> None:
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except Exception:
+        return
+    reset = getattr(Scheduler, "reset_prefix_cache", None)
+    if reset is None:
+        return
+
+    @functools.wraps(reset)
+    def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("reset_connector", args[1] if len(args) > 1 else False):
+            notify_scheduler(self, "reset")
+        return reset(self, *args, **kwargs)
+
+    Scheduler.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
+
+
+def notify_scheduler(scheduler: Any, reason: str) -> None:
+    """Invalidate ``scheduler``'s connector's tiers when it is agentkv's; never raises."""
+    try:
+        hook = getattr(getattr(scheduler, "connector", None), "agentkv_weights_changed", None)
+        if hook is not None:
+            hook(reason)
+    except Exception:
+        log.exception("agentkv: invalidation before a cache reset failed")

@@ -1,0 +1,116 @@
+"""Restart and crash recovery with a disk tier, on the real server (two starts per test).
+
+- A clean stop and start: a trajectory offloaded to disk before the stop resumes from its disk
+  files (tier-cached tokens > 0) with exactly the tokens and logprobs of vLLM's own cache.
+- kill -9 while an offload is being written, then a start: no leftover of the cut write is kept,
+  the trajectory whose offload completed before resumes from disk, and the next turn of the one
+  that was cut is correct (the tokens of a full recompute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import Server, full_blocks, lcp, long_text, start_server, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def _connector(work: Path) -> dict[str, Any]:
+    return {
+        "disk_dir": str(work / "disk"),
+        "host_capacity_gib": 0.5,
+        "disk_capacity_gib": 1,
+        "grace_s": 0.3,
+        "disk_after_s": 3,  # declared waits >= 5 s go to disk
+    }
+
+
+def _turns(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    first = [
+        {"role": "system", "content": "You are a coding agent. " + long_text(seed, 400)},
+        {"role": "user", "content": "Fix the failing test."},
+    ]
+    second = [*first, {"role": "user", "content": "Observation: " + long_text(seed + 1, 60)}]
+    return first, second
+
+
+def _output(out: dict[str, Any]) -> list[tuple[str, float]]:
+    return [(c["token"], c["logprob"]) for c in out["choices"][0]["logprobs"]["content"]]
+
+
+def _in_manifest(work: Path, tid: str) -> bool:
+    path = work / "disk" / "manifest-dp0.json"
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return any(t["id"] == tid for t in body["trajectories"])
+
+
+def _offload_to_disk(server: Server, work: Path, tid: str, messages: list[dict[str, str]]) -> None:
+    server.chat(messages, trajectory=tid)
+    assert server.pause(tid, f"{tid}-tool", 3600.0)["decision"]["action"] == "offload_disk"
+    assert server.wait_state(tid, {"offloaded"})["tier"] == "disk"
+    wait_until(lambda: _in_manifest(work, tid), f"{tid} in the restart manifest", timeout=20)
+
+
+def _resumes_exactly(server: Server, tid: str, turns: tuple[Any, Any], salt: str) -> dict[str, Any]:
+    """The next turn of ``tid`` after a restart loads its context from disk and answers exactly
+    what vLLM's own cache answers (a salted reference: no tier involved)."""
+    first, second = turns
+    server.chat(first, salt=salt)
+    ref = server.chat(second, salt=salt)
+    ref_cached = ref["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert ref_cached == full_blocks(lcp(server.tokenize(first), server.tokenize(second))) > 0
+    got = server.chat(second, trajectory=tid)
+    stats = got["kv_transfer_params"]["agentkv"]
+    assert stats["device_hit_tokens"] == 0, stats  # a new process: vLLM's cache is empty
+    assert stats["tier_hit_tokens"] == ref_cached and stats["tier"] == "disk", stats
+    assert _output(got) == _output(ref)  # bit-identical KV -> identical tokens and logprobs
+    return dict(stats)
+
+
+def test_a_clean_restart_resumes_a_disk_offloaded_trajectory_bit_exactly() -> None:
+    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-restart-"))
+    turns = _turns(700)
+    with start_server(work, _connector(work)) as before:
+        _offload_to_disk(before, work, "survivor", turns[0])
+    with start_server(work, _connector(work)) as after:
+        view = after.trajectory("survivor")["branches"]["main"]
+        assert view["state"] == "offloaded" and view["tier"] == "disk", view
+        assert after.counters()["trajectories_restored"] == 1
+        _resumes_exactly(after, "survivor", turns, "ref-restart")
+
+
+def test_kill_9_during_an_offload_then_restart_serves_only_what_is_whole() -> None:
+    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-crash-"))
+    done, cut = _turns(800), _turns(900)
+    with start_server(work, _connector(work)) as before:
+        _offload_to_disk(before, work, "done", done[0])
+        before.chat(cut[0], trajectory="cut")
+        decision = before.pause("cut", "cut-tool", 3600.0)
+        assert decision["decision"]["action"] == "offload_disk"
+        os.killpg(before.proc.pid, signal.SIGKILL)  # the disk write of "cut" is under way
+        before.proc.wait(timeout=30)
+    # What a write cut by the crash could leave: a temp file next to the blocks.
+    fanout = next(p for p in (work / "disk" / "rank0").iterdir() if p.is_dir())
+    (fanout / ".tmp-cut-write").write_bytes(b"\0" * 4096)
+    with start_server(work, _connector(work)) as after:
+        assert not [p for p in (work / "disk").rglob(".tmp-*")], "a cut write was kept"
+        _resumes_exactly(after, "done", done, "ref-crash-done")
+        first, second = cut
+        after.chat(first, salt="ref-crash-cut")
+        ref = after.chat(second, salt="ref-crash-cut")
+        got = after.chat(second, trajectory="cut")
+        assert [t for t, _ in _output(got)] == [t for t, _ in _output(ref)]
+        stats = got["kv_transfer_params"]["agentkv"]
+        if stats["tier_hit_tokens"]:  # its store finished and was listed before the kill
+            assert _output(got) == _output(ref), stats

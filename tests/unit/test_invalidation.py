@@ -1,0 +1,85 @@
+"""invalidate_tiers on the simulated engine: after a reset or a weight update (a new generation of
+keys), no tier copy written before loads, every copy and pin is released, stores still in flight
+never surface, and the result is clean only when no stale load is in flight."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+from agentkv.manager import BranchState
+from agentkv.manager.invalidation import invalidate_tiers
+from tests.unit.sim_engine import Rig, make_rig
+
+SYS = [7, 7, 7, 7, 9, 9, 9, 9]
+P1 = [*SYS, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 4 full blocks
+
+
+def _switch_generation(rig: Rig, generation: bytes) -> None:
+    """What the adapter does under the manager's lock: new keys, then invalidate."""
+    rig.mgr.key_of = lambda h: hashlib.blake2b(generation + h, digest_size=16).digest()
+
+
+def _offloaded(rig: Rig, traj: str) -> None:
+    rig.turn(traj, P1 if traj == "t1" else [*SYS, 5, 5, 5, 5, 1])
+    rig.clock.advance(1.0)
+    rig.settle()
+    assert rig.mgr.table[traj].branches["main"].state is BranchState.OFFLOADED
+
+
+def test_after_invalidation_nothing_loads_and_nothing_is_held() -> None:
+    rig = make_rig()
+    _switch_generation(rig, b"g0")
+    _offloaded(rig, "t1")
+    rig.turn("t2", [*SYS, 6, 6, 6, 6, 1])  # held: pinned on the device, grace running
+    assert rig.host_keys() and rig.mgr._pins
+    with rig.mgr.lock:
+        _switch_generation(rig, b"g1")
+        result = invalidate_tiers(rig.mgr, "reset")
+    assert result.clean and result.trajectories == 2 and result.dropped_blocks > 0
+    rig.settle()
+    assert rig.host_keys() == set() and rig.disk_keys() == set()
+    assert rig.mgr._pins == Counter() and len(rig.mgr.index) == 0
+    assert rig.mgr.get("t1")[0] == 404
+    rig.flush()
+    again = rig.turn("t1", [*P1, 4, 4, 4])
+    assert again.status == "FINISHED" and again.load_n == 0  # recomputed, nothing stale loaded
+    assert not rig.eng.violations
+
+
+def test_a_store_in_flight_at_invalidation_never_becomes_loadable() -> None:
+    rig = make_rig()
+    _switch_generation(rig, b"g0")
+    rig.turn("t1", P1)
+    rig.clock.advance(1.0)
+    rig.eng.step()  # the grace expired: the store job is out, not finished
+    assert rig.workers.pending
+    with rig.mgr.lock:
+        _switch_generation(rig, b"g1")
+        invalidate_tiers(rig.mgr, "weights")
+    rig.settle()  # the store completes now
+    assert rig.host_keys() == set()  # its copies were dropped when it reported
+    assert len(rig.mgr.index) == 0
+
+
+def test_a_load_in_flight_makes_the_invalidation_unclean_until_it_ends() -> None:
+    rig = make_rig()
+    _switch_generation(rig, b"g0")
+    _offloaded(rig, "t1")
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4])
+    rig.eng.schedule(req)
+    assert req.status == "WAITING_FOR_REMOTE_KVS" and req.load_n > 0
+    rig.eng.step()
+    with rig.mgr.lock:
+        _switch_generation(rig, b"g1")
+        first = invalidate_tiers(rig.mgr, "reset")
+    assert not first.clean and first.stale_loads == 1
+    rig.run(req, steps=30)
+    assert req.status == "FINISHED"
+    with rig.mgr.lock:
+        _switch_generation(rig, b"g2")
+        second = invalidate_tiers(rig.mgr, "reset")
+    assert second.clean
+    rig.settle()
+    assert rig.host_keys() == set() and rig.mgr._pins == Counter()

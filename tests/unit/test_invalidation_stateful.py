@@ -1,0 +1,107 @@
+"""The manager state machine (test_manager_stateful.ManagerMachine) with one more rule: the weights
+change (or an external cache reset) mid-run, as the adapter does it: a new generation of keys
+and ``invalidate_tiers`` in one critical section, while stores, requests, pins and timers are in
+flight.
+
+The simulated engine checks every load against ``key_of`` of the *current* generation, so a
+load of any copy written before an invalidation is a violation; the index invariant accepts a
+copy of any generation as true (old copies still being written are legitimately indexed until
+their store reports). Invalidations happen while no load, upload or tier move is in flight (the
+RL contract: generation is paused around a weight update; a reset answers unclean otherwise).
+All of ManagerMachine's invariants hold after every step, and everything drains to zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import initialize, precondition, rule
+
+import tests.unit.sim_engine as sim
+import tests.unit.test_manager_stateful as base
+from agentkv.manager.invalidation import invalidate_tiers
+
+_ORIGINAL = sim.key_of
+_BASE_SETUP = base.ManagerMachine.setup
+
+
+class _Generations:
+    """Generation 0 keys exactly as sim_engine.key_of; later ones are salted."""
+
+    def __init__(self) -> None:
+        self.all: list[bytes] = [b""]
+
+    def key(self, generation: bytes, h: bytes) -> bytes:
+        return hashlib.blake2b(generation + b"fp" + h, digest_size=16).digest()
+
+    def current(self, h: bytes) -> bytes:
+        return self.key(self.all[-1], h)
+
+    def any_generation(self, h: bytes) -> Any:
+        gens = self
+
+        class _AnyOf:
+            def __eq__(self, key: object) -> bool:
+                return any(gens.key(g, h) == key for g in gens.all)
+
+            def __ne__(self, key: object) -> bool:
+                return not self == key
+
+        return _AnyOf()
+
+
+class InvalidationMachine(base.ManagerMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gens = _Generations()
+        sim.key_of = self.gens.current  # loads and uploads: the current generation only
+        base.key_of = self.gens.any_generation  # index invariant: true for its generation
+
+    @initialize(**_BASE_SETUP.hypothesis_stateful_initialize_rule.arguments)  # type: ignore[attr-defined]
+    def setup(self, **kw: Any) -> None:
+        _BASE_SETUP(self, **kw)
+        assert self.mgr is not None
+        self.mgr.key_of = self.gens.current  # the adapter's LogicalKeys.key_of
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            sim.key_of = _ORIGINAL
+            base.key_of = _ORIGINAL
+
+    def _no_transfer_in_flight(self) -> bool:
+        mgr = self.mgr
+        if mgr is None or not self.quiet:
+            return False
+        if any(job.kind != "store" for job in mgr.jobs.values()):
+            return False
+        if any(p.kind != "store" for p in self.workers.pending):
+            return False  # timed out in the manager, still running on a (late) rank
+        return not any(req.load_state in ("planned", "in_flight") for req in mgr.requests.values())
+
+    @precondition(lambda self: self._no_transfer_in_flight())
+    @rule()
+    def weights_change(self) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        with mgr.lock:
+            self.gens.all.append(os.urandom(8))
+            mgr.key_of = self.gens.current
+            result = invalidate_tiers(mgr, "weights")
+        assert result.clean
+        assert not mgr.table  # every trajectory ended
+        for tid in list(self.deleted_ids | {f"t{i}" for i in range(self.next_traj + 1)}):
+            assert mgr.get(tid)[0] == 404
+
+
+InvalidationMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("AGENTKV_STATEFUL_EXAMPLES", "300")),
+    stateful_step_count=int(os.environ.get("AGENTKV_STATEFUL_STEPS", "50")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestInvalidationStateful = InvalidationMachine.TestCase

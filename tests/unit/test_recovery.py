@@ -1,0 +1,133 @@
+"""Restart recovery on the simulated engine and real block files: a trajectory offloaded to disk
+is restored from the manifest into a fresh manager and its next turn loads the surviving files
+with the right content; a manifest of another identity or generation, or a tampered one, restores
+nothing; a worker keeps only the files its manifest lists under its own rank identity, and
+nothing torn by a crash is kept."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from agentkv.kv_identity import BASE_GENERATION, new_generation
+from agentkv.manager import BranchState
+from agentkv.manager.recovery import (
+    Manifest,
+    ManifestKeeper,
+    TrajectoryRecord,
+    load_records,
+    manifest_path,
+    prune_rank_files,
+    restore,
+    snapshot,
+)
+from agentkv.tiers.disk import TEMP_PREFIX, BlockFiles
+from agentkv.tiers.keys import BlockKey
+from tests.unit.sim_engine import Rig, make_rig
+
+SYS = [7, 7, 7, 7, 9, 9, 9, 9]
+P1 = [*SYS, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 4 full blocks
+IDENTITY = bytes(range(16))
+
+
+def _disk_offloaded() -> Rig:
+    rig = make_rig(disk=32)
+    rig.turn("t1", P1)
+    code, body = rig.mgr.pause("t1", "main", "human", 400.0)
+    assert code == 200 and body["decision"]["action"] == "offload_disk", body
+    rig.settle()
+    b = rig.mgr.table["t1"].branches["main"]
+    assert b.state is BranchState.OFFLOADED and b.tier == "disk"
+    return rig
+
+
+def test_a_disk_offloaded_trajectory_resumes_after_a_restart(tmp_path: Path) -> None:
+    before = _disk_offloaded()
+    path = manifest_path(tmp_path)
+    Manifest(IDENTITY, BASE_GENERATION, 4, tuple(snapshot(before.mgr))).write(path)
+
+    after = make_rig(disk=32)  # a new process: empty manager, empty device pool
+    after.workers.tiers[0].disk = dict(before.workers.tiers[0].disk)  # the files survive
+    records = load_records(path, IDENTITY, BASE_GENERATION, 4)
+    assert [(r.trajectory_id, len(r.keys)) for r in records] == [("t1", 4)]
+    assert restore(after.mgr, records) == 1
+    b = after.mgr.table["t1"].branches["main"]
+    assert b.state is BranchState.OFFLOADED and b.tier == "disk" and b.token_ids == P1
+    assert after.mgr.counters["trajectories_restored"] == 1
+    nxt = after.turn("t1", [*P1, 4, 4, 4], steps=20)
+    assert nxt.status == "FINISHED" and nxt.load_n == 4  # every block came from disk
+    assert not after.eng.violations  # and held the right KV
+
+
+def test_a_manifest_of_another_identity_or_generation_or_tampered_restores_nothing(
+    tmp_path: Path,
+) -> None:
+    rig = _disk_offloaded()
+    path = manifest_path(tmp_path, 1)
+    Manifest(IDENTITY, BASE_GENERATION, 4, tuple(snapshot(rig.mgr))).write(path)
+    assert load_records(path, IDENTITY, BASE_GENERATION, 4)
+    assert load_records(path, bytes(16), BASE_GENERATION, 4) == []  # other model/weights/format
+    assert load_records(path, IDENTITY, new_generation(), 4) == []  # after a reset or update
+    assert load_records(path, IDENTITY, BASE_GENERATION, 8) == []  # other block size
+    body = json.loads(path.read_text())
+    body["trajectories"][0]["keys"][0] = "00" * 16
+    path.write_text(json.dumps(body))
+    assert load_records(path, IDENTITY, BASE_GENERATION, 4) == []
+    path.write_bytes(path.read_bytes()[:50])  # torn
+    assert load_records(path, IDENTITY, BASE_GENERATION, 4) == []
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+
+
+def test_the_keeper_rewrites_only_on_change_and_at_close(tmp_path: Path) -> None:
+    rig = make_rig(disk=32)
+    path = manifest_path(tmp_path)
+    keeper = ManifestKeeper(rig.mgr, path, lambda: (IDENTITY, BASE_GENERATION), interval_s=3600)
+    assert keeper.write_if_changed() and not keeper.write_if_changed()
+    assert Manifest.read(path) is not None and Manifest.read(path).records == ()  # type: ignore[union-attr]
+    rig.turn("t1", P1)
+    rig.mgr.pause("t1", "main", "human", 400.0)
+    rig.settle()
+    assert keeper.write_if_changed()
+    keeper.close()
+    manifest = Manifest.read(path)
+    assert manifest is not None and [r.trajectory_id for r in manifest.records] == ["t1"]
+
+
+def test_a_worker_keeps_only_listed_files_of_its_own_identity(tmp_path: Path) -> None:
+    block = 8192
+    rank_fp, other_fp = b"\x01" * 16, b"\x02" * 16
+    logical = [bytes([i]) * 16 for i in range(4)]
+
+    def rank_key(k: bytes) -> BlockKey:
+        return BlockKey(bytes(reversed(k[:15])) + b"\x09", rank_fp)
+
+    listed = [
+        TrajectoryRecord("t", "main", tuple(range(12)), tuple(logical[:3]), (b"h",) * 3),
+    ]
+    Manifest(IDENTITY, BASE_GENERATION, 4, tuple(listed)).write(manifest_path(tmp_path))
+    stale = Manifest(
+        IDENTITY, new_generation(), 4, (TrajectoryRecord("u", "main", (), (logical[3],), (b"h",)),)
+    )
+    stale.write(manifest_path(tmp_path, 1))  # written after a reset: not trusted
+    rank_dir = tmp_path / "rank0"
+    files = BlockFiles(rank_dir, block, direct_io=False)
+    payload = np.arange(block, dtype=np.uint8)
+    keep_a = rank_key(logical[0])
+    torn = rank_key(logical[1])
+    foreign = BlockKey(rank_key(logical[2]).digest, other_fp)  # listed name, other identity
+    unlisted = rank_key(logical[3])
+    for key in (keep_a, torn, foreign, unlisted):
+        files.write(key, [payload])
+    with open(files.path_for(torn), "r+b") as handle:  # a crash cut this write short
+        handle.truncate(os.path.getsize(files.path_for(torn)) // 2)
+    (files.path_for(keep_a).parent / f"{TEMP_PREFIX}leftover").write_bytes(b"x" * 100)
+
+    kept, removed = prune_rank_files(tmp_path, rank_dir, block, rank_key, rank_fp)
+    assert (kept, removed) == (1, 4)
+    left = sorted(p.name for p in rank_dir.rglob("*") if p.is_file())
+    assert left == [files.path_for(keep_a).name]
+    out = np.zeros(block, np.uint8)
+    assert files.read_into(keep_a, [out]) and np.array_equal(out, payload)
