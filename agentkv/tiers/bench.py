@@ -11,7 +11,8 @@ Primitives:
                        layout (``[2, num_blocks, ...]`` per layer, so 2 x layers runs per block),
                        moved in calls of 1, 8, 64, 512 shuffled block ids (``batches``), stored
                        to and loaded from the host tier against a memcpy of the same bytes (CPU)
-                       or a raw pinned torch copy between device and host (CUDA), and to and from
+                       (re-measured next to each run) or a raw pinned torch copy between device
+                       and host (CUDA), and to and from
                        the disk tier against sequential I/O. On CUDA with GPUDirect Storage
                        present, the disk runs are measured both staged and through GDS.
                        With ``remote`` (a RemoteConfig), the remote tier: put (store to tier
@@ -493,6 +494,8 @@ def _measure_device_host(
                     batch,
                 )
                 target = batch >= DEVICE_TARGET_MIN_BATCH
+                if device == "cpu":  # re-measured next to each run: shared machines drift
+                    down_gbps = up_gbps = memory_copy_baseline(total_bytes, repeats)
                 for operation, gbps, name, base in (
                     ("device->host store", stored, down_name, down_gbps),
                     ("host->device load", loaded, up_name, up_gbps),

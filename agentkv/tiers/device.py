@@ -2,7 +2,6 @@
 
 Primitives:
     loaded_torch()         torch when it is already imported, else None (never imports it).
-    is_tensor(obj)         True for a torch.Tensor; False whenever torch is not loaded.
     flat_bytes(tensor)     a contiguous tensor's bytes as a flat uint8 tensor view (no copy);
                            ValueError when the tensor is not contiguous.
     DeviceSegments         one block held in device memory: its segments as flat uint8 tensors,
@@ -48,12 +47,6 @@ Tensor: TypeAlias = Any
 def loaded_torch() -> Any:
     """Return the torch module when something already imported it, else None."""
     return sys.modules.get("torch")
-
-
-def is_tensor(obj: object) -> bool:
-    """Return True when ``obj`` is a torch.Tensor. Never imports torch."""
-    torch = loaded_torch()
-    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def flat_bytes(tensor: Tensor) -> Tensor:

@@ -155,10 +155,6 @@ class HostArena:
     def capacity_bytes(self) -> int:
         return self.num_slots * self.block_bytes
 
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
     def alloc(self) -> int | None:
         """Take a free slot; returns None when the arena is full. Must not block."""
         with self._lock:

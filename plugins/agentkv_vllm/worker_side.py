@@ -8,7 +8,8 @@ Primitives:
                                              segments of this step's layerwise loads are copied
   WorkerSide.finish_step()                   after the forward: the layer copier is done, its
                                              host pins are released
-  WorkerSide.poll(finished_req_ids)          (finished_sending, finished_recving) request ids
+  WorkerSide.poll()                          request ids whose async loads are complete (their
+                                             blocks written, or failed -> load_error_block_ids)
   WorkerSide.take_report()                   AgentKVWorkerReport for the scheduler, or None:
                                              every job this rank finished (ok or failed), keys
                                              it could not serve (miss / corrupt / error)
@@ -24,6 +25,13 @@ The host copies are pinned in place (``TieredStore.acquire_host``) and one copie
 them layer after layer in forward order while the model runs; each attention layer waits only
 for its own layer (``wait_for_layer``). A block missing from host, or any copy error, goes to
 ``load_error_block_ids``: vLLM then discards the step's output for that request and recomputes.
+
+Data path (agentkv.tiers.batched): a block is handed to the store as a BlockRef (O(1), no
+per-layer tensors). CUDA: a step's store jobs are gathered together into device staging (one
+``index_select`` per KV run for every block of every job) and cross to the host arena one DMA
+per block; a load lands in staging rows and is scattered (one ``index_copy_`` per run) on the
+engine's stream in ``poll`` before the request is reported finished. Layerwise loads copy one
+layer of every block of the step per call (one batched pointer copy on CUDA when vLLM has it).
 """
 
 from __future__ import annotations
@@ -624,10 +632,6 @@ class WorkerSide:
             return None
         report, self._report = self._report, WorkerReport()
         return AgentKVWorkerReport(report)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._jobs or self._loads)
 
     def shutdown(self) -> None:
         self.finish_step()

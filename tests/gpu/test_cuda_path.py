@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from agentkv.tiers import buffers  # noqa: E402
+from agentkv.tiers.batched import BlockRef, StagedBlocks, staging_budget  # noqa: E402
 from agentkv.tiers.disk import HEADER_BYTES  # noqa: E402
 from agentkv.tiers.gds import gds_available  # noqa: E402
 from agentkv.tiers.keys import ModelFingerprint  # noqa: E402
@@ -42,6 +43,7 @@ FP = ModelFingerprint("gpu-test", "bfloat16", BLOCK, 3)
 def _device_path(monkeypatch: pytest.MonkeyPatch) -> None:
     if not CUDA:  # dry run: CPU tensors take the DeviceSegments path, as CUDA tensors do
         monkeypatch.setattr(buffers, "_on_host", lambda tensor: False)
+        monkeypatch.setattr(BlockRef, "on_host", property(lambda self: False))
 
 
 def random_bf16(*shape: int, seed: int) -> torch.Tensor:
@@ -93,16 +95,16 @@ def _round_trip(make_store, layout: str, tier: str, **store_kw: object) -> None:
     expected = {name: t.clone() for name, t in caches.items()}
     views = BlockViews(caches, NUM_BLOCKS)
     assert views.device.type == DEVICE
-    assert all(seg.device.type == DEVICE for seg in views.segments(0))
+    assert all(run.rows.device.type == DEVICE for run in views.table.runs)
     s = make_store(views.block_bytes, **store_kw)
     if CUDA:
         assert s.stats().pinned_memory, "the host arena must be pinned on CUDA"
     keys = make_keys(FP, f"{layout}-{tier}", range(3))
-    stored = s.submit_store(keys, [views.segments(b) for b in (1, 4, 9)], tier=tier).result(30)
+    stored = s.submit_store(keys, [views.block(b) for b in (1, 4, 9)], tier=tier).result(30)
     assert all(r.ok and r.tier == tier for r in stored), stored
     for t in caches.values():
         t.view(torch.int16).zero_()
-    loaded = s.submit_load(keys, [views.segments(b) for b in (0, 5, 7)]).result(30)
+    loaded = s.submit_load(keys, [views.block(b) for b in (0, 5, 7)]).result(30)
     assert all(r.ok and r.tier == tier for r in loaded), loaded
     for name, t in caches.items():
         for dst, src in ((0, 1), (5, 4), (7, 9)):
@@ -133,12 +135,14 @@ def test_gds_and_staged_files_are_interchangeable(make_store, tmp_path: Path) ->
     views = BlockViews({"l0": kv}, NUM_BLOCKS)
     gds = TieredStore(0, tmp_path / "a", 8 << 20, views.block_bytes, gds=True)
     key = make_keys(FP, "x", range(1))
-    assert gds.submit_store(key, [views.segments(2)], tier="disk").result(30)[0].ok
+    assert gds.submit_store(key, [views.block(2)], tier="disk").result(30)[0].ok
     gds.close()
     staged = TieredStore(0, tmp_path / "a", 8 << 20, views.block_bytes, gds=False)
     out = torch.zeros(views.block_bytes, dtype=torch.uint8)  # host memory: the staged path
     assert staged.submit_load(key, [out]).result(30)[0].ok
-    assert torch.equal(out, torch.cat(views.segments(2)).cpu())
+    image = torch.empty((1, views.block_bytes), dtype=torch.uint8, device=DEVICE)
+    views.table.gather([2], image)
+    assert torch.equal(out, image[0].cpu())
     staged.close()
 
 
@@ -154,12 +158,10 @@ def test_copies_wait_for_the_producers_stream(make_store) -> None:  # type: igno
         for _ in range(8):  # keep the producer stream busy
             work = (work @ work).clamp_(-1, 1)
         kv[:, round_].fill_(round_ + 1)  # queued behind the matmuls
-        assert s.submit_store(keys[round_ : round_ + 1], [views.segments(round_)]).result(30)[0].ok
+        assert s.submit_store(keys[round_ : round_ + 1], [views.block(round_)]).result(30)[0].ok
     out = torch.zeros_like(kv)
     out_views = BlockViews({"l0": out}, NUM_BLOCKS)
-    assert all(
-        r.ok for r in s.submit_load(keys, [out_views.segments(b) for b in range(4)]).result(30)
-    )
+    assert all(r.ok for r in s.submit_load(keys, [out_views.block(b) for b in range(4)]).result(30))
     for round_ in range(4):
         assert bool((out[:, round_] == round_ + 1).all()), round_
 
@@ -211,15 +213,135 @@ def test_layerwise_loads_on_the_device_in_forward_order(tmp_path: Path) -> None:
 def test_layer_events_are_per_layer() -> None:
     from agentkv_vllm.device_copy import LayerCopier
 
-    dest = torch.zeros(2, 1 << 20, dtype=torch.uint8, device=DEVICE)
-    host = torch.arange(2 << 20, dtype=torch.int64).to(torch.uint8).numpy().reshape(2, -1)
+    caches = {n: torch.zeros(NUM_BLOCKS, 1 << 20, dtype=torch.uint8, device=DEVICE) for n in "ab"}
+    views = BlockViews(caches, NUM_BLOCKS)
+    host = torch.arange(2 << 21, dtype=torch.int64).to(torch.uint8).numpy().reshape(2, -1)
+    if CUDA:
+        host = torch.from_numpy(host).pin_memory().numpy()
     copier = LayerCopier(DEVICE, ["a", "b"])
-    copier.copy(dest[0], host[0])
+    copier.copy_runs(views.table, [7, 3], list(host), [0])
     copier.events["a"].set()
     assert copier.events["a"].wait(1) and not copier.events["b"].wait(0)
-    assert bool((dest[0].cpu().numpy() == host[0]).all())  # ordered after layer a's copy
-    copier.copy(dest[1], host[1])
+    # ordered after layer a's copy (the wait made this stream wait for its event)
+    assert bool((caches["a"][7].cpu().numpy() == host[0][: 1 << 20]).all())
+    assert bool((caches["a"][3].cpu().numpy() == host[1][: 1 << 20]).all())
+    copier.copy_runs(views.table, [7, 3], list(host), [1])
     copier.events["b"].set()
     assert copier.events["b"].wait(1)
     copier.synchronize()
-    assert bool((dest.cpu().numpy() == host).all())
+    assert bool((caches["b"][7].cpu().numpy() == host[0][1 << 20 :]).all())
+    assert bool((caches["b"][3].cpu().numpy() == host[1][1 << 20 :]).all())
+
+
+needs_cuda = pytest.mark.skipif(not CUDA, reason="device staging uses CUDA streams")
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_staged_gather_store_and_staged_load_scatter_are_bit_exact(make_store, layout: str) -> None:  # type: ignore[no-untyped-def]
+    """The worker's CUDA path: one index_select per run into device staging, one DMA per block
+    into the pinned arena, back into staging rows, one index_copy_ per run; shuffled ids."""
+    caches = {f"model.layers.{i}.attn": layouts(seed=i)[layout][0] for i in range(3)}
+    block_dim = layouts(seed=0)[layout][1]
+    expected = {name: t.clone() for name, t in caches.items()}
+    views = BlockViews(caches, NUM_BLOCKS)
+    table = views.table
+    assert staging_budget(table, 3) == 3
+    s = make_store(views.block_bytes)
+    keys = chain_keys(FP, f"staged-{layout}", range(3))
+    staged = StagedBlocks.gather(table, [9, 1, 4])
+    assert all(row.ready is not None for row in staged.rows)
+    assert all(r.ok for r in s.submit_store(keys, staged.rows).result(30))
+    for t in caches.values():
+        t.view(torch.int16).zero_()
+    load = StagedBlocks.for_load(table, [5, 0, 7])
+    assert all(r.ok for r in s.submit_load(keys, load.rows).result(30))
+    load.scatter([True, False, True])  # the middle block "failed": block 0 stays zero
+    torch.cuda.synchronize()
+    for name, t in caches.items():
+        assert same_bits(t.select(block_dim, 5), expected[name].select(block_dim, 9)), name
+        assert same_bits(t.select(block_dim, 7), expected[name].select(block_dim, 4)), name
+        for untouched in (0, 1, 2, 3, 4, 6, 8, 9):
+            assert not bool(t.select(block_dim, untouched).view(torch.int16).any()), name
+
+
+@needs_cuda
+def test_staged_gather_waits_for_the_producers_stream(make_store) -> None:  # type: ignore[no-untyped-def]
+    kv = torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.bfloat16, device=DEVICE)
+    views = BlockViews({"l0": kv}, NUM_BLOCKS)
+    s = make_store(views.block_bytes)
+    keys = chain_keys(FP, "staged-order", range(4))
+    work = torch.ones(2048, 2048, device=DEVICE)
+    for _ in range(16):  # keep the producer stream busy
+        work = (work @ work).clamp_(-1, 1)
+    for b in range(4):
+        kv[:, b].fill_(b + 1)  # queued behind the matmuls
+    staged = StagedBlocks.gather(views.table, [0, 1, 2, 3])
+    assert all(r.ok for r in s.submit_store(keys, staged.rows).result(30))
+    out = torch.zeros_like(kv)
+    out_views = BlockViews({"l0": out}, NUM_BLOCKS)
+    load = StagedBlocks.for_load(out_views.table, [3, 2, 1, 0])
+    assert all(r.ok for r in s.submit_load(keys, load.rows).result(30))
+    load.scatter([True] * 4)
+    for b in range(4):  # ordered on the current stream after the scatter
+        assert bool((out[:, 3 - b] == b + 1).all()), b
+
+
+@needs_cuda
+def test_worker_stores_and_loads_through_device_staging(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from agentkv.manager.jobs import BlockTransfer, LoadJob, StepPlan, StoreJob
+    from agentkv_vllm.metadata import AgentKVStepMetadata
+    from agentkv_vllm.settings import ConnectorSettings
+    from agentkv_vllm.worker_side import WorkerSide
+
+    caches = {f"model.layers.{i}.attn": layouts(seed=30 + i)["flash_attn"][0] for i in range(3)}
+    expected = {name: t.clone() for name, t in caches.items()}
+    w = WorkerSide(
+        settings=ConnectorSettings(host_capacity_gib=0.05, run_dir=str(tmp_path)),
+        model_id="gpu-test",
+        tp_rank=0,
+        tp_size=1,
+        num_blocks=NUM_BLOCKS,
+    )
+    w.register_kv_caches(caches)
+    jobs = [
+        StoreJob(1, "host", [BlockTransfer(b"a", 8), BlockTransfer(b"b", 2)], "t"),
+        StoreJob(2, "host", [BlockTransfer(b"c", 5)], "t"),
+    ]
+    w.start_step(AgentKVStepMetadata(StepPlan(stores=jobs)))
+    assert all(p.staged is not None for p in w._jobs)  # one gather for both jobs
+    assert w._jobs[0].staged.staging.data_ptr() + 2 * w.views.block_bytes == (  # type: ignore[union-attr]
+        w._jobs[1].staged.staging.data_ptr()  # type: ignore[union-attr]
+    )
+    for pending in w._jobs:
+        pending.handle.result()
+    w.poll()
+    for t in caches.values():
+        t.view(torch.int16).zero_()
+    load = LoadJob(
+        3, "req", [BlockTransfer(b"c", 0), BlockTransfer(b"a", 4), BlockTransfer(b"b", 9)]
+    )
+    w.start_step(AgentKVStepMetadata(StepPlan(loads=[load])))
+    for pending in w._loads:
+        pending.handle.result()
+    assert w.poll() == {"req"}
+    torch.cuda.synchronize()
+    for name, t in caches.items():
+        for dst, src in ((0, 5), (4, 8), (9, 2)):
+            assert same_bits(t[:, dst], expected[name][:, src]), (name, dst)
+    assert w.load_error_block_ids() == set()
+    w.shutdown()
+
+
+@needs_cuda
+def test_bench_tiers_cuda_reports_pinned_copy_ratios(tmp_path: Path) -> None:
+    from agentkv.tiers.bench import run_tier_bench
+
+    report = run_tier_bench([1 << 20], 64 << 20, None, repeats=1, device="cuda", batches=(1, 64))
+    seen = {(m.operation, m.batch): m for m in report.measurements}
+    for op in ("device->host store", "host->device load"):
+        for batch in (1, 64):
+            m = seen[(op, batch)]
+            assert m.baseline.startswith("pinned copy") and m.gbps > 0
+    assert report.pinned_memory
