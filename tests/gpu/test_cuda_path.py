@@ -248,7 +248,7 @@ def test_staged_gather_store_and_staged_load_scatter_are_bit_exact(make_store, l
     table = views.table
     assert staging_budget(table, 3) == 3
     s = make_store(views.block_bytes)
-    keys = chain_keys(FP, f"staged-{layout}", range(3))
+    keys = make_keys(FP, f"staged-{layout}", range(3))
     staged = StagedBlocks.gather(table, [9, 1, 4])
     assert all(row.ready is not None for row in staged.rows)
     assert all(r.ok for r in s.submit_store(keys, staged.rows).result(30))
@@ -270,7 +270,7 @@ def test_staged_gather_waits_for_the_producers_stream(make_store) -> None:  # ty
     kv = torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.bfloat16, device=DEVICE)
     views = BlockViews({"l0": kv}, NUM_BLOCKS)
     s = make_store(views.block_bytes)
-    keys = chain_keys(FP, "staged-order", range(4))
+    keys = make_keys(FP, "staged-order", range(4))
     work = torch.ones(2048, 2048, device=DEVICE)
     for _ in range(16):  # keep the producer stream busy
         work = (work @ work).clamp_(-1, 1)
