@@ -59,6 +59,7 @@ SHOWN: tuple[tuple[str, str], ...] = (
     ("engine_busy", "engine busy (measured utilization)"),
     ("kv_usage_mean", "device KV in use, mean"),
     ("demotions", "demotions (pins given up)"),
+    ("preemptions", "requests preempted (recompute)"),
     ("evicted_blocks", "device blocks evicted"),
 )
 
@@ -288,6 +289,13 @@ def simulate_cmd(
         help="A measured run (tests/unit/fixtures/simulate/*.json or a bench report.json): "
         "prints simulated vs measured with relative errors.",
     ),
+    admission: str = typer.Option(
+        "whole",
+        "--admission",
+        help="whole: a request waits until its prompt and output fit (validated default); "
+        "chunk: vLLM 0.32's scheduler (admit when the prompt fits, allocate chunk by chunk, "
+        "preempt the newest request by recompute when a running one needs a block).",
+    ),
     full: bool = typer.Option(
         False,
         "--full",
@@ -317,7 +325,11 @@ def simulate_cmd(
     from agentkv.simulate.policies import POLICIES
     from agentkv.simulate.routers import ROUTERS
 
+    from agentkv.simulate.replica import Admission
+
     routers = _split(router, ROUTERS, "router")
+    if admission not in {a.value for a in Admission}:
+        fail(f"unknown --admission {admission!r}; choose from: whole, chunk")
     policies = _split(policy, POLICIES, "policy")
     if find and (rate is None or slo_ttft_p99 is None):
         fail("--find-replicas needs --rate and --slo-ttft-p99")
@@ -343,6 +355,7 @@ def simulate_cmd(
         gamma=gamma,
         retain_ttl_s=retain_ttl_s,
         costs=costs,
+        admission=Admission(admission),
     )
     combos = [(r, p) for r in routers for p in policies]
     console = Console()

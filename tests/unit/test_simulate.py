@@ -415,3 +415,21 @@ def test_a_trace_report_gets_its_capacity_equal_bound_next_to_the_oracle() -> No
     assert bound["summary"]["resume_hit_rate"] > 0.5 and bound["summary"]["jct_mean_s"] > 0
     report["trace"]["path"] = ""
     assert trace_report_bound(report) is None  # no trace file: no bound, no error
+
+
+def test_chunk_admission_preempts_the_newest_request_by_recompute_and_finishes() -> None:
+    from agentkv.simulate.replica import Admission
+
+    # Two long answers in a pool that holds both prompts but not both outputs: vLLM admits
+    # both (their prompts fit), then the older one's decode needs a block the newer one holds.
+    trajs = tuple(
+        SimTrajectory(f"t{i}", i * 0.01, (SimTurn(0, 1000, 600),), output_in_cache=False)
+        for i in range(2)
+    )
+    wl = SimWorkload(trajs)
+    chunk = simulate(wl, FleetConfig(num_blocks=20, admission=Admission.CHUNK)).summary
+    assert chunk.preemptions >= 1 and chunk.turns == 2
+    whole = simulate(wl, FleetConfig(num_blocks=20, admission=Admission.WHOLE)).summary
+    assert whole.preemptions == 0 and whole.turns == 2
+    # The preempted request recomputed, but its hit accounting is that of its first admission.
+    assert chunk.cached_tokens == whole.cached_tokens == 0
