@@ -323,9 +323,8 @@ def simulate_cmd(
     from agentkv.simulate.fleet import FleetConfig, simulate
     from agentkv.simulate.load import offered_load
     from agentkv.simulate.policies import POLICIES
-    from agentkv.simulate.routers import ROUTERS
-
     from agentkv.simulate.replica import Admission
+    from agentkv.simulate.routers import ROUTERS
 
     routers = _split(router, ROUTERS, "router")
     if admission not in {a.value for a in Admission}:
