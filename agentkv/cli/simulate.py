@@ -219,8 +219,26 @@ def simulate_cmd(
         "embedded tokenizer's real tokens per target token, chat template included; traces 1.0).",
     ),
     seed: int = typer.Option(0, "--seed", help="Workload seed (and Poisson arrivals with --rate)."),
-    num_blocks: int = typer.Option(
-        128, "--num-blocks", min=1, help="Device KV blocks per replica (as `bench agents`)."
+    num_blocks: int | None = typer.Option(
+        None,
+        "--num-blocks",
+        min=1,
+        help="Device KV blocks per replica (default 128, as `bench agents`; with --gpu, what "
+        "the GPUs hold after the weights at 0.9 utilization).",
+    ),
+    gpu: str | None = typer.Option(
+        None,
+        "--gpu",
+        help="Engine costs from published figures instead of a calibration: H100 or H200 "
+        "(with --model and --tp; docs/simulate.md lists the sources).",
+    ),
+    model_name: str = typer.Option(
+        "llama-3.1-8b",
+        "--model",
+        help="With --gpu: llama-3.1-8b, llama-3.1-70b (GQA) or deepseek-v2-lite (MLA).",
+    ),
+    tp: int = typer.Option(
+        1, "--tp", min=1, help="With --gpu: GPUs per replica (tensor parallel)."
     ),
     host_capacity_gib: float = typer.Option(
         2.0, "--host-capacity-gib", min=0.0, help="Host tier per replica (0: none)."
@@ -332,8 +350,20 @@ def simulate_cmd(
     policies = _split(policy, POLICIES, "policy")
     if find and (rate is None or slo_ttft_p99 is None):
         fail("--find-replicas needs --rate and --slo-ttft-p99")
+    if gpu is not None and calibration is not None:
+        fail("--gpu and --calibration are exclusive")
     try:
-        costs = load_calibration(calibration) if calibration is not None else BENCH_SMALL_CPU
+        if gpu is not None:
+            from agentkv.hardware import get_preset
+            from agentkv.simulate.presets import get_model, gpu_costs, gpu_num_blocks
+
+            costs = gpu_costs(gpu, model_name, tp)
+            if num_blocks is None:
+                num_blocks = gpu_num_blocks(get_preset(gpu), get_model(model_name), tp)
+        else:
+            costs = load_calibration(calibration) if calibration is not None else BENCH_SMALL_CPU
+        if num_blocks is None:
+            num_blocks = 128
         workload = _workload(trace, sessions or trajectories, turns, time_scale, token_scale, seed)
     except (AgentKVError, ValueError) as exc:
         fail(str(exc))

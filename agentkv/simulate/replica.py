@@ -436,8 +436,9 @@ class Replica:
             if k >= 1:
                 b = budget
                 # k chunks of b tokens, the context growing by b each step.
-                chunk = sum(c.prefill_s(b, head.computed + i * b) for i in range(k))
-                total = k * (c.step_overhead_s + dec_work) + chunk
+                total = sum(
+                    c.step_s(dec_work + c.prefill_s(b, head.computed + i * b)) for i in range(k)
+                )
                 return _HEAD, k, total / k
             work = dec_work
             left = budget
