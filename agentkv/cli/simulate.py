@@ -184,6 +184,7 @@ def _table(results: dict[str, SimResult]) -> Any:
 
 
 def simulate_cmd(
+    ctx: typer.Context,
     trajectories: int | None = typer.Option(
         None, "--trajectories", "-n", min=1, help="Trajectories of the bench workload (default 6)."
     ),
@@ -332,6 +333,8 @@ def simulate_cmd(
     turns), job completion time, hit rate, tokens recomputed, KV occupancy over time and
     demotions. With --find-replicas --rate R --slo-ttft-p99 X it answers the smallest fleet.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     from dataclasses import replace
 
     from rich.console import Console
@@ -611,6 +614,107 @@ def calibrate_load(
     )
 
 
+def validate_cmd(
+    predict_row: str | None = typer.Option(
+        None,
+        "--predict",
+        help="Write the prediction of row NAME to bench/results/predictions/NAME.json (commit "
+        "it before running the printed bench command). Without it: the table of every row.",
+    ),
+    trace: Path | None = typer.Option(
+        None, "--trace", exists=True, dir_okay=False, help="The row's trace (default: the bench)."
+    ),
+    token_scale: float = typer.Option(1.0, "--token-scale", min=0.0001),
+    time_scale: float = typer.Option(1.0, "--time-scale", min=0.0),
+    num_blocks: int = typer.Option(128, "--num-blocks", min=1, help="The row's pool."),
+    host_capacity_gib: float = typer.Option(2.0, "--host-capacity-gib", min=0.1),
+    calibration: Path | None = typer.Option(
+        None,
+        "--calibration",
+        exists=True,
+        dir_okay=False,
+        help="Engine profile (`agentkv calibrate --load`); a report of the same run is allowed "
+        "but the row is then not held out.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Predictions before runs (docs/simulate.md, "Validation protocol"): write a row's
+    prediction, or print predicted vs measured for every row with its commit."""
+    from agentkv.errors import AgentKVError
+    from agentkv.simulate import protocol
+    from agentkv.simulate.costs import BENCH_SMALL_CPU, load_calibration
+
+    if predict_row is None:
+        rows = protocol.table_rows()
+        if as_json:
+            typer.echo(json.dumps(rows))
+            return
+        _print_validation(rows)
+        return
+    try:
+        costs = load_calibration(calibration) if calibration is not None else BENCH_SMALL_CPU
+        workload = _workload(trace, None, None, time_scale, token_scale, 0)
+    except (AgentKVError, ValueError) as exc:
+        fail(str(exc))
+    spec = protocol.RowSpec(
+        predict_row,
+        str(trace) if trace is not None else None,
+        token_scale,
+        time_scale,
+        num_blocks,
+        host_capacity_gib,
+        str(calibration) if calibration is not None else None,
+    )
+    pred = protocol.predict(spec, workload, costs)
+    path = protocol.PREDICTIONS_DIR / f"{predict_row}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(pred, indent=1) + "\n", encoding="utf-8")
+    if as_json:
+        typer.echo(json.dumps({"path": str(path), **pred}))
+        return
+    typer.echo(
+        f"prediction written to {path} (held out: {pred['held_out']}); now\n"
+        f"  git add -f {path} && git commit -m 'prediction {predict_row}'\n"
+        f"then measure:\n  {pred['command']}\nthen: agentkv simulate validate"
+    )
+
+
+def _print_validation(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="predicted before the run vs measured", title_justify="left")
+    for c in ("row", "commit", "config", "metric", "predicted", "measured", "error", "within"):
+        table.add_column(
+            c, justify="left" if c in ("row", "commit", "config", "metric") else "right"
+        )
+    for r in rows:
+        commit = (r["commit"] or "uncommitted")[:9]
+        if not r["metrics"]:
+            table.add_row(r["row"], commit, "-", "not run yet", "", "", "", "")
+            continue
+        flag = "" if r.get("committed_before_run") else " (committed after the run)"
+        flag += "" if r["held_out"] else " (calibration fitted to the run)"
+        for config, key, pv, mv, err, ok in r["metrics"]:
+            table.add_row(
+                r["row"] + flag,
+                commit,
+                config,
+                key,
+                _fmt(pv),
+                _fmt(mv),
+                "-" if err is None else f"{err:+.0%}",
+                "-" if ok is None else ("yes" if ok else "NO"),
+            )
+    Console(width=160).print(table)
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``simulate`` to the root app."""
-    app.command("simulate")(simulate_cmd)
+    """Add ``simulate`` (and ``simulate validate``) to the root app."""
+    sim = typer.Typer(
+        invoke_without_command=True,
+        help="Simulate a fleet of vLLM replicas with agentkv behind a router.",
+    )
+    sim.callback()(simulate_cmd)
+    sim.command("validate")(validate_cmd)
+    app.add_typer(sim, name="simulate")
