@@ -340,11 +340,11 @@ def simulate_cmd(
     from rich.console import Console
 
     from agentkv.errors import AgentKVError
+    from agentkv.simulate.admission import Admission
     from agentkv.simulate.costs import BENCH_SMALL_CPU, Provenance, load_calibration
     from agentkv.simulate.fleet import FleetConfig, simulate
     from agentkv.simulate.load import offered_load
     from agentkv.simulate.policies import POLICIES
-    from agentkv.simulate.replica import Admission
     from agentkv.simulate.routers import ROUTERS
 
     routers = _split(router, ROUTERS, "router")

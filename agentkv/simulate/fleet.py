@@ -25,11 +25,12 @@ from typing import Any
 
 import simpy
 
+from agentkv.simulate.admission import Admission
 from agentkv.simulate.costs import BENCH_SMALL_CPU, EngineCosts
 from agentkv.simulate.load import OfferedLoad
 from agentkv.simulate.metrics import Recorder, Summary
 from agentkv.simulate.policies import make_policy
-from agentkv.simulate.replica import GIB, Admission, Replica, Request
+from agentkv.simulate.replica import GIB, Replica, Request
 from agentkv.simulate.routers import make_router
 from agentkv.simulate.tiers import Tier
 from agentkv.simulate.workload import SimTrajectory, SimWorkload

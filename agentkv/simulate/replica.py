@@ -24,32 +24,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from enum import StrEnum
 from functools import partial
 from typing import Any
 
 import simpy
 
+from agentkv.simulate.admission import _FILL, _HEAD, Admission, AdmissionMixin
 from agentkv.simulate.costs import EngineCosts
 from agentkv.simulate.policies import KVPolicy, PauseContext, PausePlan
-from agentkv.simulate.pool import PREFIX, Allocation, BlockPool
+from agentkv.simulate.pool import Allocation, BlockPool
 from agentkv.simulate.routers import RouteRequest
 from agentkv.simulate.tiers import Tier
 
 GIB = 2**30
-
-
-class Admission(StrEnum):
-    """How a replica gives blocks to requests."""
-
-    WHOLE = "whole"
-    """A request waits until its whole prompt and output fit; nothing is ever preempted."""
-    CHUNK = "chunk"
-    """vLLM 0.32's V1 scheduler: a request is admitted when its whole prompt fits in the free
-    blocks (``scheduler_reserve_full_isl``), but takes them chunk by chunk as its prefill
-    runs, and decode tokens take blocks as they go; when a running request cannot get one, the
-    most recently admitted request is preempted (its blocks freed, still cached, and it goes
-    back to the head of the waiting queue to recompute what was evicted)."""
 
 
 class Request:
@@ -133,11 +120,10 @@ class Request:
         )
 
 
-# Segment kinds.
-_DECODE, _HEAD, _FILL = 0, 1, 2
+_DECODE = 0  # segment kinds (with _HEAD and _FILL)
 
 
-class Replica:
+class Replica(AdmissionMixin):
     """One engine with its pool, tiers and policy (see the module docstring)."""
 
     def __init__(
@@ -324,90 +310,6 @@ class Replica:
             else:
                 self.prefilling.append(r)
             self._check_high_water()
-
-    def _first_blocks(self, r: Request, hit_blocks: int) -> int:
-        """Blocks a request needs to be admitted: all of them (WHOLE), or its hits plus its
-        first prefill chunk (CHUNK, as vLLM V1's scheduler allocates)."""
-        if self.admission is Admission.WHOLE:
-            return r.total_blocks
-        tokens = min(r.prompt, hit_blocks * self.bt + self.costs.max_batched_tokens)
-        return min(r.total_blocks, max(hit_blocks, -(-tokens // self.bt)))
-
-    def _prompt_fits(self, r: Request, pre: int, priv: int) -> bool:
-        """CHUNK admission: vLLM 0.32's ``scheduler_reserve_full_isl`` (on by default) admits
-        a request only when its whole prompt fits in the free blocks (cached-free included),
-        though it allocates them chunk by chunk (WHOLE: ``admit`` checks prompt and output)."""
-        if self.admission is Admission.WHOLE:
-            return True
-        pool = self.pool
-        in_lru = pool.lru.get(r.tid, 0) + (pool.lru.get(PREFIX + r.group, 0) if pre else 0)
-        need = -(-r.prompt // self.bt) - pre - priv
-        return need <= pool.empty + pool.cached_free - min(in_lru, pre + priv)
-
-    def _grow(self, r: Request, tokens: int) -> bool:
-        """Give a running request blocks for ``tokens`` tokens; False when the pool has none.
-        The one pool operation chunked admission needs beyond BlockPool's API (a grown
-        allocation is released like any other)."""
-        assert r.alloc is not None
-        need = min(r.total_blocks, -(-tokens // self.bt)) - r.alloc.blocks
-        if need <= 0:
-            return True
-        pool = self.pool
-        if pool.empty + pool.cached_free < need:
-            return False
-        if need > pool.empty:
-            pool._evict(need - pool.empty)
-        pool.active += need
-        r.alloc.blocks += need
-        return True
-
-    def _preempt(self, r: Request) -> None:
-        """vLLM's recompute preemption: free the request's blocks (its computed full blocks
-        stay cached for its return) and put it back at the head of the waiting queue."""
-        assert r.alloc is not None
-        if r in self.prefilling:
-            self.prefilling.remove(r)
-            self.pending_prefill_s -= self.costs.prefill_s(r.remaining, r.computed)
-        else:
-            self.decoding.remove(r)
-        keep = r.computed // self.bt - r.prefix_blocks
-        self.pool.release(r.tid, r.group, r.alloc, keep)
-        r.alloc = None
-        r.reusable_tokens = max(r.reusable_tokens, r.computed)
-        r.preempted += 1
-        self.preemptions += 1
-        self._no_admit = True
-        r.estimate_s = self.costs.prefill_s(r.prompt, 0)
-        self.pending_prefill_s += r.estimate_s
-        self.waiting.appendleft(r)
-
-    def _reserve(self, kind: int, steps: int) -> bool:
-        """Blocks for every token the planned segment computes (CHUNK admission); when one
-        does not fit, preempt the most recently admitted request and say so (replan)."""
-        budget = self.costs.max_batched_tokens - len(self.decoding)
-        wants: list[tuple[Request, int]] = [
-            (d, d.prompt + d.output - d.decode_left + steps) for d in self.decoding
-        ]
-        if kind == _HEAD:
-            head = self.prefilling[0]
-            wants.append((head, head.computed + steps * max(1, budget)))
-        elif kind == _FILL:
-            left = budget
-            for r in self.prefilling:
-                if left <= 0:
-                    break
-                n = min(r.remaining, left)
-                wants.append((r, r.computed + n))
-                left -= n
-        for r, tokens in sorted(wants, key=lambda w: w[0].seq):
-            if not self._grow(r, tokens) and self.pool.pins:
-                # agentkv demotes pins under pressure before vLLM has to preempt.
-                self._demote_for(max(1, tokens // self.bt - r.alloc.blocks), "pressure")  # type: ignore[union-attr]
-            if not self._grow(r, tokens):
-                running = self.prefilling + self.decoding
-                self._preempt(max(running, key=lambda x: x.seq))
-                return False
-        return True
 
     def _at(self, delay: float, fn: Callable[[], None]) -> None:
         """Call ``fn`` after ``delay`` simulated seconds (a bare timeout, no process)."""

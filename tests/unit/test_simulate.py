@@ -418,7 +418,7 @@ def test_a_trace_report_gets_its_capacity_equal_bound_next_to_the_oracle() -> No
 
 
 def test_chunk_admission_preempts_the_newest_request_by_recompute_and_finishes() -> None:
-    from agentkv.simulate.replica import Admission
+    from agentkv.simulate.admission import Admission
 
     # Two long answers in a pool that holds both prompts but not both outputs: vLLM admits
     # both (their prompts fit), then the older one's decode needs a block the newer one holds.
