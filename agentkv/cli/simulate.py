@@ -575,7 +575,12 @@ def _workload(
 
 
 def calibrate_load(
-    server: str, model: str | None, max_batched_tokens: int, output: Path | None, as_json: bool
+    server: str,
+    model: str | None,
+    max_batched_tokens: int,
+    output: Path | None,
+    as_json: bool,
+    quick: bool = False,
 ) -> None:
     """``agentkv calibrate --load``: measure the engine at ``server`` under load and write its
     profile (``agentkv.simulate.engine_profile``)."""
@@ -594,6 +599,7 @@ def calibrate_load(
                 model=model,
                 max_batched_tokens=max_batched_tokens,
                 progress=lambda line: status.update(f"measuring {line}"),
+                quick=quick,
             )
         profile = build_profile(samples, BENCH_SMALL_CPU)
         target.parent.mkdir(parents=True, exist_ok=True)
