@@ -37,6 +37,8 @@ from agentkv.simulate.routers import RouteRequest
 from agentkv.simulate.tiers import Tier
 
 GIB = 2**30
+NULL_BLOCKS = 1
+"""Blocks vLLM's V1 block pool takes for itself (the null block) out of num_gpu_blocks."""
 
 
 class Request:
@@ -147,7 +149,8 @@ class Replica(AdmissionMixin):
         self.costs = costs
         self.policy = policy
         self.bt = costs.block_tokens
-        self.pool = BlockPool(num_blocks)
+        # vLLM's block pool keeps one block as its null block: num_gpu_blocks - 1 are usable.
+        self.pool = BlockPool(max(1, num_blocks - NULL_BLOCKS))
         bb = costs.block_bytes()
         self.host: Tier | None = None
         self.disk: Tier | None = None

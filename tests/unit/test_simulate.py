@@ -433,3 +433,11 @@ def test_chunk_admission_preempts_the_newest_request_by_recompute_and_finishes()
     assert whole.preemptions == 0 and whole.turns == 2
     # The preempted request recomputed, but its hit accounting is that of its first admission.
     assert chunk.cached_tokens == whole.cached_tokens == 0
+
+
+def test_vllm_s_null_block_is_not_usable() -> None:
+    # 9 blocks of 128: vLLM uses 8; a 960-token request (8 blocks) fits, a 1,100-token one not.
+    fits = SimWorkload((SimTrajectory("a", 0.0, (SimTurn(0, 950, 10),)),))
+    too_big = SimWorkload((SimTrajectory("b", 0.0, (SimTurn(0, 1100, 10),)),))
+    assert simulate(fits, FleetConfig(num_blocks=9)).summary.rejected_turns == 0
+    assert simulate(too_big, FleetConfig(num_blocks=9)).summary.rejected_turns == 1
