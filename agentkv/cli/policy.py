@@ -291,6 +291,9 @@ def calibrate_cmd(
     max_batched_tokens: int = typer.Option(
         2048, "--max-batched-tokens", help="With --load: the server's max_num_batched_tokens."
     ),
+    quick: bool = typer.Option(
+        False, "--quick", help="With --load: short prompts and small batches (minutes)."
+    ),
 ) -> None:
     """Measure this machine (host copy, host<->device, disk, prefill) and save the profile."""
     from rich.console import Console
@@ -301,7 +304,7 @@ def calibrate_cmd(
         if server is None:
             fail("--load needs --server")
         assert server is not None
-        calibrate_load(server, model, max_batched_tokens, output, as_json)
+        calibrate_load(server, model, max_batched_tokens, output, as_json, quick)
         return
 
     from agentkv.calibrate import calibrate

@@ -59,6 +59,7 @@ SHOWN: tuple[tuple[str, str], ...] = (
     ("engine_busy", "engine busy (measured utilization)"),
     ("kv_usage_mean", "device KV in use, mean"),
     ("demotions", "demotions (pins given up)"),
+    ("preemptions", "requests preempted (recompute)"),
     ("evicted_blocks", "device blocks evicted"),
 )
 
@@ -183,6 +184,7 @@ def _table(results: dict[str, SimResult]) -> Any:
 
 
 def simulate_cmd(
+    ctx: typer.Context,
     trajectories: int | None = typer.Option(
         None, "--trajectories", "-n", min=1, help="Trajectories of the bench workload (default 6)."
     ),
@@ -218,8 +220,26 @@ def simulate_cmd(
         "embedded tokenizer's real tokens per target token, chat template included; traces 1.0).",
     ),
     seed: int = typer.Option(0, "--seed", help="Workload seed (and Poisson arrivals with --rate)."),
-    num_blocks: int = typer.Option(
-        128, "--num-blocks", min=1, help="Device KV blocks per replica (as `bench agents`)."
+    num_blocks: int | None = typer.Option(
+        None,
+        "--num-blocks",
+        min=1,
+        help="Device KV blocks per replica (default 128, as `bench agents`; with --gpu, what "
+        "the GPUs hold after the weights at 0.9 utilization).",
+    ),
+    gpu: str | None = typer.Option(
+        None,
+        "--gpu",
+        help="Engine costs from published figures instead of a calibration: H100 or H200 "
+        "(with --model and --tp; docs/simulate.md lists the sources).",
+    ),
+    model_name: str = typer.Option(
+        "llama-3.1-8b",
+        "--model",
+        help="With --gpu: llama-3.1-8b, llama-3.1-70b (GQA) or deepseek-v2-lite (MLA).",
+    ),
+    tp: int = typer.Option(
+        1, "--tp", min=1, help="With --gpu: GPUs per replica (tensor parallel)."
     ),
     host_capacity_gib: float = typer.Option(
         2.0, "--host-capacity-gib", min=0.0, help="Host tier per replica (0: none)."
@@ -288,6 +308,13 @@ def simulate_cmd(
         help="A measured run (tests/unit/fixtures/simulate/*.json or a bench report.json): "
         "prints simulated vs measured with relative errors.",
     ),
+    admission: str = typer.Option(
+        "whole",
+        "--admission",
+        help="whole: a request waits until its prompt and output fit (validated default); "
+        "chunk: vLLM 0.32's scheduler (admit when the prompt fits, allocate chunk by chunk, "
+        "preempt the newest request by recompute when a running one needs a block).",
+    ),
     full: bool = typer.Option(
         False,
         "--full",
@@ -306,11 +333,14 @@ def simulate_cmd(
     turns), job completion time, hit rate, tokens recomputed, KV occupancy over time and
     demotions. With --find-replicas --rate R --slo-ttft-p99 X it answers the smallest fleet.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     from dataclasses import replace
 
     from rich.console import Console
 
     from agentkv.errors import AgentKVError
+    from agentkv.simulate.admission import Admission
     from agentkv.simulate.costs import BENCH_SMALL_CPU, Provenance, load_calibration
     from agentkv.simulate.fleet import FleetConfig, simulate
     from agentkv.simulate.load import offered_load
@@ -318,11 +348,25 @@ def simulate_cmd(
     from agentkv.simulate.routers import ROUTERS
 
     routers = _split(router, ROUTERS, "router")
+    if admission not in {a.value for a in Admission}:
+        fail(f"unknown --admission {admission!r}; choose from: whole, chunk")
     policies = _split(policy, POLICIES, "policy")
     if find and (rate is None or slo_ttft_p99 is None):
         fail("--find-replicas needs --rate and --slo-ttft-p99")
+    if gpu is not None and calibration is not None:
+        fail("--gpu and --calibration are exclusive")
     try:
-        costs = load_calibration(calibration) if calibration is not None else BENCH_SMALL_CPU
+        if gpu is not None:
+            from agentkv.hardware import get_preset
+            from agentkv.simulate.presets import get_model, gpu_costs, gpu_num_blocks
+
+            costs = gpu_costs(gpu, model_name, tp)
+            if num_blocks is None:
+                num_blocks = gpu_num_blocks(get_preset(gpu), get_model(model_name), tp)
+        else:
+            costs = load_calibration(calibration) if calibration is not None else BENCH_SMALL_CPU
+        if num_blocks is None:
+            num_blocks = 128
         workload = _workload(trace, sessions or trajectories, turns, time_scale, token_scale, seed)
     except (AgentKVError, ValueError) as exc:
         fail(str(exc))
@@ -343,6 +387,7 @@ def simulate_cmd(
         gamma=gamma,
         retain_ttl_s=retain_ttl_s,
         costs=costs,
+        admission=Admission(admission),
     )
     combos = [(r, p) for r in routers for p in policies]
     console = Console()
@@ -530,7 +575,12 @@ def _workload(
 
 
 def calibrate_load(
-    server: str, model: str | None, max_batched_tokens: int, output: Path | None, as_json: bool
+    server: str,
+    model: str | None,
+    max_batched_tokens: int,
+    output: Path | None,
+    as_json: bool,
+    quick: bool = False,
 ) -> None:
     """``agentkv calibrate --load``: measure the engine at ``server`` under load and write its
     profile (``agentkv.simulate.engine_profile``)."""
@@ -549,6 +599,7 @@ def calibrate_load(
                 model=model,
                 max_batched_tokens=max_batched_tokens,
                 progress=lambda line: status.update(f"measuring {line}"),
+                quick=quick,
             )
         profile = build_profile(samples, BENCH_SMALL_CPU)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -569,6 +620,107 @@ def calibrate_load(
     )
 
 
+def validate_cmd(
+    predict_row: str | None = typer.Option(
+        None,
+        "--predict",
+        help="Write the prediction of row NAME to bench/results/predictions/NAME.json (commit "
+        "it before running the printed bench command). Without it: the table of every row.",
+    ),
+    trace: Path | None = typer.Option(
+        None, "--trace", exists=True, dir_okay=False, help="The row's trace (default: the bench)."
+    ),
+    token_scale: float = typer.Option(1.0, "--token-scale", min=0.0001),
+    time_scale: float = typer.Option(1.0, "--time-scale", min=0.0),
+    num_blocks: int = typer.Option(128, "--num-blocks", min=1, help="The row's pool."),
+    host_capacity_gib: float = typer.Option(2.0, "--host-capacity-gib", min=0.1),
+    calibration: Path | None = typer.Option(
+        None,
+        "--calibration",
+        exists=True,
+        dir_okay=False,
+        help="Engine profile (`agentkv calibrate --load`); a report of the same run is allowed "
+        "but the row is then not held out.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Predictions before runs (docs/simulate.md, "Validation protocol"): write a row's
+    prediction, or print predicted vs measured for every row with its commit."""
+    from agentkv.errors import AgentKVError
+    from agentkv.simulate import protocol
+    from agentkv.simulate.costs import BENCH_SMALL_CPU, load_calibration
+
+    if predict_row is None:
+        rows = protocol.table_rows()
+        if as_json:
+            typer.echo(json.dumps(rows))
+            return
+        _print_validation(rows)
+        return
+    try:
+        costs = load_calibration(calibration) if calibration is not None else BENCH_SMALL_CPU
+        workload = _workload(trace, None, None, time_scale, token_scale, 0)
+    except (AgentKVError, ValueError) as exc:
+        fail(str(exc))
+    spec = protocol.RowSpec(
+        predict_row,
+        str(trace) if trace is not None else None,
+        token_scale,
+        time_scale,
+        num_blocks,
+        host_capacity_gib,
+        str(calibration) if calibration is not None else None,
+    )
+    pred = protocol.predict(spec, workload, costs)
+    path = protocol.PREDICTIONS_DIR / f"{predict_row}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(pred, indent=1) + "\n", encoding="utf-8")
+    if as_json:
+        typer.echo(json.dumps({"path": str(path), **pred}))
+        return
+    typer.echo(
+        f"prediction written to {path} (held out: {pred['held_out']}); now\n"
+        f"  git add -f {path} && git commit -m 'prediction {predict_row}'\n"
+        f"then measure:\n  {pred['command']}\nthen: agentkv simulate validate"
+    )
+
+
+def _print_validation(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="predicted before the run vs measured", title_justify="left")
+    for c in ("row", "commit", "config", "metric", "predicted", "measured", "error", "within"):
+        table.add_column(
+            c, justify="left" if c in ("row", "commit", "config", "metric") else "right"
+        )
+    for r in rows:
+        commit = (r["commit"] or "uncommitted")[:9]
+        if not r["metrics"]:
+            table.add_row(r["row"], commit, "-", "not run yet", "", "", "", "")
+            continue
+        flag = "" if r.get("committed_before_run") else " (committed after the run)"
+        flag += "" if r["held_out"] else " (calibration fitted to the run)"
+        for config, key, pv, mv, err, ok in r["metrics"]:
+            table.add_row(
+                r["row"] + flag,
+                commit,
+                config,
+                key,
+                _fmt(pv),
+                _fmt(mv),
+                "-" if err is None else f"{err:+.0%}",
+                "-" if ok is None else ("yes" if ok else "NO"),
+            )
+    Console(width=160).print(table)
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``simulate`` to the root app."""
-    app.command("simulate")(simulate_cmd)
+    """Add ``simulate`` (and ``simulate validate``) to the root app."""
+    sim = typer.Typer(
+        invoke_without_command=True,
+        help="Simulate a fleet of vLLM replicas with agentkv behind a router.",
+    )
+    sim.callback()(simulate_cmd)
+    sim.command("validate")(validate_cmd)
+    app.add_typer(sim, name="simulate")

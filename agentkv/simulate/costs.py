@@ -99,6 +99,9 @@ class EngineCosts:
     decode_context_s_per_token: float | None = None
     """Seconds a decode step adds per token of context held by the batch (None: the attention
     prefill cost of one token against its context)."""
+    roofline: bool = False
+    """A step streams the weights while it computes (GPU): it costs max(step overhead, its
+    tokens' work) instead of their sum (CPU, where both compete for the same cores)."""
     layerwise_overlap: bool = False
     """Tier loads overlap the prefill layer by layer (vLLM's KV connectors load layer i+1 while
     layer i computes): a resume waits max(load, prefill) instead of their sum."""
@@ -161,6 +164,8 @@ class EngineCosts:
 
     def step_s(self, work_s: float) -> float:
         """One engine step whose tokens take ``work_s`` of compute."""
+        if self.roofline:
+            return max(self.step_overhead_s, work_s)
         return self.step_overhead_s + work_s
 
     def kv_bytes(self, tokens: int) -> float:

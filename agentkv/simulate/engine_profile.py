@@ -150,14 +150,16 @@ def _decode_steps(
     return max(0.0, (run(long) - run(short)) / (long - short))
 
 
-def _admission(eng: _Engine, rng: random.Random, samples: LoadSamples) -> dict[str, Any]:
+def _admission(
+    eng: _Engine, rng: random.Random, samples: LoadSamples, count: int | None = None
+) -> dict[str, Any]:
     """A burst of requests whose blocks exceed the pool: how many run at once."""
     bt, blocks = samples.block_tokens, samples.num_blocks
     if not bt or not blocks:
         return {"measured": False, "why": "no vllm:cache_config_info on /metrics"}
     per_req = min(blocks // 2, (samples.max_model_len or 2048) // bt - 1)
     tokens = max(bt, per_req * bt - 64)
-    count = max(4, 2 * blocks // max(1, per_req))
+    count = count or max(4, 2 * blocks // max(1, per_req))
     peak = {"running": 0.0, "waiting": 0.0}
     done = threading.Event()
 
@@ -197,11 +199,14 @@ def measure_under_load(
     clock: Clock = time.perf_counter,
     progress: Progress = _noop,
     seed: int = 0,
+    quick: bool = False,
 ) -> LoadSamples:
     """Measure the engine at ``server`` (see the module docstring).
 
     Contract: raises EngineUnavailableError when the server cannot be reached or fails a
-    request; /metrics is optional (pool size and admission are then not measured)."""
+    request; /metrics is optional (pool size and admission are then not measured). ``quick``:
+    a grid of short prompts (up to 512 new after up to 512 cached), batches up to 4, a burst
+    of 4 (minutes instead of tens of minutes on a shared 2-core machine)."""
     import httpx
 
     http = client or httpx.Client(base_url=server.rstrip("/"), timeout=600.0)
@@ -222,8 +227,11 @@ def measure_under_load(
         s.block_tokens, s.num_blocks = _parse_cache_info(eng.metrics())
         bt = s.block_tokens or 16
         top = (s.max_model_len or 8192) - 64
-        news = [n for n in (64, 256, 1024, max_batched_tokens, 2 * max_batched_tokens) if n < top]
-        contexts = [c for c in (0, top // 4, top // 2) if c + 64 < top]
+        sizes = (
+            (64, 256, 512) if quick else (64, 256, 1024, max_batched_tokens, 2 * max_batched_tokens)
+        )
+        news = [n for n in sizes if n < top]
+        contexts = [c for c in ((0, 512) if quick else (0, top // 4, top // 2)) if c + 64 < top]
         progress("warm-up")
         eng.complete(_ids(rng, 32), 1)
         progress("prefill vs chunk size and context, idle engine")
@@ -245,13 +253,13 @@ def measure_under_load(
                 stop.set()
             for f in futures:
                 f.result()
-        for batch in (1, 2, 4, 8):
-            for ctx in (256, min(2048, top // 2)):
+        for batch in (1, 2, 4) if quick else (1, 2, 4, 8):
+            for ctx in (128, 512) if quick else (256, min(2048, top // 2)):
                 progress(f"decode: batch {batch}, {ctx}-token contexts")
-                step = _decode_steps(eng, rng, batch, ctx, 8, 40)
+                step = _decode_steps(eng, rng, batch, ctx, 4 if quick else 8, 16 if quick else 40)
                 s.decode.append((batch, batch * (ctx + 24), step))
         progress("admission: a burst larger than the pool")
-        s.admission = _admission(eng, rng, s)
+        s.admission = _admission(eng, rng, s, 4 if quick else None)
         return s
     finally:
         if client is None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import simpy
 
+from agentkv.simulate.admission import Admission
 from agentkv.simulate.costs import BENCH_SMALL_CPU, EngineCosts
 from agentkv.simulate.load import OfferedLoad
 from agentkv.simulate.metrics import Recorder, Summary
@@ -51,6 +52,10 @@ class FleetConfig:
     retain_ttl_s: float = 60.0
     sample_interval_s: float = 0.5
     costs: EngineCosts = field(default=BENCH_SMALL_CPU)
+    admission: Admission = Admission.WHOLE
+    """How replicas give blocks to requests (replica.Admission): WHOLE (wait until prompt and
+    output fit, never preempt: the model the committed runs validate) or CHUNK (vLLM 0.32's
+    scheduler: chunk-wise allocation and recompute preemption; docs/simulate.md compares)."""
     horizon_s: float | None = None
     """Stop simulating this long after the first arrival (None: run every trajectory to its
     end); turns not finished by then are not in the summary. For unbounded overloads."""
@@ -130,6 +135,7 @@ class _Fleet:
                 cfg.host_capacity_gib,
                 cfg.disk_capacity_gib,
                 self.remote,
+                Admission(cfg.admission),
             )
             for i in range(cfg.replicas)
         ]
@@ -272,6 +278,7 @@ class _Fleet:
             sum(r.steps for r in reps),
             decisions,
             sum(r.busy_s for r in reps) / max(1e-9, len(reps) * (env.now - self.first_sent)),
+            sum(r.preemptions for r in reps),
         )
 
 

@@ -58,7 +58,8 @@ def _turn(
     new = max(1, prompt - cached)
     chunks = -(-new // costs.max_batched_tokens)
     lin, attn, step = costs.linear_s_per_token, costs.attention_s_per_pair, costs.step_overhead_s
-    prefill = new * (lin + attn * prompt) + chunks * step
+    prefill = new * (lin + attn * prompt)
+    prefill = max(prefill, chunks * step) if costs.roofline else prefill + chunks * step
     decode_tokens = max(0, output - 1)
     # One token per decode step; the attention cost is that of the context mid-answer.
     compute = decode_tokens * costs.decode_token_s(prompt + decode_tokens // 2)

@@ -75,6 +75,8 @@ class Summary:
     hit_rate_by_turn: dict[str, float] = field(default_factory=dict)
     engine_busy: float | None = None
     """Fraction of the run the replicas' engines were stepping (measured utilization)."""
+    preemptions: int = 0
+    """Running requests preempted for blocks (recompute), CHUNK admission only."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,6 +150,7 @@ class Recorder:
         steps: int,
         decisions: dict[str, int],
         engine_busy: float | None = None,
+        preemptions: int = 0,
     ) -> Summary:
         usage = [s[1] for s in self.samples]
         return Summary(
@@ -186,4 +189,5 @@ class Recorder:
             decisions=dict(sorted(decisions.items())),
             hit_rate_by_turn={str(k): v[0] / max(1, v[1]) for k, v in sorted(self.by_turn.items())},
             engine_busy=engine_busy,
+            preemptions=preemptions,
         )

@@ -29,6 +29,7 @@ from typing import Any
 
 import simpy
 
+from agentkv.simulate.admission import _FILL, _HEAD, Admission, AdmissionMixin
 from agentkv.simulate.costs import EngineCosts
 from agentkv.simulate.policies import KVPolicy, PauseContext, PausePlan
 from agentkv.simulate.pool import Allocation, BlockPool
@@ -36,6 +37,8 @@ from agentkv.simulate.routers import RouteRequest
 from agentkv.simulate.tiers import Tier
 
 GIB = 2**30
+NULL_BLOCKS = 1
+"""Blocks vLLM's V1 block pool takes for itself (the null block) out of num_gpu_blocks."""
 
 
 class Request:
@@ -53,6 +56,7 @@ class Request:
         "first_token_at",
         "group",
         "output",
+        "preempted",
         "prefix_blocks",
         "prompt",
         "ready_at",
@@ -60,6 +64,7 @@ class Request:
         "remaining",
         "reusable_tokens",
         "sent_at",
+        "seq",
         "tid",
         "tier",
         "tier_hit_tokens",
@@ -103,6 +108,9 @@ class Request:
         self.estimate_s = 0.0
         self.ready_at = 0.0
         """When a layerwise tier load completes (its first token cannot come earlier)."""
+        self.preempted = 0
+        self.seq = 0
+        """Admission order (vLLM preempts the most recently scheduled request first)."""
 
     def route_view(self) -> RouteRequest:
         return RouteRequest(
@@ -114,11 +122,10 @@ class Request:
         )
 
 
-# Segment kinds.
-_DECODE, _HEAD, _FILL = 0, 1, 2
+_DECODE = 0  # segment kinds (with _HEAD and _FILL)
 
 
-class Replica:
+class Replica(AdmissionMixin):
     """One engine with its pool, tiers and policy (see the module docstring)."""
 
     def __init__(
@@ -131,13 +138,19 @@ class Replica:
         host_capacity_gib: float | None,
         disk_capacity_gib: float | None,
         remote: Tier | None = None,
+        admission: Admission = Admission.WHOLE,
     ) -> None:
         self.env = env
+        self.admission = admission
+        self.admitted = 0
+        self.preemptions = 0
+        self._no_admit = False
         self.index = index
         self.costs = costs
         self.policy = policy
         self.bt = costs.block_tokens
-        self.pool = BlockPool(num_blocks)
+        # vLLM's block pool keeps one block as its null block: num_gpu_blocks - 1 are usable.
+        self.pool = BlockPool(max(1, num_blocks - NULL_BLOCKS))
         bb = costs.block_bytes()
         self.host: Tier | None = None
         self.disk: Tier | None = None
@@ -254,29 +267,38 @@ class Replica:
             pre, priv, tier, tier_n = self._hits(
                 r.tid, r.group, r.prefix_blocks, r.reusable_tokens, cap
             )
-            alloc = pool.admit(r.tid, r.group, r.total_blocks, r.prefix_blocks, pre, priv, tier_n)
+            blocks = self._first_blocks(r, pre + priv + tier_n)
+            fits = self._prompt_fits(r, pre, priv)
+            alloc = (
+                pool.admit(r.tid, r.group, blocks, r.prefix_blocks, pre, priv, tier_n)
+                if fits
+                else None
+            )
             if alloc is None and pool.pins:
-                need = r.total_blocks - pre - priv - pool.empty - pool.cached_free
+                need = blocks - pre - priv - pool.empty - pool.cached_free
                 self._demote_for(max(1, need), "pressure")
                 pre, priv, tier, tier_n = self._hits(
                     r.tid, r.group, r.prefix_blocks, r.reusable_tokens, cap
                 )
-                alloc = pool.admit(
-                    r.tid, r.group, r.total_blocks, r.prefix_blocks, pre, priv, tier_n
-                )
+                blocks = self._first_blocks(r, pre + priv + tier_n)
+                alloc = pool.admit(r.tid, r.group, blocks, r.prefix_blocks, pre, priv, tier_n)
             if alloc is None:
                 break
             self.waiting.popleft()
             running += 1
+            self.admitted += 1
+            r.seq = self.admitted
             r.alloc = alloc
             hit = (pre + priv) * self.bt
             r.computed = hit + tier_n * self.bt
-            r.cached_tokens = r.computed
+            if not r.preempted:
+                r.cached_tokens = r.computed
             r.remaining = r.prompt - r.computed
             self.pending_prefill_s += self.costs.prefill_s(r.remaining, r.computed) - r.estimate_s
             if tier is not None and tier_n:
                 r.tier = tier.name
-                r.tier_hit_tokens = tier_n * self.bt
+                if not r.preempted:
+                    r.tier_hit_tokens = tier_n * self.bt
                 done_at = tier.load(r.tid, tier_n, self.env.now)
                 if tier is self.disk and self.host is not None:
                     done_at += tier_n * tier.block_bytes / self.costs.host_link_bytes_per_s
@@ -319,8 +341,9 @@ class Replica:
             if k >= 1:
                 b = budget
                 # k chunks of b tokens, the context growing by b each step.
-                chunk = sum(c.prefill_s(b, head.computed + i * b) for i in range(k))
-                total = k * (c.step_overhead_s + dec_work) + chunk
+                total = sum(
+                    c.step_s(dec_work + c.prefill_s(b, head.computed + i * b)) for i in range(k)
+                )
                 return _HEAD, k, total / k
             work = dec_work
             left = budget
@@ -372,9 +395,10 @@ class Replica:
                 if r.remaining > 0:
                     keep.append(r)
                     continue
-                r.first_token_at = max(now, r.ready_at)
+                if r.first_token_at < 0:
+                    r.first_token_at = max(now, r.ready_at)
                 if r.decode_left <= 0:
-                    self._finish(r, r.first_token_at)
+                    self._finish(r, max(now, r.first_token_at))
                 else:
                     self.decoding.append(r)
             self.prefilling = keep
@@ -382,14 +406,24 @@ class Replica:
     def _run(self) -> Any:
         env = self.env
         while True:
-            self._admit()
+            if self._no_admit:
+                # vLLM schedules no waiting request in a step that preempted one (else the
+                # victim would be readmitted at once and preempted again, forever).
+                self._no_admit = False
+            else:
+                self._admit()
             plan = self._plan()
+            if plan is None and self.waiting and not self._no_admit:
+                self._admit()
+                plan = self._plan()
             if plan is None:
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
                 continue
             kind, k, per_step = plan
+            if self.admission is Admission.CHUNK and not self._reserve(kind, k):
+                continue
             start = env.now
             self._interruptible = True
             self._interrupted = False

@@ -415,3 +415,29 @@ def test_a_trace_report_gets_its_capacity_equal_bound_next_to_the_oracle() -> No
     assert bound["summary"]["resume_hit_rate"] > 0.5 and bound["summary"]["jct_mean_s"] > 0
     report["trace"]["path"] = ""
     assert trace_report_bound(report) is None  # no trace file: no bound, no error
+
+
+def test_chunk_admission_preempts_the_newest_request_by_recompute_and_finishes() -> None:
+    from agentkv.simulate.admission import Admission
+
+    # Two long answers in a pool that holds both prompts but not both outputs: vLLM admits
+    # both (their prompts fit), then the older one's decode needs a block the newer one holds.
+    trajs = tuple(
+        SimTrajectory(f"t{i}", i * 0.01, (SimTurn(0, 1000, 600),), output_in_cache=False)
+        for i in range(2)
+    )
+    wl = SimWorkload(trajs)
+    chunk = simulate(wl, FleetConfig(num_blocks=20, admission=Admission.CHUNK)).summary
+    assert chunk.preemptions >= 1 and chunk.turns == 2
+    whole = simulate(wl, FleetConfig(num_blocks=20, admission=Admission.WHOLE)).summary
+    assert whole.preemptions == 0 and whole.turns == 2
+    # The preempted request recomputed, but its hit accounting is that of its first admission.
+    assert chunk.cached_tokens == whole.cached_tokens == 0
+
+
+def test_vllm_s_null_block_is_not_usable() -> None:
+    # 9 blocks of 128: vLLM uses 8; a 960-token request (8 blocks) fits, a 1,100-token one not.
+    fits = SimWorkload((SimTrajectory("a", 0.0, (SimTurn(0, 950, 10),)),))
+    too_big = SimWorkload((SimTrajectory("b", 0.0, (SimTurn(0, 1100, 10),)),))
+    assert simulate(fits, FleetConfig(num_blocks=9)).summary.rejected_turns == 0
+    assert simulate(too_big, FleetConfig(num_blocks=9)).summary.rejected_turns == 1
