@@ -96,11 +96,18 @@ def run(args: argparse.Namespace) -> None:
                 tools=TOOLS,
                 tool_choice={"type": "tool", "name": name},
                 max_tokens=32,
-                temperature=0,
             )
             report(turn, msg)
             calls = [b for b in msg.content if b.type == "tool_use"]
-            messages.append({"role": "assistant", "content": [b.model_dump() for b in calls]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": c.id, "name": c.name, "input": c.input}
+                        for c in calls
+                    ],
+                }
+            )
             state = client.server_state() or {}
             branch = (state.get("branches") or {}).get("main") or {}
             print(f"  auto-paused on {branch.get('tool')}: {branch.get('state')}")
