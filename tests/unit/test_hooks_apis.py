@@ -324,3 +324,16 @@ def test_the_chain_table_is_bounded_and_keeps_active_chains() -> None:
     chains.record("r3", "t3", "b")
     assert len(chains) == 2 and chains.lookup("r2") is None
     assert chains.lookup("r1") == ("t1", "main") and chains.lookup("r3") == ("t3", "b")
+
+
+async def test_a_held_reply_too_large_to_rewrite_goes_out_intact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agentkv_vllm import hooks
+
+    monkeypatch.setattr(hooks, "MAX_JSON_RESPONSE", 16)
+    reply = chat_json()
+    h = Harness(FakeApp([reply]))
+    sent = await h.request({"kv_transfer_params": {"agentkv": {"trajectory_id": "a b"}}})
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[-1]["body"] == reply
