@@ -65,8 +65,12 @@ SCRIPT = [
 
 def report(turn: int, msg: Any) -> None:
     stats = ((msg.model_extra or {}).get("kv_transfer_params") or {}).get("agentkv") or {}
+    u = msg.usage  # Anthropic splits the prompt: uncached + written to cache + read from it
+    prompt = (
+        u.input_tokens + (u.cache_creation_input_tokens or 0) + (u.cache_read_input_tokens or 0)
+    )
     print(
-        f"turn {turn}: prompt {msg.usage.input_tokens:>5}  "
+        f"turn {turn}: prompt {prompt:>5}  "
         f"from vLLM {stats.get('device_hit_tokens', 0):>5}  "
         f"from tier {stats.get('tier_hit_tokens', 0):>5} ({stats.get('tier') or '-'})"
     )
