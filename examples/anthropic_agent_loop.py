@@ -65,8 +65,12 @@ SCRIPT = [
 
 def report(turn: int, msg: Any) -> None:
     stats = ((msg.model_extra or {}).get("kv_transfer_params") or {}).get("agentkv") or {}
+    u = msg.usage  # Anthropic splits the prompt: uncached + written to cache + read from it
+    prompt = (
+        u.input_tokens + (u.cache_creation_input_tokens or 0) + (u.cache_read_input_tokens or 0)
+    )
     print(
-        f"turn {turn}: prompt {msg.usage.input_tokens:>5}  "
+        f"turn {turn}: prompt {prompt:>5}  "
         f"from vLLM {stats.get('device_hit_tokens', 0):>5}  "
         f"from tier {stats.get('tier_hit_tokens', 0):>5} ({stats.get('tier') or '-'})"
     )
@@ -96,11 +100,18 @@ def run(args: argparse.Namespace) -> None:
                 tools=TOOLS,
                 tool_choice={"type": "tool", "name": name},
                 max_tokens=32,
-                temperature=0,
             )
             report(turn, msg)
             calls = [b for b in msg.content if b.type == "tool_use"]
-            messages.append({"role": "assistant", "content": [b.model_dump() for b in calls]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": c.id, "name": c.name, "input": c.input}
+                        for c in calls
+                    ],
+                }
+            )
             state = client.server_state() or {}
             branch = (state.get("branches") or {}).get("main") or {}
             print(f"  auto-paused on {branch.get('tool')}: {branch.get('state')}")

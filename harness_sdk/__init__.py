@@ -9,7 +9,9 @@ Primitives:
   Telemetry                     OTel spans and metrics (no-op unless an SDK is configured)
   HarnessError and its tree     see ``harness_sdk.errors``
   harness_sdk.openai.wrap       the official ``openai`` client (sync or async) bound to a
-                                trajectory: session id + params on every call, ``tool()`` waits
+                                trajectory: session id + params on every call (chat, completions,
+                                responses), ``tool()`` waits
+  harness_sdk.anthropic.wrap    the same for the official ``anthropic`` client (``messages``)
 
 Trajectory ids and branch names follow ``agentkv.ids`` (checked before any request is sent).
 Never imports vllm. Talks to any OpenAI-compatible server over httpx and uses the agentkv

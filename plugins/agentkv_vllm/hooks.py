@@ -320,13 +320,13 @@ class _ResponseWatcher:
                 self._json += chunk
         if self._holding:
             self._held.append(message)
-            if self._json_overflow:  # too large to rewrite: send it as it is
+            if self._json_overflow or self._fired:  # too large to rewrite: send it as it is
                 out, self._holding, self._held = self._held, False, []
                 return out
             if not last:
                 return []
-        if not last or self._fired:
-            return [message] if not self._holding else []
+        elif not last or self._fired:
+            return [message]
         raw = b"" if self._json_overflow else bytes(self._json)
         names = tool_names_from_json(raw, self.api)
         rid = _response_id(raw) if self._records_chain() else None

@@ -170,7 +170,9 @@ def test_malformed_params_are_served_as_vanilla(server: Server, params: Any) -> 
     before = server.status()
     out = server.chat([{"role": "user", "content": "malformed"}], extra_params=params)
     assert out["choices"][0]["message"]["content"] is not None
-    assert "agentkv" not in (out.get("kv_transfer_params") or {})
+    # No stats (no trajectory), only the reason (issue 29): the same text as the server log.
+    agentkv = (out.get("kv_transfer_params") or {}).get("agentkv") or {}
+    assert list(agentkv) == ["error"] and "kv_transfer_params.agentkv" in agentkv["error"]
     after = server.status()
     # One warning for this request, counted once (not once per scheduler look-up).
     malformed = after["counters"].get("malformed_params", 0)

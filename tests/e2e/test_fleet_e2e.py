@@ -16,7 +16,8 @@ replica.
 
 from __future__ import annotations
 
-import contextlib
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,8 +71,7 @@ def fleet(
         ),
         work_dir=tmp_path_factory.mktemp("fleet"),
     )
-    with running_fleet(spec) as running, contextlib.ExitStack() as restarted:
-        running.restarted = restarted  # type: ignore[attr-defined]
+    with running_fleet(spec) as running:
         yield running
 
 
@@ -333,9 +333,12 @@ def test_failover_resumes_from_the_remote_tier(fleet: RunningFleet, valkey: Valk
         return int(db.dbsize()) >= full
 
     wait_until(remote_written, "the remote write-through", 30)
-    from agentkv.launch import _stop as stop_server
-
-    stop_server(fleet.replicas[victim].proc)
+    # The replica's API server dies on its own (kill -9), as a crash would: its engine core
+    # and worker stay behind in its process group until the fleet stops or restarts it.
+    dead = fleet.replicas[victim].proc
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.wait(timeout=30)
+    assert fleet.dead() == [victim]
     before = httpx.get(survivor_url + "/agentkv/v1/status").json()["counters"]
     for s in moved:
         reference = Session(s.tid)
@@ -360,12 +363,22 @@ def test_failover_resumes_from_the_remote_tier(fleet: RunningFleet, valkey: Valk
         )
     after = httpx.get(survivor_url + "/agentkv/v1/status").json()["counters"]
     assert after["remote_fetched_blocks"] > before["remote_fetched_blocks"]
-    # The dead replica comes back on its address (the router's health check readmits it).
-    from agentkv.launch import running_server
+    # The dead replica comes back on its address (the router's health check readmits it), and
+    # what was left of it (the engine core of the killed API server) is gone, not orphaned.
+    old_group = dead.pid
+    assert _group_alive(old_group), "the engine core outlived its API server"
+    back = fleet.restart(victim)
+    assert not _group_alive(old_group)
+    assert back.base_url == fleet.replica_urls[victim] and fleet.dead() == []
+    assert httpx.get(back.base_url + "/health", timeout=10).status_code == 200
 
-    fleet.replicas[victim] = fleet.restarted.enter_context(  # type: ignore[attr-defined]
-        running_server(fleet.replicas[victim].spec)
-    )
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _try_turn(client: httpx.Client, s: Session) -> dict[str, Any] | None:

@@ -196,7 +196,9 @@ def test_malformed_hints_are_vanilla_with_one_warning(server: Server) -> None:
         body = {**server.chat_body(_ctx(17501 + i, 60)), **extra}
         reply = _post(server, body, headers)
         assert reply["choices"][0]["message"]["content"] is not None
-        assert not (reply.get("kv_transfer_params") or {}).get("agentkv")
+        # No stats (no trajectory), only the reason (issue 29)
+        agentkv = (reply.get("kv_transfer_params") or {}).get("agentkv") or {}
+        assert list(agentkv) == ["error"], agentkv
     assert set(server.status()["trajectory_ids"]) <= before_ids
     after = _hooks(server)
     for key, n in (("malformed.x-session-id", 2), ("malformed.agentic_context", 2)):

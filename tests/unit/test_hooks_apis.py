@@ -290,3 +290,50 @@ async def test_an_error_reply_is_passed_through() -> None:
     h = Harness(FakeApp([b'{"error": "bad"}'], status=400))
     sent = await h.request({"model": "m", "session_id": "a b"})
     assert sent[-1]["body"] == b'{"error": "bad"}'
+
+
+# ------------------------------------------------------------------------- routes
+
+
+def test_pause_body_takes_a_tool_or_a_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm")
+    from pydantic import ValidationError
+
+    from agentkv_vllm.routes import PauseBody, _responses_store_enabled
+
+    assert PauseBody.model_validate({"tools": ["a", "b"]}).tools == ["a", "b"]
+    assert PauseBody.model_validate({"tool": "a"}).tool == "a"
+    for bad in ({}, {"tools": []}, {"tools": [""]}, {"tools": ["x" * 129]}):
+        with pytest.raises(ValidationError):
+            PauseBody.model_validate(bad)
+    monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
+    assert _responses_store_enabled()
+    monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "0")
+    assert not _responses_store_enabled()
+    monkeypatch.delenv("VLLM_ENABLE_RESPONSES_API_STORE")
+    assert not _responses_store_enabled()
+
+
+def test_the_chain_table_is_bounded_and_keeps_active_chains() -> None:
+    from agentkv_vllm.chains import ResponseChains
+
+    chains = ResponseChains(max_entries=2)
+    chains.record("r1", "t1", "main")
+    chains.record("r2", "t2", "main")
+    assert chains.lookup("r1") == ("t1", "main")  # r1 used: r2 is now the oldest
+    chains.record("r3", "t3", "b")
+    assert len(chains) == 2 and chains.lookup("r2") is None
+    assert chains.lookup("r1") == ("t1", "main") and chains.lookup("r3") == ("t3", "b")
+
+
+async def test_a_held_reply_too_large_to_rewrite_goes_out_intact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agentkv_vllm import hooks
+
+    monkeypatch.setattr(hooks, "MAX_JSON_RESPONSE", 16)
+    reply = chat_json()
+    h = Harness(FakeApp([reply]))
+    sent = await h.request({"kv_transfer_params": {"agentkv": {"trajectory_id": "a b"}}})
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[-1]["body"] == reply
