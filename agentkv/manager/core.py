@@ -103,6 +103,7 @@ class ManagerConfig:
     # A shared remote tier: confirmed host copies are uploaded, and a trajectory this replica
     # never saw is fetched from it (its lookup answers PENDING meanwhile).
     remote_enabled: bool = False
+    remote_ttl_s: float = 0.0  # how long the remote tier keeps a copy (0: not known)
 
     @property
     def disk_enabled(self) -> bool:

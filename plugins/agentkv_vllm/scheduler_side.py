@@ -174,6 +174,7 @@ class SchedulerSide:
                 layerwise=layerwise,
                 admission_wait=settings.admission_wait,
                 remote_enabled=bool(settings.remote_url),
+                remote_ttl_s=settings.remote_ttl_s,
             ),
             self.pinner,
             key_of=self._key_of,

@@ -674,3 +674,25 @@ def test_a_trajectory_never_seen_waits_pending_for_its_remote_fetch_then_loads_f
     hit = rig.mgr.on_lookup(req.req_id, params, P1, hashes, 0)
     assert hit.status is LookupStatus.HIT and hit.tokens == 16
     assert rig.mgr.counters["remote_fetches"] == fetches + 1  # asked once per request
+
+
+def test_the_index_knows_its_remote_copies_until_their_ttl_and_does_not_upload_them_again() -> None:
+    """Remote copies are in the residency index (external, with a TTL): an upload this replica
+    made is not sent again while the remote tier keeps it, and is once the TTL has passed."""
+    from agentkv.tier import Tier
+
+    rig = make_rig(remote_enabled=True, remote_ttl_s=100.0)
+    offloaded(rig)
+    rig.settle()
+    keys = branch(rig).keys
+    assert rig.mgr.counters["remote_uploaded_blocks"] == 4
+    now = rig.clock.now()
+    assert all(rig.mgr.index.external(k, now) for k in keys)
+    assert all(rig.mgr.index.get(k).has(Tier.REMOTE) for k in keys)  # type: ignore[union-attr]
+    assert not any(rig.mgr.index.get(k).has(Tier.DISK) for k in keys)  # type: ignore[union-attr]
+    rig.mgr.transitions.upload(keys)
+    assert not rig.mgr.jobs  # known to be there: nothing sent
+    rig.clock.advance(101.0)
+    assert not any(rig.mgr.index.external(k, rig.clock.now()) for k in keys)
+    rig.mgr.transitions.upload(keys)
+    assert [job.kind for job in rig.mgr.jobs.values()] == ["upload"]
