@@ -60,7 +60,7 @@ from typing import Any
 
 from agentkv import metrics as m
 from agentkv.manager import views
-from agentkv.manager.jobs import MoveJob, MoveKind, StepPlan, WorkerReport
+from agentkv.manager.jobs import MoveJob, MoveKind, StepPlan, TransferKind, WorkerReport
 from agentkv.manager.jobtable import Job, JobKind, JobTable
 from agentkv.manager.ownership import Namespace
 from agentkv.manager.pauses import Pauses
@@ -287,8 +287,8 @@ class TrajectoryManager:
             for job_id, n in report.jobs_done.items():
                 self.job_table.on_ranks(job_id, n, now)
             for (kind, tier, _), (nbytes, seconds) in report.transfers.items():
-                if kind in ("offload", "reload"):
-                    off = kind == "offload"
+                if kind in (TransferKind.OFFLOAD, TransferKind.RELOAD):
+                    off = kind == TransferKind.OFFLOAD
                     self.metrics.observe(
                         m.OFFLOAD_BYTES if off else m.RELOAD_BYTES, float(nbytes), tier=tier
                     )
