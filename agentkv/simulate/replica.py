@@ -32,7 +32,8 @@ from agentkv.simulate.costs import EngineCosts
 from agentkv.simulate.policies import KVPolicy, PauseContext, PausePlan
 from agentkv.simulate.pool import Allocation, BlockPool
 from agentkv.simulate.routers import RouteRequest
-from agentkv.simulate.tiers import Tier
+from agentkv.simulate.tiers import TierStore
+from agentkv.tier import Tier
 
 GIB = 2**30
 
@@ -126,7 +127,7 @@ class Replica:
         policy: KVPolicy,
         host_capacity_gib: float | None,
         disk_capacity_gib: float | None,
-        remote: Tier | None = None,
+        remote: TierStore | None = None,
     ) -> None:
         self.env = env
         self.index = index
@@ -135,19 +136,19 @@ class Replica:
         self.bt = costs.block_tokens
         self.pool = BlockPool(num_blocks)
         bb = costs.block_bytes()
-        self.host: Tier | None = None
-        self.disk: Tier | None = None
+        self.host: TierStore | None = None
+        self.disk: TierStore | None = None
         if host_capacity_gib is not None and host_capacity_gib > 0:
-            self.host = Tier(
-                "host",
+            self.host = TierStore(
+                Tier.HOST,
                 host_capacity_gib * GIB,
                 bb,
                 costs.host_link_bytes_per_s,
                 costs.host_link_bytes_per_s,
             )
         if disk_capacity_gib is not None and disk_capacity_gib > 0:
-            self.disk = Tier(
-                "disk",
+            self.disk = TierStore(
+                Tier.DISK,
                 disk_capacity_gib * GIB,
                 bb,
                 costs.disk_read_bytes_per_s,
@@ -186,14 +187,14 @@ class Replica:
 
     def _hits(
         self, tid: str, group: str, prefix_blocks: int, reusable_tokens: int, cap: int
-    ) -> tuple[int, int, Tier | None, int]:
+    ) -> tuple[int, int, TierStore | None, int]:
         """(prefix hit, private hit, tier, tier blocks) for a prompt, blocks capped at ``cap``."""
         reusable = min(reusable_tokens // self.bt, cap)
         pre, priv = self.pool.device_hit(
             tid, group, min(prefix_blocks, reusable), max(0, reusable - prefix_blocks)
         )
         dev = pre + priv
-        best: Tier | None = None
+        best: TierStore | None = None
         best_n = 0
         for tier in (self.host, self.disk, self.remote):
             if tier is None:
