@@ -588,15 +588,8 @@ def _choose(n: _Numbers, params: PolicyParams) -> Decision:
     p50 = n.p50
     if n.estimate is not None and p50 < n.t_star:
         lease = lease_seconds(n.t_star, p50, params)
-        return n.build(
-            Action.RETAIN,
-            lease,
-            None,
-            0.0,
-            n.ref_reload,
-            n.ref_rt,
-            f"median wait is below the break-even wait; pinned for a lease of {_fmt_s(lease)}",
-        )
+        why = f"median wait is below the break-even wait; pinned for a lease of {_fmt_s(lease)}"
+        return n.build(Action.RETAIN, lease, None, 0.0, n.ref_reload, n.ref_rt, why)
     long_wait = n.estimate is not None and p50 >= params.disk_after_s
     if long_wait and n.disk_room and n.disk_reload <= n.recompute:
         why = f"median wait is at least {_fmt_s(params.disk_after_s)}; disk holds it for free"

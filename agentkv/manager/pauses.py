@@ -40,7 +40,8 @@ class Pauses:
         *,
         max_lease_s: float | None = None,
     ) -> tuple[int, dict[str, Any]]:
-        """``TrajectoryManager.pause`` (its docstring is the contract)."""
+        """Decide and apply (or record, while a request runs) what happens to a paused branch.
+        ``max_lease_s`` caps a retain decision's lease (a client's KV retention TTL)."""
         traj = self.m.table.get(trajectory_id)
         if traj is None:
             return 404, {"detail": f"unknown trajectory {trajectory_id!r}"}

@@ -115,7 +115,11 @@ class RequestTable:
         block_hashes: Sequence[bytes],
         num_computed: int,
     ) -> LookupAnswer:
-        """``TrajectoryManager.on_lookup`` (its docstring is the contract)."""
+        """Contract: HIT with tokens (a multiple of the block size) the tiers hold past
+        ``num_computed``, never the prompt's last token; MISS (0) when nothing; PENDING (None)
+        while a remote fetch for a trajectory this replica never saw, or an admission wait,
+        runs. Repeatable for one request (vLLM asks again after a failed allocation, a
+        preemption or a PENDING): each call replaces the last plan."""
         now = self.m.clock.now()
         req = self.requests.get(req_id)
         if req is None:
@@ -227,7 +231,8 @@ class RequestTable:
         return LookupAnswer(count * bs, load_async=not layerwise)
 
     def alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        """``TrajectoryManager.on_alloc`` (its docstring is the contract)."""
+        """Contract: after this returns, every external token vLLM counted is covered by a queued
+        LoadJob (possibly one that fails, so vLLM recomputes): never a silent hole."""
         req = self.requests.get(req_id)
         if req is None:
             if num_external > 0:  # not ours, yet vLLM counts tokens: fail closed
@@ -288,7 +293,8 @@ class RequestTable:
             self.m.counters["layerwise_loads"] += 1
 
     def fail_load(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        """``TrajectoryManager.fail_load`` (its docstring is the contract)."""
+        """Fail closed after an internal error: queue a load every rank reports as failed for the
+        blocks past the request's device hit, so vLLM recomputes them."""
         req = self.requests.get(req_id)
         start = req.device_hit if req is not None else 0
         layerwise = req.layerwise if req is not None else False
@@ -307,7 +313,10 @@ class RequestTable:
         block_hashes: Sequence[bytes],
         aborted: bool,
     ) -> dict[str, Any] | None:
-        """``TrajectoryManager.on_finish`` (its docstring is the contract)."""
+        """Contract: pins only blocks whose KV is trustworthy: every computed block when the
+        request finished normally or its load was confirmed; only the blocks before its load
+        otherwise (an abort while its tier load was unconfirmed). Returns the turn's stats, or
+        None for a request without agentkv params. Never pins for a deleted trajectory."""
         req = self.requests.pop(req_id, None)
         self._admission_seen.pop(req_id, None)
         self._remote_waits.pop(req_id, None)
