@@ -66,10 +66,6 @@ class LaunchSpec:
     run_dir: Path | None = None
     python: str = sys.executable
 
-    @property
-    def is_vanilla(self) -> bool:
-        return self.connector_config is None
-
 
 @dataclass
 class RunningServer:
@@ -82,9 +78,6 @@ class RunningServer:
     log_path: Path
     argv: list[str]
     spec: LaunchSpec
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return _tail(self.log_path, chars)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -431,6 +431,87 @@ def decide(
         return _safe_drop(0, 0.0, [f"internal error {type(exc).__name__}: {exc}"], 1.0)
 
 
+@dataclass
+class _Numbers:
+    """Every number one decision weighs (derived once, then the rules in ``_choose`` pick)."""
+
+    notes: list[str]
+    u: float
+    m: float
+    n_tokens: int
+    estimate: WaitEstimate | None
+    source: str
+    host_room: bool
+    disk_room: bool
+    host_reload: float
+    host_rt: float
+    disk_reload: float
+    disk_rt: float
+    recompute: float
+    t_star: float
+    ref_reload: float
+    ref_rt: float
+
+    @property
+    def p50(self) -> float:
+        return self.estimate.p50 if self.estimate is not None else math.nan
+
+    def build(
+        self,
+        action: Action,
+        lease: float,
+        prefetch: float | None,
+        stall: float,
+        reload: float,
+        rt: float,
+        why: str,
+    ) -> Decision:
+        est, p50 = self.estimate, self.p50
+        wait_text = f"wait p50 {_fmt_s(p50)} ({self.source})" if est is not None else "wait unknown"
+        numbers = (
+            f"{wait_text}, T* {_fmt_s(self.t_star)}, reload {_fmt_s(reload)}, "
+            f"round trip {_fmt_s(rt)}, recompute {_fmt_s(self.recompute)}, U {self.u:.2f}"
+        )
+        text = f"{action}: {why} [{numbers}]"
+        if self.notes:
+            text += " fallbacks: " + "; ".join(self.notes)
+        ref = self.ref_reload
+        return Decision(
+            action=action,
+            lease_s=lease,
+            prefetch_at_s=prefetch,
+            expected_resume_stall_s=stall,
+            reload_s=reload,
+            round_trip_s=rt,
+            recompute_s=self.recompute,
+            break_even_wait_s=self.t_star,
+            hold_cost_byte_s=hold_cost(self.m, p50) if est is not None else math.nan,
+            kv_bytes=self.m,
+            tokens=self.n_tokens,
+            rationale=text,
+            wait_p10_s=est.p10 if est is not None else math.nan,
+            wait_p50_s=p50,
+            wait_p90_s=est.p90 if est is not None else math.nan,
+            wait_source=self.source,
+            pressure=self.u,
+            recompute_over_reload=self.recompute / ref if ref > 0 and not math.isinf(ref) else _INF,
+            fallbacks=tuple(self.notes),
+        )
+
+    def offload(
+        self, action: Action, reload: float, rt: float, why: str, params: PolicyParams
+    ) -> Decision:
+        if self.estimate is None:
+            at = 0.0
+            stall = reload
+        else:
+            at = prefetch_at(self.estimate, reload, params.prefetch_margin_s)
+            # Pessimistic: the device copy was evicted, so a resume at the median waits for
+            # whatever of the reload has not finished by then.
+            stall = max(0.0, min(reload, at + reload - self.p50))
+        return self.build(action, 0.0, at, stall, reload, rt, why)
+
+
 def _decide(
     *,
     tokens: int,
@@ -449,9 +530,7 @@ def _decide(
     if math.isnan(m) or math.isinf(m) or m < 0 or math.isnan(s) or math.isinf(s) or s < 0:
         notes.append(f"tokens {tokens} / kv_bytes {kv_bytes} unusable")
         return _safe_drop(0, 0.0, notes, u)
-    n_tokens = int(s)
     estimate, source = _sanitize_wait(wait, notes)
-    p50 = estimate.p50 if estimate is not None else math.nan
 
     host_ok = _bandwidth_ok(costs.host_link_bytes_per_s, "host link", notes, required=True)
     disk_ok = _bandwidth_ok(
@@ -480,104 +559,50 @@ def _decide(
     t_host = break_even_wait(host_rt, u, params) if host_room else _INF
     t_disk = break_even_wait(disk_rt, u, params) if disk_room else _INF
     t_drop = recompute + max(params.stall_tolerance_s, 0.0)
-    t_star = min(t_host, t_disk, t_drop)
+    ref_host = host_room or not disk_room
+    numbers = _Numbers(
+        notes=notes,
+        u=u,
+        m=m,
+        n_tokens=int(s),
+        estimate=estimate,
+        source=source,
+        host_room=host_room,
+        disk_room=disk_room,
+        host_reload=host_reload,
+        host_rt=host_rt,
+        disk_reload=disk_reload,
+        disk_rt=disk_rt,
+        recompute=recompute,
+        t_star=min(t_host, t_disk, t_drop),
+        ref_reload=host_reload if ref_host else disk_reload,
+        ref_rt=host_rt if ref_host else disk_rt,
+    )
+    return _choose(numbers, params)
 
-    if host_room or not disk_room:
-        ref_reload, ref_rt = host_reload, host_rt
-    else:
-        ref_reload, ref_rt = disk_reload, disk_rt
-    ratio = recompute / ref_reload if ref_reload > 0 and not math.isinf(ref_reload) else _INF
 
-    def build(
-        action: Action,
-        lease: float,
-        prefetch: float | None,
-        stall: float,
-        reload: float,
-        rt: float,
-        why: str,
-    ) -> Decision:
-        wait_text = f"wait p50 {_fmt_s(p50)} ({source})" if estimate is not None else "wait unknown"
-        numbers = (
-            f"{wait_text}, T* {_fmt_s(t_star)}, reload {_fmt_s(reload)}, round trip {_fmt_s(rt)}, "
-            f"recompute {_fmt_s(recompute)}, U {u:.2f}"
-        )
-        text = f"{action}: {why} [{numbers}]"
-        if notes:
-            text += " fallbacks: " + "; ".join(notes)
-        return Decision(
-            action=action,
-            lease_s=lease,
-            prefetch_at_s=prefetch,
-            expected_resume_stall_s=stall,
-            reload_s=reload,
-            round_trip_s=rt,
-            recompute_s=recompute,
-            break_even_wait_s=t_star,
-            hold_cost_byte_s=hold_cost(m, p50) if estimate is not None else math.nan,
-            kv_bytes=m,
-            tokens=n_tokens,
-            rationale=text,
-            wait_p10_s=estimate.p10 if estimate is not None else math.nan,
-            wait_p50_s=p50,
-            wait_p90_s=estimate.p90 if estimate is not None else math.nan,
-            wait_source=source,
-            pressure=u,
-            recompute_over_reload=ratio,
-            fallbacks=tuple(notes),
-        )
-
-    if m == 0:
-        return build(Action.RETAIN, 0.0, None, 0.0, 0.0, 0.0, "nothing to move (0 bytes)")
-
-    if estimate is not None and p50 < t_star:
-        lease = lease_seconds(t_star, p50, params)
-        return build(
-            Action.RETAIN,
-            lease,
-            None,
-            0.0,
-            ref_reload,
-            ref_rt,
-            f"median wait is below the break-even wait; pinned for a lease of {_fmt_s(lease)}",
-        )
-
-    def offload(action: Action, reload: float, rt: float, why: str) -> Decision:
-        if estimate is None:
-            at = 0.0
-            stall = reload
-        else:
-            at = prefetch_at(estimate, reload, params.prefetch_margin_s)
-            # Pessimistic: the device copy was evicted, so a resume at the median waits for
-            # whatever of the reload has not finished by then.
-            stall = max(0.0, min(reload, at + reload - p50))
-        return build(action, 0.0, at, stall, reload, rt, why)
-
-    long_wait = estimate is not None and p50 >= params.disk_after_s
-    if long_wait and disk_room and disk_reload <= recompute:
-        return offload(
-            Action.OFFLOAD_DISK,
-            disk_reload,
-            disk_rt,
-            f"median wait is at least {_fmt_s(params.disk_after_s)}; disk holds it for free",
-        )
-    if host_room and host_reload <= recompute:
-        return offload(
-            Action.OFFLOAD_HOST,
-            host_reload,
-            host_rt,
-            "wait exceeds the break-even wait; write-back copy to host, device blocks unpinned",
-        )
-    if disk_room and disk_reload <= recompute:
-        return offload(
-            Action.OFFLOAD_DISK,
-            disk_reload,
-            disk_rt,
-            "host tier unusable or full; write-back copy to disk",
-        )
+def _choose(n: _Numbers, params: PolicyParams) -> Decision:
+    """The rules of ``decide``, in order, over the numbers already derived."""
+    if n.m == 0:
+        return n.build(Action.RETAIN, 0.0, None, 0.0, 0.0, 0.0, "nothing to move (0 bytes)")
+    p50 = n.p50
+    if n.estimate is not None and p50 < n.t_star:
+        lease = lease_seconds(n.t_star, p50, params)
+        why = f"median wait is below the break-even wait; pinned for a lease of {_fmt_s(lease)}"
+        return n.build(Action.RETAIN, lease, None, 0.0, n.ref_reload, n.ref_rt, why)
+    long_wait = n.estimate is not None and p50 >= params.disk_after_s
+    if long_wait and n.disk_room and n.disk_reload <= n.recompute:
+        why = f"median wait is at least {_fmt_s(params.disk_after_s)}; disk holds it for free"
+        return n.offload(Action.OFFLOAD_DISK, n.disk_reload, n.disk_rt, why, params)
+    if n.host_room and n.host_reload <= n.recompute:
+        why = "wait exceeds the break-even wait; write-back copy to host, device blocks unpinned"
+        return n.offload(Action.OFFLOAD_HOST, n.host_reload, n.host_rt, why, params)
+    if n.disk_room and n.disk_reload <= n.recompute:
+        why = "host tier unusable or full; write-back copy to disk"
+        return n.offload(Action.OFFLOAD_DISK, n.disk_reload, n.disk_rt, why, params)
     why = (
         "recompute beats every reload"
-        if (host_room or disk_room)
+        if (n.host_room or n.disk_room)
         else "no tier has room or a usable link"
     )
-    return build(Action.DROP, 0.0, None, recompute, ref_reload, ref_rt, why)
+    return n.build(Action.DROP, 0.0, None, n.recompute, n.ref_reload, n.ref_rt, why)

@@ -5,7 +5,7 @@ Primitives (each in its own module):
     RequestParams, LookupAnswer, LookupStatus   a request's lookup: HIT / MISS / PENDING
                                             (requests.py)
     BlockPinner, Clock, MonotonicClock      its ports (ports.py)
-    StepPlan, StoreJob, LoadJob, MoveJob, MoveKind, DropOp, BlockTransfer,
+    StepPlan, StoreJob, LoadJob, MoveJob, MoveKind, TransferKind, DropOp, BlockTransfer,
     WorkerReport                            jobs and reports on the wire (jobs.py)
     JobKind                                 the job table's kinds (jobtable.py)
     TimerKind                               timers and leases (timers.py)
@@ -30,6 +30,7 @@ from agentkv.manager.jobs import (
     MoveKind,
     StepPlan,
     StoreJob,
+    TransferKind,
     WorkerReport,
 )
 from agentkv.manager.jobtable import JobKind
@@ -64,6 +65,7 @@ __all__ = [
     "TimerKind",
     "Trajectory",
     "TrajectoryManager",
+    "TransferKind",
     "TurnStats",
     "WorkerReport",
 ]

@@ -1,6 +1,7 @@
 """TrajectoryManager: the one authority over agent trajectories and the KV blocks they hold.
 
-Engine-thread primitives (the adapter calls them from vLLM's scheduler hooks):
+Engine-thread primitives (the adapter calls them from vLLM's scheduler hooks; the request hooks
+are requests.RequestTable's methods under the manager's lock, their docstrings the contracts):
   on_lookup(req, num_computed)       HIT (tokens past the engine's own prefix hit that the tiers
                                      hold, loaded async or layer by layer), MISS (0 tokens) or
                                      PENDING (ask again next step: a remote fetch or an admission
@@ -51,25 +52,24 @@ Every number acted on (lease, prefetch time, demotion order and action) comes fr
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from agentkv import metrics as m
 from agentkv.manager import views
-from agentkv.manager.jobs import MoveJob, MoveKind, StepPlan, WorkerReport
+from agentkv.manager.jobs import MoveJob, MoveKind, StepPlan, TransferKind, WorkerReport
 from agentkv.manager.jobtable import Job, JobKind, JobTable
 from agentkv.manager.ownership import Namespace
 from agentkv.manager.pauses import Pauses
 from agentkv.manager.pins import PinLedger, PinOp
 from agentkv.manager.ports import BlockPinner, Clock, MonotonicClock
 from agentkv.manager.requests import (
-    LookupAnswer,
     Request,
-    RequestParams,
     RequestTable,
 )
 from agentkv.manager.residency import ResidencyIndex
@@ -83,6 +83,37 @@ from agentkv.predict import PrefetchOutcomeCounter, WaitPredictor
 from agentkv.tier import Tier
 
 log = logging.getLogger("agentkv.manager")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _engine_hook(
+    fn: Callable[Concatenate[RequestTable, P], R],
+) -> Callable[Concatenate[TrajectoryManager, P], R]:
+    """An engine-thread hook: ``fn`` of the manager's RequestTable, under the lock, after the
+    pin operations other threads queued are applied."""
+
+    @functools.wraps(fn)
+    def hook(self: TrajectoryManager, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.lock:
+            self._apply_pin_ops()
+            return fn(self.reqs, *args, **kwargs)
+
+    return hook
+
+
+def _control_op(
+    fn: Callable[Concatenate[Pauses, P], R],
+) -> Callable[Concatenate[TrajectoryManager, P], R]:
+    """A control-channel op (any thread): ``fn`` of the manager's Pauses, under the lock."""
+
+    @functools.wraps(fn)
+    def op(self: TrajectoryManager, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.lock:
+            return fn(self.pauses, *args, **kwargs)
+
+    return op
 
 
 @dataclass(frozen=True)
@@ -103,6 +134,7 @@ class ManagerConfig:
     # A shared remote tier: confirmed host copies are uploaded, and a trajectory this replica
     # never saw is fetched from it (its lookup answers PENDING meanwhile).
     remote_enabled: bool = False
+    remote_ttl_s: float = 0.0  # how long the remote tier keeps a copy (0: not known)
 
     @property
     def disk_enabled(self) -> bool:
@@ -191,60 +223,16 @@ class TrajectoryManager:
 
     # ================================================================== engine-thread hooks
 
-    def on_lookup(
-        self,
-        req_id: str,
-        params: RequestParams,
-        prompt_token_ids: Sequence[int],
-        block_hashes: Sequence[bytes],
-        num_computed: int,
-    ) -> LookupAnswer:
-        """Contract: HIT with tokens (a multiple of the block size) the tiers hold past
-        ``num_computed``, never the prompt's last token; MISS (0) when nothing; PENDING (None)
-        while a remote fetch for a trajectory this replica never saw, or an admission wait,
-        runs. Repeatable for one request (vLLM asks again after a failed allocation, a
-        preemption or a PENDING): each call replaces the last plan."""
-        with self.lock:
-            self._apply_pin_ops()
-            return self.reqs.lookup(req_id, params, prompt_token_ids, block_hashes, num_computed)
-
-    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        """Contract: after this returns, every external token vLLM counted is covered by a queued
-        LoadJob (possibly one that fails, so vLLM recomputes): never a silent hole."""
-        with self.lock:
-            self._apply_pin_ops()
-            self.reqs.alloc(req_id, block_ids, num_external)
+    # The request hooks run RequestTable's methods under the lock, after applying the pin ops
+    # other threads queued; their contracts are those methods' docstrings.
+    on_lookup = _engine_hook(RequestTable.lookup)
+    on_alloc = _engine_hook(RequestTable.alloc)
+    on_finish = _engine_hook(RequestTable.finish)
 
     def fail_load(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        """Fail closed after an internal error: queue a load every rank reports as failed for the
-        blocks past the request's device hit, so vLLM recomputes them."""
+        """``RequestTable.fail_load``: fail closed after an adapter error."""
         with self.lock:
             self.reqs.fail_load(req_id, block_ids, num_external)
-
-    def on_finish(
-        self,
-        req_id: str,
-        block_ids: Sequence[int],
-        *,
-        computed_tokens: int,
-        token_ids: Sequence[int],
-        block_hashes: Sequence[bytes],
-        aborted: bool,
-    ) -> dict[str, Any] | None:
-        """Contract: pins only blocks whose KV is trustworthy: every computed block when the
-        request finished normally or its load was confirmed; only the blocks before its load
-        otherwise (an abort while its tier load was unconfirmed). Returns the turn's stats, or
-        None for a request without agentkv params. Never pins for a deleted trajectory."""
-        with self.lock:
-            self._apply_pin_ops()
-            return self.reqs.finish(
-                req_id,
-                block_ids,
-                computed_tokens=computed_tokens,
-                token_ids=token_ids,
-                block_hashes=block_hashes,
-                aborted=aborted,
-            )
 
     def take_step(self) -> StepPlan:
         """Engine thread, once per step: fire due timers, then hand over every queued job.
@@ -286,8 +274,8 @@ class TrajectoryManager:
             for job_id, n in report.jobs_done.items():
                 self.job_table.on_ranks(job_id, n, now)
             for (kind, tier, _), (nbytes, seconds) in report.transfers.items():
-                if kind in ("offload", "reload"):
-                    off = kind == "offload"
+                if kind in (TransferKind.OFFLOAD, TransferKind.RELOAD):
+                    off = kind == TransferKind.OFFLOAD
                     self.metrics.observe(
                         m.OFFLOAD_BYTES if off else m.RELOAD_BYTES, float(nbytes), tier=tier
                     )
@@ -392,9 +380,7 @@ class TrajectoryManager:
             reply["predicted_tool"] = tool
         return code, reply
 
-    def resume(self, trajectory_id: str, branch_name: str) -> tuple[int, dict[str, Any]]:
-        with self.lock:
-            return self.pauses.resume(trajectory_id, branch_name)
+    resume = _control_op(Pauses.resume)
 
     def delete(self, trajectory_id: str, reason: str = "deleted") -> tuple[int, dict[str, Any]]:
         """Release everything the trajectory holds. Its running requests finish normally for

@@ -3,6 +3,7 @@
 Primitives:
   BlockTransfer   one block: its tier key and the engine block id it is copied from or into
   MoveKind        PROMOTE | DEMOTE | FETCH | UPLOAD (a StrEnum)
+  TransferKind    OFFLOAD | RELOAD | PROMOTE | DEMOTE: what a reported transfer measured
   KeyProblem      'miss' | 'corrupt' | 'error': why a rank could not serve or write a key
   StoreJob        device -> tier (Tier.HOST | Tier.DISK); the device blocks stay pinned until done
   LoadJob         tier -> device blocks the engine allocated for a request
@@ -33,6 +34,13 @@ class MoveKind(enum.StrEnum):
     DEMOTE = "demote"  # host -> disk (a copy down: the host copy stays until dropped)
     FETCH = "fetch"  # shared remote tier -> host
     UPLOAD = "upload"  # a confirmed host copy -> shared remote tier
+
+
+class TransferKind(enum.StrEnum):
+    OFFLOAD = "offload"  # device -> tier (a store job)
+    RELOAD = "reload"  # tier -> device (a load job)
+    PROMOTE = "promote"
+    DEMOTE = "demote"
 
 
 # Why a rank could not serve or write a key (the worker fills it; a Literal, not an enum: the
@@ -101,7 +109,7 @@ class WorkerReport:
     fetch_missing: dict[int, list[bytes]] = field(default_factory=dict)
     # rank -> pid of the worker process, sent once (shows the plugin loaded in every worker)
     hello: dict[int, int] = field(default_factory=dict)
-    # (kind "offload"|"reload"|"promote"|"demote", tier, job ref) -> (bytes, seconds)
+    # (TransferKind, tier, job ref) -> (bytes, seconds)
     transfers: dict[tuple[str, str, str], tuple[int, float]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:

@@ -219,8 +219,10 @@ class JobTable:
     def _fetch_done(self, job: Job, ok: bool, timed_out: bool) -> list[bytes]:
         unwritten = []
         got = 0
+        until = self.m.clock.now() + self.m.config.remote_ttl_s
         for key in job.keys:
             if self.m.index.end_write(key, job.tier, ok and key not in job.missing):
+                self.m.index.note_external(key, until)  # the read renewed its TTL
                 got += 1
             else:  # a rank that did get it must not keep a copy the index does not list
                 unwritten.append(key)
@@ -229,8 +231,11 @@ class JobTable:
         return unwritten
 
     def _upload_done(self, job: Job, ok: bool, timed_out: bool) -> list[bytes]:
-        if not timed_out:  # timed out: unpinned when its last rank reported (late registry)
-            for key in job.keys:
+        until = self.m.clock.now() + self.m.config.remote_ttl_s
+        for key in job.keys:
+            if ok:
+                self.m.index.note_external(key, until)
+            if not timed_out:  # timed out: unpinned when its last rank reported (late registry)
                 self.m.index.end_read(key)
         self.m.counters["remote_uploaded_blocks" if ok else "remote_upload_failures"] += (
             len(job.keys) if ok else 1

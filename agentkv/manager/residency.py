@@ -2,8 +2,13 @@
 
 Primitives:
   Entry                       one key: complete copies in host / disk, the tier being written,
-                              in-flight readers, owners (trajectory ids), last use
-  ResidencyIndex.usable(key)  'host' | 'disk' | None: a complete, readable copy exists
+                              in-flight readers, owners (trajectory ids), last use, and until
+                              when the shared remote tier is known to hold it
+  ResidencyIndex.usable(key)  Tier.HOST | Tier.DISK | None: a complete, readable local copy
+  note_external / external    the remote tier (Locality.EXTERNAL) holds the key until a time:
+                              known from this replica's own uploads and fetches; other replicas
+                              write it and its TTL expires it, so this is a hint (skip an upload
+                              already done), never what a load trusts
   begin_write / end_write     two-phase: a store (or promote/demote) reserves its slot, then the
                               copy becomes readable only when every rank reported it written
   spoil_writes                a drop overtook writes in flight: they never become readable
@@ -42,9 +47,19 @@ class Entry:
     owners: set[str] = field(default_factory=set)
     doomed: bool = False  # unowned while busy: dropped once idle
     spoiled: set[Tier] = field(default_factory=set)  # writes a drop overtook: never readable
+    # monotonic time until which the remote tier holds a copy we uploaded or fetched (0: none
+    # known); an external copy alone never keeps an entry in the index
+    remote_until: float = 0.0
 
     def has(self, tier: Tier) -> bool:
-        return self.host if tier == Tier.HOST else self.disk
+        """A complete copy in ``tier`` (remote: one was known; its TTL is ``external``'s)."""
+        if tier == Tier.HOST:
+            return self.host
+        if tier == Tier.DISK:
+            return self.disk
+        if tier == Tier.REMOTE:
+            return self.remote_until > 0.0
+        return False
 
     @property
     def busy(self) -> bool:
@@ -122,6 +137,17 @@ class ResidencyIndex:
 
     def free(self, tier: Tier) -> int:
         return max(0, self.capacity.get(tier, 0) - self.reserved(tier))
+
+    def note_external(self, key: bytes, until: float) -> None:
+        """The remote tier holds ``key`` until ``until`` (monotonic), as far as we know."""
+        e = self._entries.get(key)
+        if e is not None:
+            e.remote_until = max(e.remote_until, until)
+
+    def external(self, key: bytes, now: float) -> bool:
+        """Whether the remote tier is known to hold ``key`` now."""
+        e = self._entries.get(key)
+        return e is not None and e.remote_until > now
 
     def owners(self, key: bytes) -> frozenset[str]:
         e = self._entries.get(key)

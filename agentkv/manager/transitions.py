@@ -320,13 +320,18 @@ class Transitions:
         the upload is reported."""
         if not self.m.config.remote_enabled:
             return
+        now = self.m.clock.now()
         ready = []
         for key in keys:
             e = self.m.index.get(key)
             # Host copies only: the worker's store reads host first, and a host copy the index
             # does not list (a timed-out job's late rank, its drop still queued) must never be
             # the one published. Keys a late rank may still write are skipped for the same reason.
-            if e is not None and not e.doomed and e.host and not self._skip(key):
+            # Copies the remote tier is known to hold (our own upload, within its TTL) are not
+            # sent again.
+            if e is None or self.m.index.external(key, now):
+                continue
+            if not e.doomed and e.host and not self._skip(key):
                 self.m.index.begin_read(key)
                 ready.append(key)
         if ready:

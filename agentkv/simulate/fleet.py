@@ -32,8 +32,9 @@ from agentkv.simulate.metrics import Recorder, Summary
 from agentkv.simulate.policies import make_policy
 from agentkv.simulate.replica import GIB, Replica, Request
 from agentkv.simulate.routers import make_router
-from agentkv.simulate.tiers import Tier
+from agentkv.simulate.tiers import TierStore
 from agentkv.simulate.workload import SimTrajectory, SimWorkload
+from agentkv.tier import Tier
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -116,10 +117,10 @@ class _Fleet:
         self.workload = workload
         self.env = simpy.Environment()
         costs = cfg.costs
-        self.remote: Tier | None = None
+        self.remote: TierStore | None = None
         if cfg.remote_capacity_gib > 0:
-            self.remote = Tier(
-                "remote",
+            self.remote = TierStore(
+                Tier.REMOTE,
                 cfg.remote_capacity_gib * GIB,
                 costs.block_bytes(),
                 costs.remote_bytes_per_s,

@@ -1,7 +1,7 @@
 """What a simulation measured, under the same names as the `agentkv bench agents` report.
 
 Primitives:
-  percentile(xs, q)     linear interpolation between order statistics (the bench's definition)
+  percentile(xs, q)     agentkv.stats.percentile (one definition for the bench and simulate)
   Recorder              per-turn and per-trajectory numbers kept as flat arrays (bounded: a few
                         numbers per turn), occupancy samples thinned to at most ``max_samples``
   Summary               one configuration's metrics: TTFT p50/p99 (all and resume turns), JCT,
@@ -13,11 +13,11 @@ Primitives:
 
 from __future__ import annotations
 
-import math
 from array import array
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from agentkv.stats import percentile
 
 COMPARED: tuple[str, ...] = (
     "resume_ttft_p50_s",
@@ -25,16 +25,6 @@ COMPARED: tuple[str, ...] = (
     "prefix_hit_rate",
     "resume_hit_rate",
 )
-
-
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) by linear interpolation; None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 @dataclass

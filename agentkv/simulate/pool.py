@@ -121,9 +121,6 @@ class BlockPool:
         return got
 
     # -- operations --------------------------------------------------------------------------
-    def can_admit(self, blocks_needed: int) -> bool:
-        return blocks_needed <= self.empty + self.cached_free
-
     def admit(
         self,
         tid: str,

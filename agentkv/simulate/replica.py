@@ -34,7 +34,8 @@ from agentkv.simulate.costs import EngineCosts
 from agentkv.simulate.policies import KVPolicy, PauseContext, PausePlan
 from agentkv.simulate.pool import Allocation, BlockPool
 from agentkv.simulate.routers import RouteRequest
-from agentkv.simulate.tiers import Tier
+from agentkv.simulate.tiers import TierStore
+from agentkv.tier import Tier
 
 GIB = 2**30
 NULL_BLOCKS = 1
@@ -137,7 +138,7 @@ class Replica(AdmissionMixin):
         policy: KVPolicy,
         host_capacity_gib: float | None,
         disk_capacity_gib: float | None,
-        remote: Tier | None = None,
+        remote: TierStore | None = None,
         admission: Admission = Admission.WHOLE,
     ) -> None:
         self.env = env
@@ -152,29 +153,29 @@ class Replica(AdmissionMixin):
         # vLLM's block pool keeps one block as its null block: num_gpu_blocks - 1 are usable.
         self.pool = BlockPool(max(1, num_blocks - NULL_BLOCKS))
         bb = costs.block_bytes()
-        self.host: Tier | None = None
-        self.disk: Tier | None = None
+        self.host: TierStore | None = None
+        self.disk: TierStore | None = None
         if host_capacity_gib is not None and host_capacity_gib > 0:
-            self.host = Tier(
-                "host",
+            self.host = TierStore(
+                Tier.HOST,
                 host_capacity_gib * GIB,
                 bb,
                 costs.host_link_bytes_per_s,
                 costs.host_link_bytes_per_s,
             )
         if disk_capacity_gib is not None and disk_capacity_gib > 0:
-            self.disk = Tier(
-                "disk",
+            self.disk = TierStore(
+                Tier.DISK,
                 disk_capacity_gib * GIB,
                 bb,
                 costs.disk_read_bytes_per_s,
                 costs.disk_write_bytes_per_s,
             )
         self.remote = remote
-        self.free: Tier | None = None
+        self.free: TierStore | None = None
         if policy.free_history:
             # The capacity-equal bound's store: unbounded, instant.
-            self.free = Tier("free", None, bb, float("inf"), float("inf"))
+            self.free = TierStore(Tier.HOST, None, bb, float("inf"), float("inf"))  # zero-cost
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
@@ -207,14 +208,14 @@ class Replica(AdmissionMixin):
 
     def _hits(
         self, tid: str, group: str, prefix_blocks: int, reusable_tokens: int, cap: int
-    ) -> tuple[int, int, Tier | None, int]:
+    ) -> tuple[int, int, TierStore | None, int]:
         """(prefix hit, private hit, tier, tier blocks) for a prompt, blocks capped at ``cap``."""
         reusable = min(reusable_tokens // self.bt, cap)
         pre, priv = self.pool.device_hit(
             tid, group, min(prefix_blocks, reusable), max(0, reusable - prefix_blocks)
         )
         dev = pre + priv
-        best: Tier | None = None
+        best: TierStore | None = None
         best_n = 0
         for tier in (self.free, self.host, self.disk, self.remote):
             if tier is None:

@@ -1,14 +1,15 @@
 """KV tiers below the device: host RAM and disk per replica, a remote store shared by the fleet.
 
 Primitives:
-  Tier                    one tier: capacity in bytes (None: unbounded), read and write rates, an
-                          LRU of trajectory copies (blocks each), one transfer queue
-  Tier.store(tid, blocks, now)  write-back copy of a trajectory's first ``blocks`` blocks; only the
+  TierStore               one simulated tier (named by agentkv.tier.Tier): capacity in bytes
+                          (None: unbounded), read and write rates, an LRU of trajectory copies
+                          (blocks each), one transfer queue
+  TierStore.store(tid, blocks, now)  write-back copy of a trajectory's first ``blocks`` blocks; only the
                           blocks not already there move (keys are content addresses); evicts
                           least recently stored copies for room; returns when the copy is done
-  Tier.load(tid, blocks, now)   when ``blocks`` blocks of the copy are back on the device
-  Tier.blocks(tid)        blocks of the trajectory this tier holds
-  Tier.remove(tid)        drop a copy (deleted trajectory, or moved elsewhere)
+  TierStore.load(tid, blocks, now)   when ``blocks`` blocks of the copy are back on the device
+  TierStore.blocks(tid)   blocks of the trajectory this tier holds
+  TierStore.remove(tid)   drop a copy (deleted trajectory, or moved elsewhere)
 
 Transfers of one tier are serialized on its link (a FIFO: one copy at a time at the link's
 rate), which is what makes demotion storms and reload bursts visible as queueing.
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from agentkv.tier import Tier
 
-class Tier:
+
+class TierStore:
     """One tier of one replica (or of the fleet, for the remote tier)."""
 
     def __init__(
         self,
-        name: str,
+        name: Tier,
         capacity_bytes: float | None,
         block_bytes: float,
         read_bytes_per_s: float,

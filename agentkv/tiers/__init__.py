@@ -11,7 +11,6 @@ Primitives (re-exported here; each lives in its own module):
     ValkeyProcess                              a private valkey-server (valkey_server.py)
     HostArena                                  preallocated fixed-slot host memory (host.py)
     BlockFiles                                 checksummed block files (disk.py)
-    EvictionOrder                              LRU with pins and leases (eviction.py)
     gds_available                              GPUDirect Storage probe (gds.py)
 
 Nothing here imports torch, vllm, kvikio or the valkey client at import time.
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 from agentkv.tier import Locality, Tier
 from agentkv.tiers.disk import BlockFiles
-from agentkv.tiers.eviction import EvictionOrder
 from agentkv.tiers.gds import gds_available
 from agentkv.tiers.host import HostArena
 from agentkv.tiers.keys import BlockKey, ModelFingerprint, block_keys, logical_key, rank_key
@@ -42,7 +40,6 @@ __all__ = [
     "BlockKey",
     "BlockResult",
     "BlockStatus",
-    "EvictionOrder",
     "HostArena",
     "HostRead",
     "Locality",

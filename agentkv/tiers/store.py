@@ -24,10 +24,11 @@ Primitives:
                                it returns, nothing more is written into the caller's buffers.
     BlockResult                ok / miss / error for one block, the tier involved, and the error.
     lookup_prefix, tier_of     residency queries of the local tiers: cheap, never wait on I/O.
-    set_lease, drop (the local tiers, or one tier: 'remote' deletes on the server), drop_owner,
-    stats, close.
-    ``auto_evict=False``: the store never evicts on its own (a full tier fails the block with
-    TierFullError); the caller that owns the residency index decides what leaves.
+    drop (the local tiers, or one tier: 'remote' deletes on the server), stats, close.
+
+The store executes, the caller decides: it never evicts on its own (a full tier fails the block
+with TierFullError) and keeps no owners or leases; the one residency index is the manager's
+(agentkv/manager/residency.py), which drops what leaves a tier before it writes anew.
 
 Buffers (buffers.py): host buffers and CPU tensors are copied with numpy through zero-copy views;
 torch tensors on a CUDA device are copied with torch on a per-thread CUDA stream into / out of the
@@ -36,21 +37,16 @@ through GPUDirect Storage when available (disk.py, device.py). A transfer is ord
 work queued on the caller's current stream when it was submitted.
 
 Invariants:
-    - A block in flight is pinned in the tier it is read from, so eviction never frees it mid-copy;
+    - A block in flight is pinned in the tier it is read from, so a drop never frees it mid-copy;
       a block dropped while pinned keeps its slot until the last pin goes.
     - A block becomes visible (lookup_prefix, tier_of, loads) only after all its bytes are in a tier.
     - A load reports ok only for a buffer it fully wrote; a missing file is a miss, a corrupt one an
       error carrying CorruptBlockError (the file is deleted; the caller recomputes).
-    - Host full: evict LRU, blocks with a live lease last; the victim is demoted to disk when a disk
-      tier exists and it is not there yet, else dropped. Disk full: the same order, then
-      TierFullError in that block's result.
-    - Owners (trajectory ids) reference-count a block: ``drop_owner`` frees a block only when no
-      other owner holds it. A block stored without an owner is freed by ``drop`` or eviction.
+    - A full tier fails the block with TierFullError in its result; nothing is evicted.
     - Metadata lives under one lock that is never held across a copy or a file read/write.
     - The remote tier is shared (other replicas write it, TTLs expire it), so the store keeps no
-      index of it: remote presence is always a live query, owners and leases do not apply to it,
-      and ``drop(keys)`` / ``drop_owner`` never delete remote blocks (only ``drop(keys, 'remote')``
-      does). Remote failures are error results, never exceptions (remote.py).
+      index of it: remote presence is always a live query, and ``drop(keys)`` never deletes
+      remote blocks (only ``drop(keys, 'remote')`` does). Remote failures are error results, never exceptions (remote.py).
 """
 
 from __future__ import annotations
@@ -59,10 +55,9 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -78,7 +73,6 @@ from agentkv.tiers.buffers import (
     scatter_from,
 )
 from agentkv.tiers.disk import BlockFiles
-from agentkv.tiers.eviction import EvictionOrder
 from agentkv.tiers.host import HostArena
 from agentkv.tiers.keys import BlockKey
 from agentkv.tiers.remote import RemoteBlocks, RemoteStats
@@ -201,17 +195,41 @@ class StoreStats:
 @dataclass(eq=False, slots=True)
 class _Block:
     # eq=False: blocks are identity-hashed, so a dropped block still pinned by a reader and a new
-    # block stored under the same key never collide in the eviction orders.
+    # block stored under the same key never collide in the residents sets.
     key: BlockKey
-    owners: set[str] = field(default_factory=set)
-    lease_until: float | None = None
     host_slot: int | None = None
     on_disk: bool = False
     dropped: bool = False
 
 
-def _lease_of(block: _Block) -> float | None:
-    return block.lease_until
+class _Residents:
+    """The blocks one tier holds, and how many transfers read each right now: a pinned block
+    keeps its slot until its last reader is done, even when dropped meanwhile. Not thread-safe
+    (the store calls it under its lock)."""
+
+    def __init__(self) -> None:
+        self._pins: dict[_Block, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def add(self, block: _Block) -> None:
+        self._pins.setdefault(block, 0)
+
+    def remove(self, block: _Block) -> None:
+        self._pins.pop(block, None)
+
+    def pin(self, block: _Block) -> None:
+        """Raises KeyError when ``block`` is not resident."""
+        self._pins[block] += 1
+
+    def unpin(self, block: _Block) -> None:
+        """No-op when the block was removed meanwhile."""
+        if self._pins.get(block, 0) > 0:
+            self._pins[block] -= 1
+
+    def pinned(self, block: _Block) -> bool:
+        return self._pins.get(block, 0) > 0
 
 
 class TieredStore:
@@ -227,8 +245,6 @@ class TieredStore:
         workers: int = 4,
         pin_memory: bool | None = None,
         direct_io: bool | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        auto_evict: bool = True,
         gds: bool | None = None,
         remote: RemoteBlocks | None = None,
     ) -> None:
@@ -248,13 +264,10 @@ class TieredStore:
         if workers < 1:
             raise ConfigError("workers must be at least 1")
         self.block_bytes = block_bytes
-        self._clock = clock
-        self._auto_evict = auto_evict
         self._lock = threading.Lock()
         self._blocks: dict[BlockKey, _Block] = {}
-        self._owned: dict[str, set[BlockKey]] = {}
-        self._host_order: EvictionOrder[_Block] = EvictionOrder(_lease_of)
-        self._disk_order: EvictionOrder[_Block] = EvictionOrder(_lease_of)
+        self._host_order = _Residents()
+        self._disk_order = _Residents()
         self._counters = dict.fromkeys(
             (
                 "stores",
@@ -266,8 +279,6 @@ class TieredStore:
                 "misses",
                 "errors",
                 "corrupt",
-                "evictions_host",
-                "evictions_disk",
                 "demotions",
                 "promotions",
                 "disk_full",
@@ -353,18 +364,10 @@ class TieredStore:
             return 0
         return self._remote.lookup_prefix(list(keys))
 
-    # ---------------------------------------------------------------------------- lease and drop
-
-    def set_lease(self, keys: Iterable[BlockKey], until_monotonic: float | None) -> None:
-        """Protect ``keys`` from eviction (they go last) until ``until_monotonic``; None clears."""
-        with self._lock:
-            for key in keys:
-                block = self._blocks.get(key)
-                if block is not None:
-                    block.lease_until = until_monotonic
+    # ---------------------------------------------------------------------------------- drop
 
     def drop(self, keys: Iterable[BlockKey], tier: Tier | None = None) -> int:
-        """Remove ``keys`` from ``tier`` (None: host and disk) whoever owns them; returns how many
+        """Remove ``keys`` from ``tier`` (None: host and disk); returns how many
         were present there. A host copy being read keeps its slot until the read ends.
 
         ``tier='remote'`` deletes the blocks on the shared server, for every replica (network
@@ -402,24 +405,6 @@ class TieredStore:
         self._unlink(doomed)
         return present
 
-    def drop_owner(self, owner: str) -> int:
-        """Release everything ``owner`` holds; blocks another owner still holds stay. Returns blocks freed."""
-        doomed: list[BlockKey] = []
-        freed = 0
-        with self._lock:
-            for key in self._owned.pop(owner, set()):
-                block = self._blocks.get(key)
-                if block is None:
-                    continue
-                block.owners.discard(owner)
-                if not block.owners:
-                    on_disk = self._forget(block)
-                    freed += 1
-                    if on_disk:
-                        doomed.append(key)
-        self._unlink(doomed)
-        return freed
-
     # --------------------------------------------------------------------------------- transfers
 
     def submit_store(
@@ -427,15 +412,13 @@ class TieredStore:
         keys: Sequence[BlockKey],
         buffers: Sequence[BlockBuffer],
         tier: Tier = Tier.HOST,
-        lease_until: float | None = None,
-        owner: str | None = None,
     ) -> TransferHandle:
         """Start copying ``buffers`` (one per key; a block may be a list of segments) into ``tier``.
 
         Returns at once. Raises ValueError right away for mismatched counts or sizes, and
         ConfigError for tier='disk' or 'remote' without that tier. Keys already present in that
-        tier are not copied again (content addressed); they gain the owner and lease. Remote
-        stores ignore owner and lease (the server's TTL governs them).
+        tier are not copied again (content addressed). A full tier fails the block with
+        TierFullError (the caller drops what should leave first).
         """
         if tier not in (Tier.HOST, Tier.DISK, Tier.REMOTE):
             raise ConfigError(f"unknown tier {tier!r}")
@@ -451,7 +434,7 @@ class TieredStore:
         handle = TransferHandle(keys)
 
         def store_one(index: int) -> BlockResult:
-            return self._store_one(keys[index], segments[index], tier, lease_until, owner)
+            return self._store_one(keys[index], segments[index], tier)
 
         self._run(handle, store_one)
         return handle
@@ -517,7 +500,6 @@ class TieredStore:
             for block in read._blocks:
                 if block is not None:
                     self._unpin_host(block)
-                    self._host_order.touch(block)
 
     def promote(self, keys: Sequence[BlockKey]) -> TransferHandle:
         """Start copying disk-only ``keys`` into the host tier (blocks already in host are ok)."""
@@ -777,13 +759,6 @@ class TieredStore:
             self._counters["errors"] += 1
         return BlockResult(key, BlockStatus.ERROR, None, error)
 
-    def _adopt(self, block: _Block, lease_until: float | None, owner: str | None) -> None:
-        if owner is not None and owner not in block.owners:
-            block.owners.add(owner)
-            self._owned.setdefault(owner, set()).add(block.key)
-        if lease_until is not None:
-            block.lease_until = max(block.lease_until or 0.0, lease_until)
-
     def _publish(self, key: BlockKey) -> _Block:
         block = self._blocks.get(key)
         if block is None:
@@ -796,8 +771,6 @@ class TieredStore:
         key: BlockKey,
         segments: Segments,
         tier: Tier,
-        lease_until: float | None,
-        owner: str | None,
     ) -> BlockResult:
         with self._lock:
             self._counters["stores"] += 1
@@ -805,14 +778,11 @@ class TieredStore:
             if block is not None and (
                 block.host_slot is not None if tier == Tier.HOST else block.on_disk
             ):
-                self._adopt(block, lease_until, owner)
-                (self._host_order if tier == Tier.HOST else self._disk_order).touch(block)
                 return BlockResult(key, BlockStatus.OK, tier)
         if tier == Tier.DISK:
             self._write_disk(key, segments)
             with self._lock:
                 block = self._publish(key)
-                self._adopt(block, lease_until, owner)
                 if block.on_disk:  # a concurrent store of the same key won the race
                     self._release_disk_bytes()
                 else:
@@ -823,7 +793,6 @@ class TieredStore:
         gather_into(self._arena.slot(slot), segments)
         with self._lock:
             block = self._publish(key)
-            self._adopt(block, lease_until, owner)
             if block.host_slot is not None:
                 self._arena.free(slot)
             else:
@@ -852,7 +821,6 @@ class TieredStore:
             finally:
                 with self._lock:
                     self._unpin_host(block)
-                    self._host_order.touch(block)
                     self._counters["hits_host"] += 1
             return BlockResult(key, BlockStatus.OK, Tier.HOST)
         return self._read_disk(block, segments, count_miss=count_miss)
@@ -871,7 +839,6 @@ class TieredStore:
         with self._lock:
             self._disk_order.unpin(block)
             if found:
-                self._disk_order.touch(block)
                 if count:
                     self._counters["hits_disk"] += 1
                 return BlockResult(block.key, BlockStatus.OK, Tier.DISK)
@@ -893,7 +860,6 @@ class TieredStore:
         with self._lock:
             block = self._blocks.get(key)
             if block is not None and block.host_slot is not None:
-                self._host_order.touch(block)
                 return BlockResult(key, BlockStatus.OK, Tier.HOST)
             if block is None or not block.on_disk:
                 self._counters["misses"] += 1
@@ -980,7 +946,7 @@ class TieredStore:
         return True
 
     def _write_disk(self, key: BlockKey, segments: Segments) -> None:
-        """Reserve room (evicting), then write; releases the reservation when the write fails."""
+        """Reserve room, then write; releases the reservation when the write fails."""
         assert self._files is not None
         self._reserve_disk_bytes()
         try:
@@ -994,58 +960,23 @@ class TieredStore:
 
     def _reserve_disk_bytes(self) -> None:
         assert self._files is not None
-        doomed: list[BlockKey] = []
-        try:
-            with self._lock:
-                while self._disk_used + self._files.file_bytes > self._disk_capacity:
-                    if not self._auto_evict:
-                        self._counters["disk_full"] += 1
-                        raise TierFullError("disk tier full (eviction is the caller's)")
-                    victim = self._disk_order.victim(self._clock())
-                    if victim is None:
-                        self._counters["disk_full"] += 1
-                        raise TierFullError("disk tier full: every block is in flight")
-                    victim.on_disk = False
-                    self._disk_order.remove(victim)
-                    self._release_disk_bytes()
-                    self._counters["evictions_disk"] += 1
-                    if victim.host_slot is None:
-                        self._remove_block(victim)
-                    doomed.append(victim.key)
-                self._disk_used += self._files.file_bytes
-        finally:
-            self._unlink(doomed)
+        with self._lock:
+            if self._disk_used + self._files.file_bytes > self._disk_capacity:
+                self._counters["disk_full"] += 1
+                raise TierFullError("disk tier full (eviction is the caller's)")
+            self._disk_used += self._files.file_bytes
 
     def _release_disk_bytes(self) -> None:
         assert self._files is not None
         self._disk_used -= self._files.file_bytes
 
     def _reserve_host_slot(self) -> int:
-        """Return a free slot, evicting (and demoting to disk) as needed. Raises TierFullError."""
-        while True:
-            with self._lock:
-                slot = self._arena.alloc()
-                if slot is not None:
-                    return slot
-                if not self._auto_evict:
-                    raise TierFullError("host tier full (eviction is the caller's)")
-                victim = self._host_order.victim(self._clock())
-                if victim is None:
-                    raise TierFullError("host tier full: every block is in flight")
-                if self._files is None or victim.on_disk:
-                    self._counters["evictions_host"] += 1
-                    self._release_host(victim)
-                    continue
-                self._host_order.pin(victim)
-            try:
-                self._copy_host_to_disk(victim)
-            except TierError as exc:
-                log.info("demotion of an evicted block failed (%s); dropping it", exc)
-            with self._lock:
-                self._unpin_host(victim)
-                if victim.host_slot is not None and not self._host_order.pinned(victim):
-                    self._counters["evictions_host"] += 1
-                    self._release_host(victim)
+        """A free host slot. Raises TierFullError (eviction is the caller's)."""
+        with self._lock:
+            slot = self._arena.alloc()
+        if slot is None:
+            raise TierFullError("host tier full (eviction is the caller's)")
+        return slot
 
     def _release_host(self, block: _Block) -> None:
         """Free ``block``'s host slot (caller holds the lock and checked it is unpinned)."""
@@ -1064,12 +995,6 @@ class TieredStore:
     def _remove_block(self, block: _Block) -> None:
         if self._blocks.get(block.key) is block:
             del self._blocks[block.key]
-        for owner in block.owners:
-            owned = self._owned.get(owner)
-            if owned is not None:
-                owned.discard(block.key)
-                if not owned:
-                    del self._owned[owner]
 
     def _forget(self, block: _Block) -> bool:
         """Drop ``block`` from the index (lock held); returns True when its file must be unlinked."""

@@ -1,7 +1,7 @@
 """Run a Workload against one server: the same plan, the same requests, two clients.
 
 Primitives:
-  TurnRecord        one request's measurements (TTFT, latency, tokens, hits, pause decision)
+  TurnRecord        one request's measurements (records.py: the record type every run shares)
   TrajectoryRecord  one trajectory's job completion time and its turns
   Session           what a driver must do: observe, complete (streamed), pause/resume, fork, close
   VanillaSession    plain OpenAI-compatible requests over httpx (no agentkv parameters)
@@ -23,45 +23,18 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 
+from agentkv_bench.records import TurnRecord
 from agentkv_bench.workload import TrajectoryPlan, TurnPlan, Workload
 from harness_sdk import Trajectory
 from harness_sdk.trajectory import ToolWait
 from harness_sdk.zones import Context
 
 TIMEOUT = httpx.Timeout(1800.0, connect=30.0)
-
-
-@dataclass
-class TurnRecord:
-    trajectory_id: str
-    branch: str
-    turn: int
-    kind: str  # "first" (no wait before it) or "resume" (the first turn after a tool wait)
-    tool: str | None
-    wait_s: float
-    sent_at_s: float  # since the run started
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    decision: str | None = None  # agentkv's pause decision before this turn
-    device_hit_tokens: int | None = None
-    tier_hit_tokens: int | None = None
-    tier: str | None = None
-
-    @property
-    def recomputed_tokens(self) -> int:
-        """Prompt tokens the engine had to prefill: neither in its cache nor loaded from a tier."""
-        return max(0, self.prompt_tokens - self.cached_tokens)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "recomputed_tokens": self.recomputed_tokens}
 
 
 @dataclass

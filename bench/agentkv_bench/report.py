@@ -1,7 +1,7 @@
 """Per-configuration metrics, agentkv/vanilla ratios, targets, JSON and markdown.
 
 Primitives:
-  percentile(xs, q)         linear interpolation between order statistics (numpy's default)
+  percentile(xs, q)         re-exported from agentkv.stats (one definition for bench and simulate)
   summarize(turns, trajs, samples, makespan_s) -> ConfigSummary
   ratios(a, b)              a / b for every shared numeric metric (None where b is 0 or missing)
   targets(summaries, overhead) -> [Target]   the issue's three targets, met or not
@@ -16,11 +16,11 @@ reaches the factor.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agentkv.stats import mean, percentile
 from agentkv_bench.drivers import TrajectoryRecord, TurnRecord
 from agentkv_bench.sampler import Sample
 
@@ -44,20 +44,6 @@ METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("makespan_s", "makespan", "s", False),
     ("kv_usage_mean", "device KV usage, mean", "", False),
 )
-
-
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) by linear interpolation; None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def _ratio(num: int, den: int) -> float | None:
@@ -131,8 +117,8 @@ def summarize(
         resume_ttft_p99_s=percentile([t.ttft_s for t in resume], 99),
         ttft_p50_s=percentile([t.ttft_s for t in turns], 50),
         ttft_p99_s=percentile([t.ttft_s for t in turns], 99),
-        ttft_mean_s=_mean([t.ttft_s for t in turns]),
-        jct_mean_s=_mean(jct),
+        ttft_mean_s=mean([t.ttft_s for t in turns]),
+        jct_mean_s=mean(jct),
         jct_p50_s=percentile(jct, 50),
         jct_max_s=max(jct) if jct else None,
         prompt_tokens=prompt,
@@ -149,7 +135,7 @@ def summarize(
         if makespan_s > 0
         else None,
         makespan_s=makespan_s,
-        kv_usage_mean=_mean(usage),
+        kv_usage_mean=mean(usage),
         kv_usage_max=max(usage) if usage else None,
         decisions=decisions,
         hit_rate_by_turn={

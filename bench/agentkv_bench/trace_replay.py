@@ -28,46 +28,18 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from agentkv.traces import TraceSession, TraceWorkload
+from agentkv_bench.records import RoundRecord
 from agentkv_bench.trace_prompts import RoundPrompt
 
 MODES = ("vanilla", "agentkv", "oracle")
 TOOL = "trace-tool"
 TIMEOUT = httpx.Timeout(1800.0, connect=30.0)
-
-
-@dataclass
-class RoundRecord:
-    session_id: str
-    trajectory_id: str
-    round: int  # 0-based, as round_idx in the trace
-    kind: str  # "first" (round 0) or "resume" (every later round follows a wait)
-    wait_before_s: float
-    sent_at_s: float  # since the run started
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    planned_prefix: int  # prompt tokens taken from the session's history
-    reusable_tokens: int  # of those, the ones any cache could hold: the previous prompt's part
-    decision: str | None = None  # agentkv's pause decision before this round
-    device_hit_tokens: int | None = None
-    tier_hit_tokens: int | None = None
-    tier: str | None = None
-
-    @property
-    def recomputed_tokens(self) -> int:
-        """Prompt tokens the engine had to prefill: neither in its cache nor loaded from a tier."""
-        return max(0, self.prompt_tokens - self.cached_tokens)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "recomputed_tokens": self.recomputed_tokens}
 
 
 @dataclass

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agentkv_bench.report import percentile
+from agentkv.stats import mean, percentile
 from agentkv_bench.sampler import Sample
 from agentkv_bench.trace_replay import RoundRecord, SessionRecord
 
@@ -58,10 +58,6 @@ METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("reusable_hit_rate", "cacheable history reused, resume rounds", "", True),
     ("makespan_s", "makespan", "s", False),
 )
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def device_hit(r: RoundRecord, block_tokens: int) -> bool:
@@ -126,10 +122,10 @@ def summarize(
         resume_rounds=len(resume),
         resume_ttft_p50_s=percentile([r.ttft_s for r in resume], 50),
         resume_ttft_p99_s=percentile([r.ttft_s for r in resume], 99),
-        resume_ttft_mean_s=_mean([r.ttft_s for r in resume]),
+        resume_ttft_mean_s=mean([r.ttft_s for r in resume]),
         ttft_p50_s=percentile([r.ttft_s for r in rounds], 50),
         ttft_p99_s=percentile([r.ttft_s for r in rounds], 99),
-        jct_mean_s=_mean(jct),
+        jct_mean_s=mean(jct),
         jct_p50_s=percentile(jct, 50),
         jct_p99_s=percentile(jct, 99),
         prompt_tokens=sum(r.prompt_tokens for r in rounds),
@@ -144,7 +140,7 @@ def summarize(
         resume_rounds_all_reused=sum(device_hit(r, block_tokens) for r in resume),
         tier_hit_tokens=sum(tier) if tier else None,
         makespan_s=makespan_s,
-        kv_usage_mean=_mean(usage),
+        kv_usage_mean=mean(usage),
         kv_usage_max=max(usage) if usage else None,
         decisions=decisions,
     )

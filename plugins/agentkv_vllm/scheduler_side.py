@@ -46,7 +46,7 @@ from agentkv_vllm.kv_events import TierEvents
 from agentkv_vllm.kv_identity import identity_from_config
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.params import AgentKVParams, parse_request_params
-from agentkv_vllm.settings import ConnectorSettings
+from agentkv_vllm.settings import ConnectorSettings, LoadMode
 
 log = logging.getLogger("agentkv.scheduler")
 GiB = 1 << 30
@@ -141,22 +141,10 @@ class SchedulerSide:
         self.otel = OTelExport.from_env(self._gauges)
         self.metrics.sink = self.otel
         self.profile = load_profile(settings.profile_path)
-        params = None
-        try:
-            from agentkv.geometry import ModelGeometry
-
-            geom = ModelGeometry.from_hf_config(model_config.hf_config.to_dict())
-            params = geom.num_parameters
-            layers, hidden = geom.num_layers, geom.hidden_size
-        except Exception as exc:  # sizing is best effort; decisions fall back safely
-            log.info("agentkv: model size unknown (%s); recompute cost from the profile only", exc)
-            layers, hidden = 0, 0
-        costs = CostModel.from_profile(
-            self.profile, model_params=params, num_layers=layers, hidden_size=hidden
-        )
+        costs = _cost_model(self.profile, model_config)
         device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
-        layerwise = settings.load_mode == "layerwise" or (
-            settings.load_mode == "auto" and device == "cpu"
+        layerwise = settings.load_mode is LoadMode.LAYERWISE or (
+            settings.load_mode is LoadMode.AUTO and device == "cpu"
         )
         self.base_costs = costs
         self.online = OnlineProfile(
@@ -164,23 +152,25 @@ class SchedulerSide:
         )
         self._step_sample: tuple[float, int] | None = None
         self.pinner = VllmBlockPinner()
+        config = ManagerConfig(
+            block_size=self.block_size,
+            block_bytes=self.block_bytes_total,
+            tp_size=self.tp_size,
+            host_capacity_blocks=host_blocks,
+            disk_capacity_blocks=disk_blocks,
+            grace_s=settings.grace_s,
+            default_action=settings.default_action,
+            high_water=settings.high_water,
+            job_timeout_s=settings.job_timeout_s,
+            idle_ttl_s=settings.idle_ttl_s,
+            max_trajectories=settings.max_trajectories,
+            layerwise=layerwise,
+            admission_wait=settings.admission_wait,
+            remote_enabled=bool(settings.remote_url),
+            remote_ttl_s=settings.remote_ttl_s,
+        )
         self.manager = TrajectoryManager(
-            ManagerConfig(
-                block_size=self.block_size,
-                block_bytes=self.block_bytes_total,
-                tp_size=self.tp_size,
-                host_capacity_blocks=host_blocks,
-                disk_capacity_blocks=disk_blocks,
-                grace_s=settings.grace_s,
-                default_action=settings.default_action,
-                high_water=settings.high_water,
-                job_timeout_s=settings.job_timeout_s,
-                idle_ttl_s=settings.idle_ttl_s,
-                max_trajectories=settings.max_trajectories,
-                layerwise=layerwise,
-                admission_wait=settings.admission_wait,
-                remote_enabled=bool(settings.remote_url),
-            ),
+            config,
             self.pinner,
             key_of=self._key_of,
             costs=costs,
@@ -522,6 +512,23 @@ def _spec_layout(groups: Sequence[Any]) -> str:
             f"{getattr(spec, 'head_size', '')}/{spec.page_size_bytes}/{len(g.layer_names)}"
         )
     return ";".join(parts)
+
+
+def _cost_model(profile: Any, model_config: Any) -> CostModel:
+    """The policy's costs: the hardware profile plus the served model's size when known."""
+    params = None
+    try:
+        from agentkv.geometry import ModelGeometry
+
+        geom = ModelGeometry.from_hf_config(model_config.hf_config.to_dict())
+        params = geom.num_parameters
+        layers, hidden = geom.num_layers, geom.hidden_size
+    except Exception as exc:  # sizing is best effort; decisions fall back safely
+        log.info("agentkv: model size unknown (%s); recompute cost from the profile only", exc)
+        layers, hidden = 0, 0
+    return CostModel.from_profile(
+        profile, model_params=params, num_layers=layers, hidden_size=hidden
+    )
 
 
 def _zone_at(zones: Sequence[Any], token: int) -> str | None:

@@ -6,6 +6,7 @@ field (an operator error, caught before any request is served).
 
 from __future__ import annotations
 
+import enum
 import os
 import tempfile
 from pathlib import Path
@@ -13,10 +14,17 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from agentkv.manager import ManagerConfig
 from agentkv.policy import DEFAULT_POLICY, HIGH_WATER, Action
 
 if TYPE_CHECKING:
     from agentkv.tiers.remote import RemoteConfig
+
+
+class LoadMode(enum.StrEnum):
+    AUTO = "auto"  # layerwise on CPU, async elsewhere
+    ASYNC = "async"  # the request waits until every block is loaded
+    LAYERWISE = "layerwise"  # host blocks copied layer by layer inside the prefill step
 
 
 def _default_run_dir() -> str:
@@ -35,8 +43,9 @@ class ConnectorSettings(BaseModel):
         default=None, description="Disk tier directory; None disables the disk tier."
     )
     disk_capacity_gib: float = Field(default=32.0, gt=0)
+    # Defaults of the manager's knobs are ManagerConfig's and PolicyParams' (written once there).
     grace_s: float = Field(
-        default=0.5,
+        default=ManagerConfig.grace_s,
         ge=0,
         description="How long finished blocks stay pinned waiting for a pause decision.",
     )
@@ -62,9 +71,8 @@ class ConnectorSettings(BaseModel):
         default=None, description="ZMQ endpoint of the control channel (default: ipc in run_dir)."
     )
     io_threads: int = Field(default=2, ge=1, le=64)
-    load_mode: str = Field(
-        default="auto",
-        pattern="^(auto|async|layerwise)$",
+    load_mode: LoadMode = Field(
+        default=LoadMode.AUTO,
         description="How blocks come back from a tier. layerwise: host blocks are copied layer by "
         "layer during the step that prefills the new tokens (each attention layer waits only for "
         "its own layer); async: the request waits until every block is loaded, then is scheduled. "
@@ -78,18 +86,18 @@ class ConnectorSettings(BaseModel):
         description="Predicted median waits at least this long go to the disk tier (policy).",
     )
     job_timeout_s: float = Field(
-        default=30.0,
+        default=ManagerConfig.job_timeout_s,
         gt=0,
         description="A store, load or tier move not reported by every TP rank in this time fails: "
         "its device blocks are unpinned and recomputed, its keys dropped.",
     )
     idle_ttl_s: float = Field(
-        default=86400.0,
+        default=ManagerConfig.idle_ttl_s,
         gt=0,
         description="A trajectory with no request for this long is deleted (its KV released).",
     )
     max_trajectories: int = Field(
-        default=100_000,
+        default=ManagerConfig.max_trajectories,
         ge=1,
         description="Cap on the trajectory table; the least recently active idle one goes first.",
     )

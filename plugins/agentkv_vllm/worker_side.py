@@ -194,8 +194,7 @@ class WorkerSide:
             disk_dir=disk_dir,
             disk_capacity_bytes=int(self.settings.disk_capacity_gib * GiB),
             block_bytes=self.views.block_bytes,
-            workers=self.settings.io_threads,
-            auto_evict=False,  # the scheduler's manager decides every eviction
+            workers=self.settings.io_threads,  # never evicts: the manager decides
         )
         self._report.hello[self.tp_rank] = os.getpid()
         log.info(

@@ -1,4 +1,4 @@
-"""One rank's TieredStore as the plugin runs it (``auto_evict=False``), reduced to content ids.
+"""One rank's TieredStore as the plugin runs it (a store that never evicts), reduced to content ids.
 
 Primitives:
   FakeTierStore       host and disk tiers of one rank, each a dict {key: content id}; the

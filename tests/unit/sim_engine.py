@@ -224,7 +224,7 @@ class LoadEvent:
 
 class SimWorkers:
     """tp_size ranks, each with its own store (fake_store.FakeTierStore: the real TieredStore's
-    results, ``auto_evict=False``), plus the shared remote tier. Each job runs as the plugin's
+    results, a store that never evicts), plus the shared remote tier. Each job runs as the plugin's
     worker (plugins/agentkv_vllm/worker_side.py) runs it: what it reports on success, on a
     block's I/O error (``io_error``: the key is reported bad) and on a job that failed to start
     (``start_error``); an async load past the worker's own deadline is cancelled and reported

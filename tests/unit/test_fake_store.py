@@ -1,5 +1,5 @@
 """The store contract the simulated engine relies on, on the shared fake (tests/unit/fake_store.py)
-and on the real TieredStore as the plugin opens it (``auto_evict=False``): one random sequence of
+and on the real TieredStore as the plugin opens it (it never evicts): one random sequence of
 operations runs on both and every result, tier and byte must agree, so the fake cannot drift."""
 
 from __future__ import annotations
@@ -44,9 +44,7 @@ class Real:
     """The real store behind the fake's interface (content ids <-> payload bytes)."""
 
     def __init__(self, directory: Path, host: int, disk: int) -> None:
-        self.s = TieredStore(
-            host * BLOCK, directory, disk * FILE, BLOCK, workers=1, auto_evict=False
-        )
+        self.s = TieredStore(host * BLOCK, directory, disk * FILE, BLOCK, workers=1)
 
     def key(self, k: bytes) -> BlockKey:
         return BlockKey(k, FP)

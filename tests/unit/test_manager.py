@@ -850,3 +850,25 @@ def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
     assert ended["agentkv.outcome"] == "resumed" and ended["agentkv.observed_wait_s"] == 5.0
     (obs,) = rig.mgr.metrics.snapshot()["histogram"][m.TOOL_WAIT_OBSERVED.name]
     assert obs[0] == "grep" and obs[-1] == 1 and obs[-2] == 5.0
+
+
+def test_the_index_knows_its_remote_copies_until_their_ttl_and_does_not_upload_them_again() -> None:
+    """Remote copies are in the residency index (external, with a TTL): an upload this replica
+    made is not sent again while the remote tier keeps it, and is once the TTL has passed."""
+    from agentkv.tier import Tier
+
+    rig = make_rig(remote_enabled=True, remote_ttl_s=100.0)
+    offloaded(rig)
+    rig.settle()
+    keys = branch(rig).keys
+    assert rig.mgr.counters["remote_uploaded_blocks"] == 4
+    now = rig.clock.now()
+    assert all(rig.mgr.index.external(k, now) for k in keys)
+    assert all(rig.mgr.index.get(k).has(Tier.REMOTE) for k in keys)  # type: ignore[union-attr]
+    assert not any(rig.mgr.index.get(k).has(Tier.DISK) for k in keys)  # type: ignore[union-attr]
+    rig.mgr.transitions.upload(keys)
+    assert not rig.mgr.jobs  # known to be there: nothing sent
+    rig.clock.advance(101.0)
+    assert not any(rig.mgr.index.external(k, rig.clock.now()) for k in keys)
+    rig.mgr.transitions.upload(keys)
+    assert [job.kind for job in rig.mgr.jobs.values()] == ["upload"]

@@ -31,8 +31,9 @@ from agentkv.simulate.routers import (
     SessionAffinity,
     make_router,
 )
-from agentkv.simulate.tiers import Tier
+from agentkv.simulate.tiers import TierStore
 from agentkv.simulate.workload import SimTrajectory, SimTurn, SimWorkload
+from agentkv.tier import Tier
 
 # -- pool ---------------------------------------------------------------------------------------
 
@@ -110,7 +111,7 @@ def test_pinned_blocks_are_never_evicted_and_can_block_admission() -> None:
 
 
 def test_tier_copies_only_new_blocks_and_evicts_the_oldest_copy() -> None:
-    tier = Tier("host", 4 * 100.0, 100.0, 1000.0, 100.0)
+    tier = TierStore(Tier.HOST, 4 * 100.0, 100.0, 1000.0, 100.0)
     assert tier.store("a", 2, 0.0) == pytest.approx(2.0)
     assert tier.store("a", 3, 0.0) == pytest.approx(3.0)  # one more block, after the first copy
     tier.store("b", 1, 10.0)

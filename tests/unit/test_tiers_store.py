@@ -116,42 +116,23 @@ def test_wrong_sizes_and_read_only_destinations_raise_at_submit(make) -> None:  
         s.submit_store(keys(2), [np.zeros(BLOCK, np.uint8)])
 
 
-def test_host_full_without_disk_evicts_lru_and_misses(make) -> None:  # type: ignore[no-untyped-def]
-    s = make(2, None, workers=1)
-    a, b, c = keys(3)
-    store_all(s, [a])
-    store_all(s, [b])
-    load(s, [a])  # a is now more recent than b
-    store_all(s, [c])
-    assert [s.tier_of(k) for k in (a, b, c)] == ["host", None, "host"]
-    statuses, _ = load(s, [b])
-    assert statuses == [BlockStatus.MISS]
-
-
-def test_live_leases_are_evicted_last_and_expired_ones_normally(make) -> None:  # type: ignore[no-untyped-def]
-    now = [100.0]
-    s = make(2, None, workers=1, clock=lambda: now[0])
+def test_a_full_tier_fails_the_block_and_never_evicts(make) -> None:  # type: ignore[no-untyped-def]
+    """The store executes, the manager decides: a full tier is an error result for the new
+    block; every block already stored stays, until the caller drops one."""
+    s = make(2, 1, workers=1)
     a, b, c, d = keys(4)
-    store_all(s, [a], lease_until=200.0)
-    store_all(s, [b])
-    store_all(s, [c])  # a is the LRU block but leased: b goes
-    assert [s.tier_of(k) for k in (a, b, c)] == ["host", None, "host"]
-    now[0] = 300.0  # lease expired: a is LRU again
-    store_all(s, [d])
-    assert [s.tier_of(k) for k in (a, c, d)] == [None, "host", "host"]
-
-
-def test_host_eviction_demotes_to_disk_then_disk_evicts_lru(make) -> None:  # type: ignore[no-untyped-def]
-    s = make(2, 2, workers=1)
-    ks = keys(5)
-    for key in ks:
-        store_all(s, [key])
-    assert [s.tier_of(k) for k in ks] == [None, "disk", "disk", "host", "host"]
-    statuses, out = load(s, ks[1:])
-    assert statuses == [OK] * 4
-    assert_exact(ks[1:], out)
-    counters = s.stats().counters
-    assert counters["demotions"] == 3 and counters["evictions_disk"] == 1
+    assert store_all(s, [a, b]) == [OK, OK]
+    (result,) = s.submit_store([c], [content(c)]).result(10)
+    assert result.status is BlockStatus.ERROR and isinstance(result.error, TierFullError)
+    assert [s.tier_of(k) for k in (a, b, c)] == ["host", "host", None]
+    assert store_all(s, [d], tier="disk") == [OK]
+    (result,) = s.submit_store([c], [content(c)], tier="disk").result(10)
+    assert isinstance(result.error, TierFullError) and s.stats().counters["disk_full"] == 1
+    statuses, out = load(s, [a, b, d])
+    assert statuses == [OK] * 3
+    assert_exact([a, b, d], out)
+    assert s.drop([a]) == 1  # the caller frees a slot: the next store lands
+    assert store_all(s, [c]) == [OK] and s.tier_of(c) == "host"
 
 
 def test_restart_rebuilds_index_from_files(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -192,23 +173,6 @@ def test_damaged_file_is_an_error_never_data_and_then_a_miss(make, damage: str) 
     assert load(s, [key])[0] == [BlockStatus.MISS]
 
 
-def test_drop_owner_keeps_blocks_another_owner_holds(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    s = make(8, 8)
-    shared = keys(2)
-    fork_a = make_keys(FP, "s", [0, 1, 10])[2:]
-    fork_b = make_keys(FP, "s", [0, 1, 20])[2:]
-    store_all(s, shared + fork_a, owner="a")
-    store_all(s, shared + fork_b, owner="b", tier="disk")
-    assert s.drop_owner("a") == 1
-    assert s.tier_of(fork_a[0]) is None
-    assert s.lookup_prefix(shared + fork_b) == 3
-    assert s.drop_owner("b") == 3
-    assert s.lookup_prefix(shared) == 0
-    assert list((tmp_path / "kv").rglob("*.kvb")) == []
-    assert s.stats().host.blocks == 0 and s.stats().disk.used_bytes == 0
-    assert s.drop_owner("a") == 0
-
-
 def test_drop_removes_from_every_tier(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     s = make(4, 4)
     ks = keys(2)
@@ -245,7 +209,7 @@ def test_block_in_flight_is_pinned_and_handle_polls(make, monkeypatch: pytest.Mo
 
 
 def test_concurrent_stores_and_loads_lose_or_mix_nothing(make) -> None:  # type: ignore[no-untyped-def]
-    s = make(6, 64, workers=3)
+    s = make(64, 64, workers=3)
     failures: list[str] = []
 
     def worker(thread: int) -> None:
@@ -253,9 +217,8 @@ def test_concurrent_stores_and_loads_lose_or_mix_nothing(make) -> None:  # type:
         shared = keys(3, salt="shared")
         for round_ in range(4):
             batch = own + shared
-            results = s.submit_store(batch, [content(k) for k in batch], owner=f"t{thread}").result(
-                10
-            )
+            tier = "disk" if round_ % 2 else "host"
+            results = s.submit_store(batch, [content(k) for k in batch], tier=tier).result(10)
             if not all(r.ok for r in results):
                 failures.append(f"store {thread}/{round_}: {results}")
             out = [np.zeros(BLOCK, np.uint8) for _ in batch]
@@ -276,13 +239,14 @@ def test_concurrent_stores_and_loads_lose_or_mix_nothing(make) -> None:  # type:
     stats = s.stats()
     assert stats.host.used_bytes <= stats.host.capacity_bytes
     assert stats.disk.used_bytes <= stats.disk.capacity_bytes
-    assert stats.counters["demotions"] > 0
+    assert stats.host.blocks == 4 * 6 + 3 and stats.disk.blocks == 4 * 6 + 3
 
 
 def test_memory_and_disk_stay_within_capacity(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     s = make(3, 5)
     for i in range(6):
-        store_all(s, keys(4, salt=str(i)))
+        store_all(s, keys(4, salt=str(i)))  # past capacity: those blocks fail, none evicted
+        store_all(s, keys(4, salt=f"d{i}"), tier="disk")
     stats = s.stats()
     assert stats.host.blocks == 3 and stats.host.capacity_bytes == 3 * BLOCK
     assert s._arena._memory.nbytes <= 3 * BLOCK
@@ -303,12 +267,13 @@ def test_disk_full_store_fails_cleanly_and_caller_can_fall_back(
     (result,) = s.submit_store([a], [content(a)], tier="disk").result(10)
     assert result.status is BlockStatus.ERROR and isinstance(result.error, TierFullError)
     assert s.tier_of(a) is None and load(s, [a])[0] == [BlockStatus.MISS]
-    # Host eviction cannot demote either: the victim is dropped, the new block still lands.
+    # The host tier is unaffected; it holds one block, and a second fails: nothing is evicted.
     assert store_all(s, [b]) == [OK]
-    assert store_all(s, [c]) == [OK]
-    assert s.tier_of(b) is None and s.tier_of(c) == "host"
+    (full,) = s.submit_store([c], [content(c)]).result(10)
+    assert isinstance(full.error, TierFullError)
+    assert s.tier_of(b) == "host" and s.tier_of(c) is None
     assert [p for p in (tmp_path / "kv").rglob("*") if p.is_file()] == []
-    assert s.stats().disk.used_bytes == 0 and s.stats().counters["disk_full"] == 2
+    assert s.stats().disk.used_bytes == 0 and s.stats().counters["disk_full"] == 1
 
 
 @contextlib.contextmanager
