@@ -897,3 +897,26 @@ def test_the_residency_index_refuses_a_second_write_of_a_key() -> None:
     with pytest.raises(ValueError):
         index.begin_write(b"k", "host", "t1")  # held
     index.begin_write(b"k", "disk", "t1")  # another tier is fine
+
+
+def test_a_retained_branch_that_runs_again_is_no_pressure_victim() -> None:
+    """A retained branch whose agent is back (a request runs) leaves the pressure candidates:
+    pressure must not demote a branch that is not retained any more."""
+    rig = make_rig(high_water=0.5)
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "main", "fast", 0.001)[1]["state"] == "retained"
+    req = rig.eng.new_request("t1", "main", [*P1, 4], max_new=2)
+    assert rig.eng.schedule(req)
+    assert branch(rig).state is BranchState.ACTIVE
+    assert rig.eng.spike(rig.pool.num_free() - 2)  # usage far above high water
+    rig.eng.step()
+    assert rig.mgr.counters["pressure_demotions"] == 0
+    assert branch(rig).state is BranchState.ACTIVE
+    rig.eng.release_spike()
+    rig.run(req)
+    assert req.status == "FINISHED" and not rig.eng.violations
+    assert branch(rig).state is BranchState.HELD  # its grace period, pinned again
+    assert rig.eng.spike(rig.pool.num_free() - 1)
+    rig.eng.step()
+    assert rig.mgr.counters["pressure_demotions"] == 0  # grace decides, not pressure
+    assert branch(rig).state is BranchState.HELD and branch(rig).pinned
