@@ -282,3 +282,16 @@ def test_the_remote_tier_counts_its_stores(valkey_url: str) -> None:  # noqa: F8
         finally:
             s.close()
             client.close()
+
+
+def test_ok_prefix_counts_the_leading_blocks_that_loaded() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        real = Real(Path(tmp), 2, 2)
+        try:
+            real.store(KEYS[:1], [b"A"], "host")
+            out = [np.zeros(BLOCK, np.uint8) for _ in range(2)]
+            handle = real.s.submit_load([real.key(KEYS[0]), real.key(KEYS[1])], out)
+            handle.wait(10)
+            assert handle.ok_prefix() == 1
+        finally:
+            real.s.close()

@@ -920,3 +920,105 @@ def test_a_retained_branch_that_runs_again_is_no_pressure_victim() -> None:
     rig.eng.step()
     assert rig.mgr.counters["pressure_demotions"] == 0  # grace decides, not pressure
     assert branch(rig).state is BranchState.HELD and branch(rig).pinned
+
+
+def test_store_jobs_in_flight_are_releasing_until_they_complete() -> None:
+    rig = make_rig(grace=0.0)
+    rig.turn("t1", P1, jobs=False)
+    rig.eng.step()
+    assert rig.mgr.status()["pool"]["releasing_blocks"] == 4
+    rig.settle()
+    assert rig.mgr.status()["pool"]["releasing_blocks"] == 0
+
+
+def test_an_abort_after_a_confirmed_load_keeps_the_loaded_blocks() -> None:
+    """The load reported ok: its blocks are trusted even if the request is then aborted."""
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4, 4], max_new=3)
+    rig.eng.schedule(req)
+    assert req.status == "WAITING_FOR_REMOTE_KVS"
+    rig.eng.step()
+    for p in rig.workers.completable():
+        rig.workers.complete(p)
+    rig.eng.deliver_reports()
+    assert req.status == "RUNNING"
+    assert rig.eng.compute(req)
+    rig.eng.abort(req)
+    assert rig.mgr.counters["aborted_loads"] == 0
+    assert len(branch(rig).pinned) >= 4  # the loaded context, not only the device hit (none)
+
+
+def test_every_failed_load_is_counted_and_serves_no_tier_tokens() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    for n in (1, 2):
+        rig.flush()
+        req = rig.eng.new_request("t1", "main", [*P1, 4], max_new=0)
+        rig.eng.schedule(req)
+        rig.eng.step()
+        for p in rig.workers.completable():
+            rig.workers.complete(p, "io_error")
+        rig.eng.deliver_reports()
+        rig.run(req)
+        assert rig.mgr.counters["load_failures"] == n
+        assert rig.mgr.get("t1")[1]["turns"][-1]["tier_hit_tokens"] == 0
+        offloaded(rig, prompt=[*P1, 4])
+
+
+def test_a_fail_closed_load_is_counted() -> None:
+    rig = make_rig()
+    rig.mgr.on_alloc("r-unknown", [1, 2, 3], 8)  # not ours, yet vLLM counted tokens
+    assert rig.mgr.counters["failed_closed_loads"] == 1
+
+
+def test_get_says_why_the_engine_moved_a_branch() -> None:
+    rig = make_rig()
+    offloaded(rig)  # grace expired with no pause decision
+    assert rig.mgr.get("t1")[1]["branches"]["main"]["demoted_by"] == "grace_expired"
+
+
+def test_the_paused_gauge_is_labelled_by_state() -> None:
+    from agentkv import metrics as m
+
+    rig = make_rig()
+    offloaded(rig)
+    rows = {(spec.name, tuple(sorted(labels.items()))): v for spec, labels, v in rig.mgr.gauges()}
+    assert rows[(m.PAUSED_TRAJECTORIES.name, (("state", "offloaded"),))] == 1
+    assert rows[(m.TRAJECTORIES.name, ())] == 1
+
+
+def test_a_second_pause_of_a_disk_branch_still_prefetches() -> None:
+    """A decision that changes no state (offload_host for a branch already offloaded) still arms
+    its prefetch timer."""
+    rig = make_rig(disk=32)
+    _disk_offloaded(rig)
+    _code, body = rig.mgr.pause("t1", "main", "human", 400.0)
+    assert body["state"] == "offloaded"
+    due = branch(rig).prefetch_due
+    assert due is not None
+    rig.clock.t = due + 0.01
+    rig.settle()
+    assert rig.mgr.counters["prefetches"] == 1 and branch(rig).prefetch_done_at is not None
+
+
+def test_a_layerwise_load_is_counted_and_the_turn_stats_carry_the_hit_ratio() -> None:
+    rig = make_rig(layerwise=True)
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4], max_new=0)
+    rig.run(req)
+    assert rig.mgr.counters["layerwise_loads"] == 1
+    rig.turn("t1", [*P1, 4, 4])
+    stats = rig.mgr.on_finish(
+        "r-none", [], computed_tokens=0, token_ids=[], block_hashes=[], aborted=False
+    )
+    assert stats is None
+    t1 = rig.mgr.table["t1"]
+    req3 = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4], max_new=0)
+    rig.eng.schedule(req3)
+    rig.eng.step()
+    rig.eng.compute(req3)
+    out = rig.eng.finish(req3)
+    assert out is not None and out["prefix_hit_ratio"] == round(t1.prefix_hit_ratio, 6) > 0
