@@ -25,7 +25,7 @@ test: setup
 	$(BIN)/python -m pytest -q -ra --timeout=900
 
 # The safety net at depth: the manager's stateful test with 5,000 programs of up to 150 steps
-# (docs/testing.md), and the fake-store contract with more sequences. ~30 min on 2 cores.
+# (docs/testing.md), and the fake-store contract with 2,000 sequences. About an hour on 2 cores.
 test-deep: setup
 	AGENTKV_HYPOTHESIS_PROFILE=deep $(BIN)/python -m pytest -q -ra --timeout=7200 \
 		tests/unit/test_manager_stateful.py tests/unit/test_fake_store.py

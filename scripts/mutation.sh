@@ -9,6 +9,8 @@
 # which tests reach which function, then runs each sampled mutant against the tests that reach
 # it (the manager and store unit tests, the stateful test at its default profile, the fake-store
 # contract). Writes build/mutation/report.txt: the score and every surviving mutant's diff.
+# MUTATION_REUSE=1 keeps the generated mutants (same sources) and recollects the test map;
+# MUTATION_NAMES=FILE runs exactly the mutants FILE lists (one per line) instead of a sample.
 # CPU heavy: run it under `nice -n 10`. Env: PYTHON (default: the venv's or python3),
 # MUTATION_DIR, MUTATION_CHILDREN (parallel mutants, default: all cores).
 set -euo pipefail
@@ -60,6 +62,10 @@ export AGENTKV_HYPOTHESIS_PROFILE=mutation
 #    nothing stops mutmut right after that).
 "$mutmut" run --max-children "$children" "generate-only-no-such-mutant" >gen.log 2>&1 || true
 fi
+if [[ -n "${MUTATION_NAMES:-}" ]]; then
+    # Exactly the mutants listed in that file (e.g. the survivors of the last run).
+    cp "$MUTATION_NAMES" sample.txt
+else
 "$PYTHON" - "$sample" "$seed" >sample.txt <<'EOF'
 import json, random, sys
 from pathlib import Path
@@ -75,6 +81,7 @@ pick = names if n == "all" else sorted(random.Random(int(sys.argv[2])).sample(na
 print(f"# {len(pick)} of {len(names)} mutants, seed {sys.argv[2]}", file=sys.stderr)
 print("\n".join(pick))
 EOF
+fi
 echo "mutants: $(grep -c . sample.txt) sampled of $(
     "$PYTHON" -c 'import json,pathlib;print(sum(len(json.loads(m.read_text())["exit_code_by_key"]) for m in pathlib.Path("mutants").rglob("*.meta")))'
 ) (seed $seed)"

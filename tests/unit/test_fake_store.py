@@ -18,6 +18,7 @@ from agentkv.tiers.keys import KEY_BYTES, BlockKey
 from agentkv.tiers.results import BlockStatus
 from agentkv.tiers.store import TieredStore
 from tests.unit.fake_store import FakeTierStore
+from tests.valkey_fixture import unique_prefix, valkey_server, valkey_url  # noqa: F401
 
 DEEP = os.environ.get("AGENTKV_HYPOTHESIS_PROFILE") == "deep"  # `make test-deep`
 DEEP_EXAMPLES = 2000
@@ -230,5 +231,65 @@ def test_a_bug_inside_a_transfer_is_that_blocks_error_and_the_handle_completes()
             assert [r.key for r in results] == keys
             assert all(r.status is BlockStatus.ERROR and "a bug" in str(r.error) for r in results)
             assert real.s.stats().counters["errors"] == 2
+        finally:
+            real.s.close()
+
+
+def test_dropping_the_host_copy_of_a_block_also_on_disk_keeps_the_disk_copy() -> None:
+    fake = FakeTierStore(2, 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        real = Real(Path(tmp), 2, 2)
+        try:
+            for store in (fake, real):
+                store.store(KEYS[:1], [b"A"], "host")
+            assert real.move("copy_to_disk", KEYS[:1]) == [BlockStatus.OK]
+            fake.copy_to_disk(KEYS[:1])
+            assert real.s.drop([real.key(KEYS[0])], "host") == fake.drop(KEYS[:1], "host") == 1
+            assert real.s.tier_of(real.key(KEYS[0])) == fake.tier_of(KEYS[0]) == "disk"
+            assert real.load(KEYS[:1]) == [(BlockStatus.OK, "disk", b"A")]
+            assert real.s.stats().host.blocks == 0
+        finally:
+            real.s.close()
+
+
+def test_a_store_reads_its_sources_and_never_needs_them_writable() -> None:
+    """The worker hands the store read-only views of the engine's blocks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        real = Real(Path(tmp), 2, 2)
+        try:
+            src = payload(b"A")
+            src.flags.writeable = False
+            (r,) = real.s.submit_store([real.key(KEYS[0])], [src], tier="host").result(10)
+            assert r.ok and real.load(KEYS[:1]) == [(BlockStatus.OK, "host", b"A")]
+        finally:
+            real.s.close()
+
+
+def test_the_remote_tier_counts_its_stores(valkey_url: str) -> None:  # noqa: F811
+    from agentkv.tiers.remote import RemoteBlocks, RemoteConfig
+
+    client = RemoteBlocks(RemoteConfig.parse(valkey_url, key_prefix=unique_prefix(), ttl_s=60))
+    with tempfile.TemporaryDirectory() as tmp:
+        s = TieredStore(2 * BLOCK, Path(tmp), 2 * FILE, BLOCK, workers=1, remote=client)
+        try:
+            keys = [BlockKey(k, FP) for k in KEYS[:3]]
+            results = s.submit_store(keys, [payload(c) for c in CONTENTS], tier="remote").result(10)
+            assert all(r.ok for r in results)
+            c = s.stats().counters
+            assert (c["stores"], c["stores_remote"]) == (3, 3)
+        finally:
+            s.close()
+            client.close()
+
+
+def test_ok_prefix_counts_the_leading_blocks_that_loaded() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        real = Real(Path(tmp), 2, 2)
+        try:
+            real.store(KEYS[:1], [b"A"], "host")
+            out = [np.zeros(BLOCK, np.uint8) for _ in range(2)]
+            handle = real.s.submit_load([real.key(KEYS[0]), real.key(KEYS[1])], out)
+            handle.wait(10)
+            assert handle.ok_prefix() == 1
         finally:
             real.s.close()

@@ -18,8 +18,8 @@ Invariants after every step (numbers from agentkv/manager/core.py's docstring):
      true KV on every rank (a branch's context blocks, a store job's sources)
   4. only live trajectories own indexed keys (and know it); deleted ones hold nothing, answer
      404, never come back through their running requests; tombstones only while running
-  5. every branch pressure_victims picks leaves RETAINED; a demotion that covered its excess
-     is not followed by another unless usage grew or a store completed
+  5. pressure weighs only RETAINED branches, and every one it picks leaves RETAINED; a demotion
+     that covered its excess is not followed by another unless usage grew or a store completed
   6. index == stores: what the index lists complete is on every rank; the ranks hold nothing the
      index does not know (drops still in the outbox aside); no tier is written past capacity
   7. the KV-event change log replays to exactly the index
@@ -137,6 +137,13 @@ class ManagerMachine(RuleBasedStateMachine):
         self.victims: list[tuple[Any, Any]] = []
 
     def _record_victims(self, candidates: list[Any], excess: float) -> list[object]:
+        for handle, *_ in candidates:  # only retained branches are demoted by pressure
+            traj, branch = handle
+            if branch.state is not BranchState.RETAINED or traj.deleted:
+                self.cascades.append(
+                    f"pressure candidate {traj.trajectory_id}/{branch.name} is "
+                    f"{branch.state.value}{' (deleted)' if traj.deleted else ''}, not retained"
+                )
         out = self._orig_victims(candidates, excess)
         self.victims += [(handle[1], handle[1].decision) for handle in out]  # type: ignore[index]
         mgr = self.mgr
