@@ -37,6 +37,7 @@ Every number acted on (lease, prefetch time, demotion order and action) comes fr
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -45,7 +46,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from agentkv import metrics as m
 from agentkv.manager.jobs import (
@@ -70,6 +71,7 @@ from agentkv.manager.state import (
 from agentkv.metrics import MetricsRecorder
 from agentkv.policy import (
     DEMOTION_ACTION,
+    Action,
     CostModel,
     Decision,
     PolicyParams,
@@ -130,6 +132,9 @@ class ManagerConfig:
     layerwise: bool = False
     admission_wait: bool = False
     remote_enabled: bool = False  # a shared remote tier: confirmed host copies are uploaded
+    # A benchmark's fixed policy (retain-always / offload-always): every pause takes this action
+    # whatever ``decide`` says; None (production) follows the policy.
+    policy_override: str | None = None
 
     @property
     def disk_enabled(self) -> bool:
@@ -658,6 +663,8 @@ class TrajectoryManager:
                 else 0.0,
                 params=self.policy,
             )
+            if self.config.policy_override is not None:
+                decision = _overridden(decision, self.config.policy_override, self.policy)
             action = decision.action
             if action == "offload_disk" and not self.config.disk_enabled:
                 action = "offload_host"
@@ -1587,6 +1594,17 @@ class TrajectoryManager:
                 "counters": {**dict.fromkeys(REPORTED_COUNTERS, 0), **self.counters},
                 "predictor": self.predictor.tools(),
             }
+
+
+def _overridden(decision: Decision, action: str, policy: PolicyParams) -> Decision:
+    """``decision`` with its action replaced by a fixed one (``policy_override``): retain holds
+    for the longest lease the policy allows (the resume or the pool's pressure ends it)."""
+    return dataclasses.replace(
+        decision,
+        action=cast(Action, action),
+        lease_s=policy.max_lease_s if action == "retain" else 0.0,
+        rationale=f"{action} (fixed by policy_override; the policy said {decision.action})",
+    )
 
 
 def _finite_or_none(value: float) -> float | None:

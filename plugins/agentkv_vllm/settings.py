@@ -41,6 +41,14 @@ class ConnectorSettings(BaseModel):
     default_action: str = Field(
         default="offload_host", pattern="^(offload_host|offload_disk|drop|retain)$"
     )
+    policy_override: str | None = Field(
+        default=None,
+        pattern="^(offload_host|offload_disk|drop|retain)$",
+        description="Benchmark knob: every pause takes this action whatever the policy decides "
+        "(retain holds for max_lease_s, unless the resume or pool pressure ends it). The fixed "
+        "policies `agentkv bench agents --configs retain-always,offload-always` run against. "
+        "Unset (the default) in production.",
+    )
     high_water: float = Field(
         default=0.88,
         gt=0,
