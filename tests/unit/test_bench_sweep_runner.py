@@ -120,3 +120,18 @@ def test_bad_matrix_fails_before_any_server(tmp_path: Path, args: list[str], mes
     assert proc.returncode == 2, proc.stderr
     assert message in " ".join(proc.stderr.split())
     assert not out.exists()
+
+
+def test_synthetic_oracle_pool_holds_every_context_at_once() -> None:
+    from agentkv_bench.runner import oracle_blocks
+    from agentkv_bench.workload import WorkloadConfig, generate
+
+    wl = generate(WorkloadConfig.quick(0))
+    contexts = sum(
+        u.observation_tokens * max(1, u.fork) + u.max_tokens
+        for t in wl.trajectories
+        for u in t.turns
+    )
+    assert oracle_blocks(wl) * 128 >= wl.config.prefix_tokens + contexts
+    more = generate(WorkloadConfig.quick(0).with_overrides(trajectories=6))
+    assert oracle_blocks(more) > oracle_blocks(wl)
