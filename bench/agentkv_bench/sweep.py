@@ -213,6 +213,27 @@ def _fmt(x: Any, unit: str) -> str:
     return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
 
 
+def _targets_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Metric x (against vanilla, against the best fixed action): the ratio and met / NOT met."""
+    against = list(dict.fromkeys(str(t["against"]) for t in rows))
+    out = [
+        f"| target (agentkv <= {TARGET_FACTOR}x) | "
+        + " | ".join(f"vs {a}" for a in against)
+        + " |",
+        "|---|" + "---:|" * len(against),
+    ]
+    for key in dict.fromkeys(str(t["metric"]) for t in rows):
+        cells = []
+        for a in against:
+            t = next((t for t in rows if t["metric"] == key and t["against"] == a), None)
+            if t is None or t["met"] is None:
+                cells.append("not measured")
+            else:
+                cells.append(f"{t['ratio']:.3f} {'met' if t['met'] else 'NOT met'}")
+        out.append(f"| {_metric(key)[1]} | " + " | ".join(cells) + " |")
+    return out
+
+
 def sweep_markdown(report: Mapping[str, Any]) -> str:
     """Per pool size: the metrics table (configurations as columns, then agentkv / best fixed
     and which one that was), the bound, the targets."""
@@ -260,20 +281,7 @@ def sweep_markdown(report: Mapping[str, Any]) -> str:
                     for n, d in decided.items()
                 ),
             ]
-        met = [t for t in sec["targets"] if t["met"] is not None]
-        lines += [
-            "",
-            f"Targets (<= {TARGET_FACTOR}x): "
-            + (
-                "; ".join(
-                    f"{t['metric']} vs {t['against']} {t['ratio']:.3f} {'met' if t['met'] else 'NOT met'}"
-                    for t in met
-                )
-                if met
-                else "not measured (needs vanilla, retain-always, offload-always)"
-            ),
-            "",
-        ]
+        lines += ["", *_targets_table(sec["targets"]), ""]
         if sec.get("report"):
             lines += [f"Full report of this pool: `{sec['report']}`", ""]
     return "\n".join(lines)

@@ -107,3 +107,19 @@ def test_build_sweep_is_json_and_renders_every_pool() -> None:
     assert "## 96 device blocks" in md and "## 24 device blocks" in md
     assert "capacity-equal bound" in md and "shared machine" in md
     assert "| resume TTFT p50 (s) | 1.000 | 0.600 | 0.300 | 0.050 | 0.600 | vanilla |" in md
+
+
+def test_markdown_targets_table_says_met_not_met_and_not_measured() -> None:
+    pools = {48: {"vanilla": _s(0.1, 80), "agentkv": _s(0.104, 60)}}
+    md = sweep_markdown(
+        build_sweep(
+            kind="k",
+            command="c",
+            machine={},
+            configs=["vanilla", "agentkv"],
+            pools=pools,
+            oracle=None,
+        )
+    )
+    assert "| resume TTFT p50 | 1.040 met | not measured |" in md
+    assert "| decode throughput per sequence | 1.333 NOT met | not measured |" in md
