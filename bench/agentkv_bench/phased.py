@@ -10,6 +10,7 @@ Primitives (pure, unit-tested):
                              inside each resampled phase, its requests (two-level: the spread
                              between server starts and the spread between requests both count)
   per_round_ratios(a_phases, b_phases)  each round's median(b) / median(a)
+  profile_summary(speedscope) -> share of samples with an agentkv frame, its top frames
   build_report(...), to_markdown(report)
 Driving servers: ``run_phased(opts, progress)`` (one server up at a time), with an optional
 py-spy profile of each configuration's engine core (``profile_engine``).
@@ -31,6 +32,7 @@ the machine was too noisy to tell.
 from __future__ import annotations
 
 import functools
+import json
 import random
 import shutil
 import statistics
@@ -140,6 +142,40 @@ def per_round_ratios(
     return [ratio_of_medians(a, b) for a, b in zip(a_phases, b_phases, strict=False)]
 
 
+def profile_summary(profile: Mapping[str, Any], needle: str = "agentkv") -> dict[str, Any]:
+    """A py-spy speedscope profile read for the connector: samples in all, the share with a
+    frame whose file path contains ``needle`` (the connector and the core: ``agentkv/``,
+    ``agentkv_vllm/``) anywhere on the stack, and the five such frames seen most often
+    (inclusive: a frame counts once per sample that has it)."""
+    frames = (profile.get("shared") or {}).get("frames") or []
+    ours = {i for i, f in enumerate(frames) if needle in str(f.get("file") or "")}
+    total = 0.0
+    hit = 0.0
+    per_frame: dict[int, float] = {}
+    for prof in profile.get("profiles") or []:
+        samples = prof.get("samples") or []
+        weights = prof.get("weights") or [1.0] * len(samples)
+        for stack, w in zip(samples, weights, strict=False):
+            total += w
+            mine = ours.intersection(stack)
+            if mine:
+                hit += w
+            for i in mine:
+                per_frame[i] = per_frame.get(i, 0.0) + w
+    top = sorted(per_frame.items(), key=lambda kv: -kv[1])[:5]
+    return {
+        "samples": total,
+        "agentkv_share": hit / total if total else None,
+        "top_agentkv_frames": [
+            {
+                "frame": f"{frames[i].get('name')} ({frames[i].get('file')}:{frames[i].get('line')})",
+                "share": w / total,
+            }
+            for i, w in top
+        ],
+    }
+
+
 def _ms(xs: Sequence[float]) -> dict[str, float | None]:
     return {
         "median_ms": statistics.median(xs) * 1000 if xs else None,
@@ -215,7 +251,16 @@ def to_markdown(report: Mapping[str, Any]) -> str:
         "",
     ]
     for name, prof in (report.get("profiles") or {}).items():
-        lines.append(f"py-spy profile, {name}: {prof}")
+        if prof.get("status") != "ok":
+            lines.append(f"py-spy profile, {name}: {prof.get('status')}")
+            continue
+        share = prof.get("agentkv_share")
+        lines.append(
+            f"py-spy profile, {name}: `{prof['file']}`, {prof.get('samples', 0):.0f} samples, "
+            f"{'-' if share is None else f'{share * 100:.2f}%'} with an agentkv frame on the stack"
+        )
+        for fr in prof.get("top_agentkv_frames") or []:
+            lines.append(f"  - {fr['share'] * 100:.2f}% {fr['frame']}")
     return "\n".join(lines)
 
 
@@ -264,36 +309,41 @@ def _engine_core_pid(server_pid: int) -> int | None:
     return None
 
 
-def profile_engine(server_pid: int, seconds: float, out: Path, load: Callable[[], object]) -> str:
+def profile_engine(
+    server_pid: int, seconds: float, out: Path, load: Callable[[], object]
+) -> dict[str, Any]:
     """py-spy record of the engine core (subprocesses included: the worker) for ``seconds``
     while ``load()`` keeps sending plain requests, as a speedscope JSON. Runs after the phase's
     measured requests (the sampler takes CPU: it must not be inside a timed phase). Returns the
-    file, or why there is none (never raises: a profile is an extra)."""
+    file and its ``profile_summary``, or why there is none (never raises: a profile is an
+    extra)."""
     spy = shutil.which("py-spy")
     if spy is None:
-        return "py-spy not installed"
+        return {"status": "py-spy not installed"}
     pid = _engine_core_pid(server_pid)
     if pid is None:
-        return "engine core process not found"
+        return {"status": "engine core process not found"}
     argv = [spy, "record", "-p", str(pid), "--subprocesses", "-d", str(max(1, int(seconds)))]
     argv += ["-f", "speedscope", "-o", str(out), "--nonblocking"]
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except OSError as exc:
-        return f"py-spy failed to start: {exc}"
+        return {"status": f"py-spy failed to start: {exc}"}
     while proc.poll() is None:
         load()
     err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")[-300:]
     if proc.returncode != 0 or not out.is_file():
-        return f"py-spy failed ({proc.returncode}): {err.strip()}"
-    return str(out)
+        return {"status": f"py-spy failed ({proc.returncode}): {err.strip()}"}
+    try:
+        summary = profile_summary(json.loads(out.read_text()))
+    except (OSError, ValueError) as exc:
+        return {"status": "ok", "file": str(out), "summary_error": str(exc)}
+    return {"status": "ok", "file": str(out), **summary}
 
 
 def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[str, Any]:
     """Run the ABBA phases, write report.json / report.md into ``opts.out``, return the report.
     Raises agentkv.errors.EngineUnavailableError when a server cannot start."""
-    import json
-
     import httpx
 
     from agentkv import modelgen

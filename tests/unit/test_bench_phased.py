@@ -99,3 +99,32 @@ def test_report_pairs_rounds_and_renders() -> None:
     assert per_round_ratios([[1.0]], [[3.0]]) == [3.0]
     md = to_markdown(rep)
     assert "ratio of medians" in md and "Per round: 2.000, 1.000" in md
+
+
+def test_profile_summary_counts_samples_with_an_agentkv_frame() -> None:
+    from agentkv_bench.phased import profile_summary
+
+    prof = {
+        "shared": {
+            "frames": [
+                {"name": "step", "file": "/x/vllm/engine/core.py", "line": 1},
+                {
+                    "name": "build_connector_meta",
+                    "file": "/x/plugins/agentkv_vllm/connector.py",
+                    "line": 9,
+                },
+                {"name": "take_step", "file": "/x/agentkv/manager/core.py", "line": 5},
+            ]
+        },
+        "profiles": [
+            {"samples": [[0], [0, 1], [0, 1, 2], [0]], "weights": [1, 1, 2, 4]},
+            {"samples": [[0, 2]]},  # no weights: 1 each
+        ],
+    }
+    got = profile_summary(prof)
+    assert got["samples"] == 9
+    assert got["agentkv_share"] == pytest.approx(4 / 9)  # 1 + 2 + 1
+    top = got["top_agentkv_frames"]
+    assert [t["share"] for t in top] == pytest.approx([3 / 9, 3 / 9])
+    assert {t["frame"].split(" ")[0] for t in top} == {"build_connector_meta", "take_step"}
+    assert profile_summary({})["agentkv_share"] is None
