@@ -10,6 +10,8 @@ Primitives (pure, unit-tested):
                              inside each resampled phase, its requests (two-level: the spread
                              between server starts and the spread between requests both count)
   per_round_ratios(a_phases, b_phases)  each round's median(b) / median(a)
+  verdict(ci, phases)        within / over / undecided, refusing one on too few rounds or a
+                             busy machine
   profile_summary(speedscope) -> share of samples with an agentkv frame, its top frames
   build_report(...), to_markdown(report)
 Driving servers: ``run_phased(opts, progress)`` (one server up at a time), with an optional
@@ -47,6 +49,10 @@ from typing import Any
 SCHEMA = "agentkv-bench-overhead/1"
 A, B = "vanilla", "agentkv"
 TARGET_RATIO = 1.01  # "a request without agentkv params must cost what it costs in vanilla"
+# Below this many rounds a round-level bootstrap has too few distinct resamples to mean anything.
+MIN_ROUNDS = 4
+# Other processes using more than this many cores during a phase: its latencies measure them.
+BUSY_CORES = 0.5
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -136,6 +142,20 @@ def bootstrap_ratio(
     return RatioCI(point, lo, hi, level, len(stats), n)
 
 
+def verdict(ci: RatioCI, phases: Sequence[Mapping[str, Any]]) -> str:
+    """``ci.verdict()``, unless the run cannot support one: fewer than MIN_ROUNDS rounds, or a
+    phase during which other processes kept more than BUSY_CORES cores busy."""
+    if ci.rounds < MIN_ROUNDS:
+        return f"undecided: {ci.rounds} rounds (a verdict needs >= {MIN_ROUNDS})"
+    busy = [b for p in phases if isinstance(b := p.get("other_cores_busy"), (int, float))]
+    if busy and max(busy) > BUSY_CORES:
+        return (
+            f"undecided: other processes kept up to {max(busy):.2f} cores busy during a phase "
+            f"(a verdict needs <= {BUSY_CORES})"
+        )
+    return ci.verdict()
+
+
 def per_round_ratios(
     a_phases: Sequence[Sequence[float]], b_phases: Sequence[Sequence[float]]
 ) -> list[float | None]:
@@ -209,7 +229,7 @@ def build_report(
         "method": "phased: one server at a time, ABBA order, ratio of medians of end-to-end "
         "plain-request latency (agentkv / vanilla), two-level bootstrap interval",
         "ratio": ci.to_dict(),
-        "verdict": ci.verdict(),
+        "verdict": verdict(ci, phases),
         "target": f"<= {TARGET_RATIO}",
         "per_round_ratio": per_round_ratios(a_ph, b_ph),
         "vanilla": _ms(_flat(a_ph)),

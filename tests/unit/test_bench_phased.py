@@ -128,3 +128,15 @@ def test_profile_summary_counts_samples_with_an_agentkv_frame() -> None:
     assert [t["share"] for t in top] == pytest.approx([3 / 9, 3 / 9])
     assert {t["frame"].split(" ")[0] for t in top} == {"build_connector_meta", "take_step"}
     assert profile_summary({})["agentkv_share"] is None
+
+
+def test_no_verdict_from_too_few_rounds_or_a_busy_machine() -> None:
+    from agentkv_bench.phased import verdict
+
+    ci = RatioCI(0.6, 0.35, 0.83, 0.95, 2000, 2)  # measured here on a loaded machine: noise
+    assert verdict(ci, []).startswith("undecided: 2 rounds")
+    ok = RatioCI(1.0, 0.99, 1.005, 0.95, 2000, 6)
+    quiet = [{"other_cores_busy": 0.1}, {"other_cores_busy": None}]
+    assert verdict(ok, quiet) == "within"
+    busy = [*quiet, {"other_cores_busy": 1.75}]
+    assert verdict(ok, busy).startswith("undecided: other processes kept up to 1.75 cores")
