@@ -270,6 +270,15 @@ def to_markdown(report: Mapping[str, Any]) -> str:
         "Per round: " + ", ".join(f(x) for x in report["per_round_ratio"]),
         "",
     ]
+    busy = [
+        b for p in report.get("phases") or [] if isinstance(b := p.get("other_cores_busy"), float)
+    ]
+    if busy:
+        lines += [
+            f"Other processes' CPU during the phases: {min(busy):.2f}-{max(busy):.2f} cores "
+            f"(of {report['machine'].get('cpus', '?')}).",
+            "",
+        ]
     for name, prof in (report.get("profiles") or {}).items():
         if prof.get("status") != "ok":
             lines.append(f"py-spy profile, {name}: {prof.get('status')}")
