@@ -12,6 +12,7 @@ import typer
 from agentkv.cli import (
     bench_agents,
     bench_fleet,
+    bench_overhead,
     bench_scale,
     bench_tiers,
     diagnose,
@@ -46,6 +47,7 @@ simulate.register(app)
 bench_tiers.register(bench_app)
 bench_agents.register(bench_app)
 bench_scale.register(bench_app)
+bench_overhead.register(bench_app)
 bench_fleet.register(bench_app)
 
 

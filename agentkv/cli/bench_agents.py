@@ -13,10 +13,14 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from agentkv.cli.common import fail, with_progress
+
+if TYPE_CHECKING:
+    from agentkv_bench.matrix import BenchConfig
 
 
 def agents(
@@ -64,14 +68,24 @@ def agents(
     fork_prob: float | None = typer.Option(
         None, "--fork-prob", min=0.0, max=1.0, help="Chance that a turn forks into 2 branches."
     ),
-    num_blocks: int | None = typer.Option(
+    num_blocks: str | None = typer.Option(
         None,
         "--num-blocks",
-        min=8,
-        help="Device KV blocks (128 tokens each), the same for both configurations; small "
-        "enough that paused trajectories do not all fit (default 128). With --trace: for "
-        "vanilla and agentkv (default: a quarter of the oracle's, at least two of the longest "
-        "context); the oracle's is computed from the trace.",
+        help="Device KV blocks (128 tokens each), the same for every configuration but the "
+        "oracle; small enough that paused trajectories do not all fit (default 128). With "
+        "--trace: default a quarter of the oracle's, at least two of the longest context. A "
+        "comma-separated list (e.g. 96,48,24: roomy, tight, very tight) sweeps the pool size: "
+        "each size is a full run of every configuration, reported side by side in sweep.md.",
+    ),
+    configs: str | None = typer.Option(
+        None,
+        "--configs",
+        help="Configurations to run, comma-separated, in this order: vanilla, agentkv, "
+        "retain-always and offload-always (the agentkv connector taking that one action at "
+        "every pause: fixed policies), oracle (vanilla vLLM with a pool that never evicts, run "
+        "once). Default vanilla,agentkv (with --trace vanilla,agentkv,oracle). Given, or with "
+        "several --num-blocks, the run is a sweep: sweep.md gives every metric per configuration "
+        "and pool size and agentkv's regret against the best fixed policy.",
     ),
     host_capacity_gib: float = typer.Option(
         2.0, "--host-capacity-gib", min=0.1, help="agentkv host tier size."
@@ -132,6 +146,7 @@ def agents(
             fail(f"{', '.join(clash)} shape the generated workload; they do not apply with --trace")
         _trace(
             trace,
+            configs=configs,
             token_scale=token_scale,
             time_scale=1.0 if time_scale is None else time_scale,
             sessions=sessions,
@@ -146,6 +161,14 @@ def agents(
         return
     out = out or Path("bench/results/agents")
     from agentkv.errors import AgentKVError
+    from agentkv_bench.matrix import BenchConfig
+
+    config_list, pools = _matrix(configs, num_blocks)
+    if config_list is not None and BenchConfig.VANILLA not in config_list:
+        fail(
+            "--configs must include vanilla for the synthetic workload (its report is read "
+            "against vanilla)"
+        )
     from agentkv_bench.overhead import OverheadSpec
     from agentkv_bench.runner import BenchOptions, run_bench
     from agentkv_bench.workload import WorkloadConfig
@@ -160,7 +183,7 @@ def agents(
     opts = BenchOptions(
         workload=cfg,
         preset=preset or ("tiny" if quick else "small"),
-        num_blocks=num_blocks or (48 if quick else 128),
+        num_blocks=pools[0] if pools else (48 if quick else 128),
         host_capacity_gib=host_capacity_gib,
         max_model_len=0,
         out=out,
@@ -169,10 +192,24 @@ def agents(
         if "agents" in sys.argv
         else "agentkv bench agents",
     )
-    # vLLM refuses a max length whose KV would not fit in the blocks (it keeps one in reserve).
-    opts.max_model_len = min(4096 if quick else 16384, (opts.num_blocks - 1) * 128)
+    if config_list is not None:
+        opts.configs = tuple(c.value for c in config_list)
+    # vLLM refuses a max length whose KV would not fit in the blocks (it keeps one in reserve);
+    # a sweep gives every pool size the smallest's, so configurations differ only in the pool.
+    opts.max_model_len = min(4096 if quick else 16384, (min(pools or [opts.num_blocks]) - 1) * 128)
     if quick and opts.overhead is not None:
         opts.overhead = OverheadSpec(num_prompts=8, input_len=256, output_len=16, num_warmups=1)
+    if config_list is not None or len(pools or ()) > 1:
+        from agentkv_bench.sweep_runner import run_agents_sweep
+
+        try:
+            sweep = with_progress(
+                lambda on_progress: run_agents_sweep(opts, pools or [opts.num_blocks], on_progress)
+            )
+        except AgentKVError as exc:
+            fail(str(exc))
+        _show_sweep(sweep, out, as_json)
+        return
     try:
         report = with_progress(lambda on_progress: run_bench(opts, on_progress))
     except AgentKVError as exc:
@@ -201,15 +238,46 @@ def agents(
     )
 
 
+def _matrix(
+    configs: str | None, num_blocks: str | None
+) -> tuple[tuple[BenchConfig, ...] | None, tuple[int, ...] | None]:
+    """--configs and --num-blocks parsed (None where not given); a bad value fails the command."""
+    from agentkv_bench.matrix import parse_configs, parse_num_blocks
+
+    try:
+        return (
+            parse_configs(configs) if configs is not None else None,
+            parse_num_blocks(num_blocks) if num_blocks is not None else None,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+
+
+def _show_sweep(sweep: dict[str, Any], out: Path, as_json: bool) -> None:
+    if as_json:
+        typer.echo(
+            json.dumps({"out": str(out), **{k: v for k, v in sweep.items() if k != "machine"}})
+        )
+        return
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    Console().print(Markdown((out / "sweep.md").read_text()))
+    Console(stderr=True).print(
+        f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}; each pool size's report: {out}/pool-*/"
+    )
+
+
 def _trace(
     trace: Path,
     *,
+    configs: str | None,
     token_scale: float,
     time_scale: float,
     sessions: int | None,
     seed: int,
     preset: str,
-    num_blocks: int | None,
+    num_blocks: str | None,
     host_capacity_gib: float,
     out: Path,
     as_json: bool,
@@ -218,8 +286,9 @@ def _trace(
     from rich.console import Console
 
     from agentkv.errors import AgentKVError
-    from agentkv_bench.trace_runner import TraceBenchOptions, run_trace_bench
+    from agentkv_bench.trace_runner import TraceBenchOptions, plan, run_trace_bench
 
+    config_list, pools = _matrix(configs, num_blocks)
     opts = TraceBenchOptions(
         trace=trace,
         token_scale=token_scale,
@@ -227,11 +296,23 @@ def _trace(
         sessions=sessions,
         seed=seed,
         preset=preset,
-        num_blocks=num_blocks,
+        num_blocks=pools[0] if pools else None,
         host_capacity_gib=host_capacity_gib,
         out=out,
         command=command,
     )
+    if config_list is not None:
+        opts.configs = tuple(c.value for c in config_list)
+    if config_list is not None or len(pools or ()) > 1:
+        from agentkv_bench.sweep_runner import run_trace_sweep
+
+        try:
+            sizes = list(pools) if pools else [plan(opts)[2].num_blocks]
+            sweep = with_progress(lambda on_progress: run_trace_sweep(opts, sizes, on_progress))
+        except AgentKVError as exc:
+            fail(str(exc))
+        _show_sweep(sweep, out, as_json)
+        return
     try:
         report = with_progress(lambda on_progress: run_trace_bench(opts, on_progress))
     except AgentKVError as exc:

@@ -134,6 +134,9 @@ class ManagerConfig:
     # A shared remote tier: confirmed host copies are uploaded, and a trajectory this replica
     # never saw is fetched from it (its lookup answers PENDING meanwhile).
     remote_enabled: bool = False
+    # A benchmark's fixed policy (retain-always / offload-always): every pause takes this action
+    # whatever ``decide`` says; None (production) follows the policy.
+    policy_override: Action | None = None
     remote_ttl_s: float = 0.0  # how long the remote tier keeps a copy (0: not known)
 
     @property

@@ -11,13 +11,14 @@ Primitives:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import TYPE_CHECKING, Any
 
 from agentkv import metrics as m
 from agentkv.manager.state import Branch, BranchState, Trajectory
-from agentkv.policy import Action, Decision, decide
+from agentkv.policy import Action, Decision, PolicyParams, decide
 from agentkv.predict import WaitEstimate, classify_prefetch
 from agentkv.tier import Tier
 
@@ -52,6 +53,8 @@ class Pauses:
         now = self.m.clock.now()
         estimate = self.m.predictor.predict(tool, expected_wait_s)
         decision = self._decide(branch, estimate)
+        if self.m.config.policy_override is not None:
+            decision = _overridden(decision, self.m.config.policy_override, self.m.policy)
         action = decision.action
         if action is Action.OFFLOAD_DISK and not self.m.config.disk_enabled:
             action = Action.OFFLOAD_HOST
@@ -192,3 +195,15 @@ class Pauses:
 
 def _finite_or_none(value: float) -> float | None:
     return round(value, 6) if math.isfinite(value) else None
+
+
+def _overridden(decision: Decision, action: Action, policy: PolicyParams) -> Decision:
+    """``decision`` with its action replaced by a fixed one (``policy_override``, a benchmark's
+    retain-always / offload-always): retain holds for the longest lease the policy allows (the
+    resume or the pool's pressure ends it)."""
+    return dataclasses.replace(
+        decision,
+        action=action,
+        lease_s=policy.max_lease_s if action is Action.RETAIN else 0.0,
+        rationale=f"{action} (fixed by policy_override; the policy said {decision.action})",
+    )

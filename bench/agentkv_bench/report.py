@@ -4,6 +4,7 @@ Primitives:
   percentile(xs, q)         re-exported from agentkv.stats (one definition for bench and simulate)
   summarize(turns, trajs, samples, makespan_s) -> ConfigSummary
   ratios(a, b)              a / b for every shared numeric metric (None where b is 0 or missing)
+  writebacks(status)        blocks the connector copied to a tier (its status counters)
   targets(summaries, overhead) -> [Target]   the issue's three targets, met or not
   connector_cpu_section(configs, overhead)   the connector's measured CPU, both workloads
   build_report(...)         the JSON-able report (schema SCHEMA)
@@ -44,6 +45,8 @@ METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("makespan_s", "makespan", "s", False),
     ("kv_usage_mean", "device KV usage, mean", "", False),
 )
+# Shown, not a ratio target: None for configurations without a connector.
+WRITEBACKS = ("writeback_blocks", "blocks written back (agentkv stores)", "blocks", False)
 
 
 def _ratio(num: int, den: int) -> float | None:
@@ -77,6 +80,7 @@ class ConfigSummary:
     kv_usage_max: float | None
     decisions: dict[str, int] = field(default_factory=dict)
     hit_rate_by_turn: dict[str, float] = field(default_factory=dict)
+    writeback_blocks: int | None = None  # status counters store_blocks; None: no connector
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,6 +147,16 @@ def summarize(
             for k, v in sorted(by_turn.items())
         },
     )
+
+
+def writebacks(status: dict[str, Any]) -> int | None:
+    """Blocks the connector copied to a tier over a run (status ``counters.store_blocks``);
+    None without a connector (an empty status)."""
+    counters = status.get("counters") if status else None
+    if not isinstance(counters, dict):
+        return None
+    value = counters.get("store_blocks")
+    return int(value) if isinstance(value, (int, float)) else None
 
 
 def ratios(a: ConfigSummary, b: ConfigSummary) -> dict[str, float | None]:
@@ -280,6 +294,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     """A markdown summary: setup, the metrics table with ratios, targets, skipped parts."""
     cfgs = report["configs"]
     v, a = cfgs["vanilla"]["summary"], cfgs["agentkv"]["summary"]
+    others = [n for n in cfgs if n not in ("vanilla", "agentkv")]
     r = report["ratios_agentkv_over_vanilla"]
     wl = report["workload"]["config"]
     srv = report["server"]
@@ -294,21 +309,24 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"time scale {wl['time_scale']}, {a['turns']} requests per configuration "
         f"({a['resume_turns']} after a tool wait).",
         "",
-        "| metric | vanilla vLLM | vLLM + agentkv | agentkv / vanilla |",
-        "|---|---:|---:|---:|",
+        "| metric | vanilla vLLM | vLLM + agentkv"
+        + "".join(f" | {n}" for n in others)
+        + " | agentkv / vanilla |",
+        "|---|---:|---:|" + "---:|" * len(others) + "---:|",
     ]
-    for key, label, unit, _ in METRICS:
+    for key, label, unit, _ in (*METRICS, WRITEBACKS):
         ratio = r.get(key)
-        lines.append(
-            f"| {label}{f' ({unit})' if unit else ''} | {_fmt(v.get(key), unit)} | "
-            f"{_fmt(a.get(key), unit)} | {'-' if ratio is None else f'{ratio:.3f}'} |"
-        )
-    if a.get("decisions"):
-        lines += [
-            "",
-            "agentkv pause decisions: "
-            + ", ".join(f"{k} {n}" for k, n in sorted(a["decisions"].items())),
-        ]
+        row = f"| {label}{f' ({unit})' if unit else ''} | {_fmt(v.get(key), unit)} | "
+        row += f"{_fmt(a.get(key), unit)} | "
+        row += "".join(f"{_fmt(cfgs[n]['summary'].get(key), unit)} | " for n in others)
+        lines.append(row + f"{'-' if ratio is None else f'{ratio:.3f}'} |")
+    for n in ("agentkv", *others):
+        d = cfgs[n]["summary"].get("decisions")
+        if d:
+            lines += [
+                "",
+                f"{n} pause decisions: " + ", ".join(f"{k} {c}" for k, c in sorted(d.items())),
+            ]
     lines += ["", "| target | goal | measured | met |", "|---|---|---:|---|"]
     for t in report["targets"]:
         m = t["measured"]

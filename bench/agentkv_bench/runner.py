@@ -3,8 +3,8 @@
 Sequence: build (or reuse) the model preset; generate the workload; for each configuration
 start a server with the same model, KV space and block cap (``agentkv.launch``), send one
 warm-up request, run the workload while sampling KV occupancy, stop the server. Then, for the
-no-pause overhead, fresh servers of both configurations side by side and ``vllm bench serve``
-against them in turn (``overhead.run_interleaved``). Then vLLM's native offloading / LMCache
+no-pause overhead, ``vllm bench serve`` against a fresh server of each configuration in turn,
+one server up at a time (``overhead.run_interleaved``). Then vLLM's native offloading / LMCache
 (CUDA only), the report (JSON, markdown) and the plots.
 """
 
@@ -15,11 +15,12 @@ import contextlib
 import functools
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,9 @@ from agentkv_bench.drivers import (
     VanillaSession,
     run_workload,
 )
-from agentkv_bench.overhead import OverheadSpec, compare, run_interleaved
-from agentkv_bench.report import all_turns, build_report, summarize, to_markdown
+from agentkv_bench.matrix import SPECS, BenchConfig
+from agentkv_bench.overhead import OverheadSpec, Probe, compare, run_interleaved
+from agentkv_bench.report import all_turns, build_report, summarize, to_markdown, writebacks
 from agentkv_bench.sampler import Sampler, prefix_counters
 from agentkv_bench.workload import TrajectoryPlan, Workload, WorkloadConfig, generate
 
@@ -61,6 +63,24 @@ class BenchOptions:
     ready_timeout_s: float = 600.0
     sample_interval_s: float = 0.5
     command: str = "agentkv bench agents"
+    # Run in this order (``matrix.BenchConfig`` values); vanilla and agentkv must be among them.
+    configs: tuple[str, ...] = CONFIGS
+    oracle_blocks: int | None = None  # the oracle's pool; None: ``oracle_blocks(workload)``
+
+
+def oracle_blocks(workload: Workload, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Device blocks for a prefix cache that never evicts anything of ``workload``: the shared
+    prefix once, per trajectory its task and every turn's observation and reply on every branch
+    (plus a chat-template allowance of 32 tokens a message and a partial block a turn), plus
+    25% and 16 blocks of slack: an upper bound (token counts are the generator's targets)."""
+    cfg = workload.config
+    need = math.ceil(cfg.prefix_tokens / block_tokens)
+    for t in workload.trajectories:
+        tokens = 0
+        for u in t.turns:
+            tokens += (u.observation_tokens + u.max_tokens + 64) * max(1, u.fork)
+        need += math.ceil(tokens / block_tokens) + len(t.turns)
+    return math.ceil(need * 1.25) + 16
 
 
 # (phase, done, total): phase names the configuration and step.
@@ -114,17 +134,23 @@ def machine_info() -> dict[str, Any]:
 def launch_spec(
     opts: BenchOptions, name: str, model_dir: str, work: Path, suffix: str = ""
 ) -> LaunchSpec:
-    """Identical vLLM settings for both; only the connector differs."""
+    """Identical vLLM settings for every configuration; only the connector (and its
+    ``policy_override``) and, for the oracle, the pool size differ."""
+    cs = SPECS[BenchConfig(name)]
     connector = (
-        None
-        if name == "vanilla"
-        else {"host_capacity_gib": opts.host_capacity_gib, "disk_dir": str(work / f"disk{suffix}")}
+        {
+            "host_capacity_gib": opts.host_capacity_gib,
+            "disk_dir": str(work / f"disk-{name}{suffix}"),
+            **cs.connector_settings,
+        }
+        if cs.connector
+        else None
     )
     return LaunchSpec(
         model=model_dir,
         connector_config=connector,
         kv_space_gib=opts.kv_space_gib,
-        num_blocks=opts.num_blocks,
+        num_blocks=opts.oracle_blocks or opts.num_blocks if cs.oracle_pool else opts.num_blocks,
         served_model_name=opts.preset,
         max_model_len=opts.max_model_len,
         extra_env={**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")},
@@ -150,12 +176,18 @@ async def _drive(
     workload: Workload,
     opts: BenchOptions,
     on_turn: Callable[[TurnRecord], None],
-) -> tuple[list[TrajectoryRecord], Sampler, float, dict[str, float], dict[str, Any] | None]:
+) -> tuple[
+    list[TrajectoryRecord],
+    Sampler,
+    float,
+    dict[str, float],
+    dict[str, Any] | None,
+    dict[str, Any],
+]:
     before = await prefix_counters(server.base_url)
+    cs = SPECS[BenchConfig(name)]
     probe0 = (
-        await asyncio.to_thread(connector_cpu.read_probe, server.base_url)
-        if name == "agentkv"
-        else None
+        await asyncio.to_thread(connector_cpu.read_probe, server.base_url) if cs.connector else None
     )
     paused: dict[str, int] = {}
     t_run = time.monotonic()
@@ -163,7 +195,7 @@ async def _drive(
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
 
         def make(plan: TrajectoryPlan, c: httpx.AsyncClient) -> Session:
-            if name == "vanilla":
+            if not cs.trajectory:
                 return VanillaSession(c, server.base_url, server.model, workload.system_prompt)
             return AgentKVSession.open(
                 c, server.base_url, server.model, workload.system_prompt, plan.trajectory_id
@@ -171,7 +203,7 @@ async def _drive(
 
         sampler = Sampler(
             server.base_url,
-            agentkv=name == "agentkv",
+            agentkv=cs.connector,
             t_run=t_run,
             paused=lambda: (len(paused), sum(paused.values())),
             interval_s=opts.sample_interval_s,
@@ -180,8 +212,10 @@ async def _drive(
             records = await run_workload(workload, make, client, on_turn, paused, t_run)
         makespan = time.monotonic() - t_run
     cpu: dict[str, Any] | None = None
+    status: dict[str, Any] = {}
     if probe0 is not None:
         probe1 = await asyncio.to_thread(connector_cpu.read_probe, server.base_url)
+        status = await asyncio.to_thread(_status, server.base_url)
         d, steps = connector_cpu.probe_delta(probe0, probe1)
         cpu = connector_cpu.figures(
             d,
@@ -191,7 +225,17 @@ async def _drive(
         )
     after = await prefix_counters(server.base_url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.endswith("_total")}
-    return records, sampler, makespan, delta, cpu
+    return records, sampler, makespan, delta, cpu, status
+
+
+def _status(base_url: str) -> dict[str, Any]:
+    """The connector's status (counters: writebacks); {} when it cannot be read."""
+    try:
+        r = httpx.get(base_url + "/agentkv/v1/status", timeout=30.0)
+        body = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        body = {}
+    return body if isinstance(body, dict) else {}
 
 
 def requests_in(workload: Workload) -> int:
@@ -221,7 +265,9 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
     summaries = {}
     overhead_error: str | None = None
     overhead_runs: dict[str, list[dict[str, Any]]] = {}
-    for name in CONFIGS:
+    if opts.oracle_blocks is None and BenchConfig.ORACLE.value in opts.configs:
+        opts.oracle_blocks = oracle_blocks(workload)
+    for name in opts.configs:
         say(f"{name}: starting vLLM", 0, total)
         spec = launch_spec(opts, name, model_dir, work)
         with running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server:
@@ -234,15 +280,20 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
                 say(f"{name}: agent workload", done, total)
 
             say(f"{name}: agent workload", 0, total)
-            records, sampler, makespan, counters, cpu = asyncio.run(
+            records, sampler, makespan, counters, cpu, status = asyncio.run(
                 _drive(name, server, workload, opts, on_turn)
             )
         turns = all_turns(records)
         summaries[name] = summarize(name, turns, records, sampler.samples, makespan)
+        summaries[name].writeback_blocks = writebacks(status)
         configs[name] = {
             "makespan_s": makespan,
             "vllm_prefix_counters": counters,
             "connector_cpu": cpu,
+            "num_blocks": opts.oracle_blocks
+            if SPECS[BenchConfig(name)].oracle_pool
+            else opts.num_blocks,
+            "agentkv_counters": status.get("counters"),
             "sampler_errors": sampler.errors,
             "trajectories": [
                 {"trajectory_id": r.trajectory_id, "started_at_s": r.started_at_s, "jct_s": r.jct_s}
@@ -252,28 +303,30 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
             "samples": [s.to_dict() for s in sampler.samples],
         }
     if opts.overhead is not None:
-        say("overhead: starting both servers", 0, 0)
-        try:
-            with contextlib.ExitStack() as stack:
-                servers = {}
-                probes = {}
-                for name in CONFIGS:
-                    spec = launch_spec(opts, name, model_dir, work, suffix="-overhead")
-                    server = stack.enter_context(
-                        running_server(spec, ready_timeout_s=opts.ready_timeout_s)
-                    )
-                    _warm_up(server)
-                    servers[name] = (server.base_url, server.model)
-                    if name == "agentkv":
-                        probes[name] = functools.partial(connector_cpu.read_probe, server.base_url)
-                overhead_runs = run_interleaved(
-                    opts.overhead,
-                    servers,
-                    model_dir,
-                    opts.out / "bench-serve",
-                    lambda d, t: say("overhead: vllm bench serve (no pauses)", d, t),
-                    probes=probes,
+
+        @contextlib.contextmanager
+        def open_server(name: str) -> Iterator[tuple[str, str, Probe | None]]:
+            say(f"overhead: {name}: starting vLLM alone", 0, 0)
+            spec = launch_spec(opts, name, model_dir, work, suffix="-overhead")
+            with running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server:
+                _warm_up(server)
+                probe = (
+                    functools.partial(connector_cpu.read_probe, server.base_url)
+                    if name == "agentkv"
+                    else None
                 )
+                say(f"overhead: {name}: vllm bench serve (no pauses)", 0, 0)
+                yield server.base_url, server.model, probe
+
+        try:
+            overhead_runs = run_interleaved(
+                opts.overhead,
+                open_server,
+                CONFIGS,
+                model_dir,
+                opts.out / "bench-serve",
+                lambda d, t: say("overhead: vllm bench serve (no pauses)", d, t),
+            )
         except (RuntimeError, OSError, ValueError) as exc:
             overhead_error = str(exc)
     if opts.overhead is None:

@@ -1,7 +1,9 @@
 """Replay a recorded trace against one server: a closed loop per session, token-id prompts.
 
 Primitives:
-  MODES             "vanilla", "agentkv", "oracle" (vanilla vLLM with a pool that never evicts)
+  MODES             the bench configurations (``matrix.BenchConfig``): vanilla, agentkv,
+                    retain-always, offload-always (agentkv's driver, a fixed pause action), oracle
+                    (vanilla vLLM with a pool that never evicts)
   RoundRecord       one request's measurements (TTFT, latency, tokens, hits, pause decision)
   SessionRecord     one session's job completion time and its rounds
   complete_ids(client, base_url, model, prompt, max_tokens, params) -> Streamed
@@ -34,10 +36,11 @@ from typing import Any
 import httpx
 
 from agentkv.traces import TraceSession, TraceWorkload
+from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.records import RoundRecord
 from agentkv_bench.trace_prompts import RoundPrompt
 
-MODES = ("vanilla", "agentkv", "oracle")
+MODES: tuple[str, ...] = tuple(c.value for c in BenchConfig)
 TOOL = "trace-tool"
 TIMEOUT = httpx.Timeout(1800.0, connect=30.0)
 
@@ -153,7 +156,9 @@ async def replay_session(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if len(prompts) != len(session.rounds):
         raise ValueError("one prompt per round")
-    agentkv = mode == "agentkv"
+    # Every configuration with the connector is driven alike (trajectory, pause, resume): they
+    # differ only in what the server decides at the pause.
+    agentkv = SPECS[BenchConfig(mode)].trajectory
     path = f"/agentkv/v1/trajectories/{trajectory_id}"
     params = {"trajectory_id": trajectory_id} if agentkv else None
     headers = {"x-session-id": trajectory_id} if locate is not None else None

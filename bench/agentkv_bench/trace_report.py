@@ -54,6 +54,8 @@ METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("jct_mean_s", "job completion time, mean", "s", False),
     ("jct_p99_s", "job completion time, p99", "s", False),
     ("recomputed_tokens", "tokens prefilled", "tok", False),
+    ("decode_tok_s", "decode throughput per sequence", "tok/s", True),
+    ("writeback_blocks", "blocks written back (agentkv stores)", "blocks", False),
     ("resume_hit_rate", "prefix hit rate, resume rounds", "", True),
     ("reusable_hit_rate", "cacheable history reused, resume rounds", "", True),
     ("makespan_s", "makespan", "s", False),
@@ -93,6 +95,10 @@ class TraceSummary:
     kv_usage_mean: float | None
     kv_usage_max: float | None
     decisions: dict[str, int] = field(default_factory=dict)
+    # sum(completion tokens - 1) / sum(latency - TTFT), as in the synthetic bench's summary
+    decode_tok_s: float | None = None
+    # Blocks the connector copied to a tier (status counters ``store_blocks``); None: no connector
+    writeback_blocks: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,6 +121,8 @@ def summarize(
         if r.decision is not None:
             decisions[r.decision] = decisions.get(r.decision, 0) + 1
     reusable = sum(r.reusable_tokens for r in resume)
+    decode_tokens = sum(max(0, r.completion_tokens - 1) for r in rounds)
+    decode_time = sum(max(0.0, r.latency_s - r.ttft_s) for r in rounds)
     resume_prompt = sum(r.prompt_tokens for r in resume)
     return TraceSummary(
         name=name,
@@ -143,6 +151,7 @@ def summarize(
         kv_usage_mean=mean(usage),
         kv_usage_max=max(usage) if usage else None,
         decisions=decisions,
+        decode_tok_s=decode_tokens / decode_time if decode_time > 0 else None,
     )
 
 
@@ -426,7 +435,7 @@ def _fmt(x: Any, unit: str = "") -> str:
     if isinstance(x, float):
         if unit == "":
             return f"{x:.3f}"
-        if unit == "tok":
+        if unit in ("tok", "blocks"):
             return f"{x:,.0f}"
         return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
     if isinstance(x, int):
@@ -440,7 +449,8 @@ def _ms(x: Any) -> str:
 
 def to_markdown(report: dict[str, Any]) -> str:
     cfgs = report["configs"]
-    names = [n for n in ("vanilla", "agentkv", "oracle") if n in cfgs]
+    order = ("vanilla", "agentkv", "retain-always", "offload-always", "oracle")
+    names = [n for n in order if n in cfgs] + [n for n in cfgs if n not in order]
     srv, tr = report["server"], report["trace"]
     lines = [
         "# agentkv bench agents --trace",
@@ -471,13 +481,13 @@ def to_markdown(report: dict[str, Any]) -> str:
             v = report[f"ratios_{k}"].get(key)
             row += f" | {'-' if v is None else f'{v:.3f}'}"
         lines.append(row + " |")
-    a = cfgs.get("agentkv", {}).get("summary", {})
-    if a.get("decisions"):
-        lines += [
-            "",
-            "agentkv pause decisions: "
-            + ", ".join(f"{k} {n}" for k, n in sorted(a["decisions"].items())),
-        ]
+    for n in names:
+        d = cfgs[n]["summary"].get("decisions")
+        if d:
+            lines += [
+                "",
+                f"{n} pause decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(d.items())),
+            ]
     ce = report.get("capacity_equal_bound")
     if ce:
         b = ce["summary"]

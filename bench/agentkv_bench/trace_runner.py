@@ -35,6 +35,8 @@ import httpx
 from agentkv.errors import ConfigError
 from agentkv.launch import LaunchSpec, RunningServer, running_server
 from agentkv.traces import TraceWorkload, load_trace
+from agentkv_bench.matrix import SPECS, BenchConfig
+from agentkv_bench.report import writebacks
 from agentkv_bench.runner import BLOCK_TOKENS, machine_info
 from agentkv_bench.sampler import Sampler
 from agentkv_bench.trace_prompts import RoundPrompt, build_prompts, oracle_blocks
@@ -68,7 +70,8 @@ class TraceBenchOptions:
     num_blocks: int | None = None  # None: a quarter of the oracle's, at least two contexts
     host_capacity_gib: float = 2.0
     out: Path = Path("bench/results/trace")
-    configs: tuple[str, ...] = MODES
+    # Run in this order; agentkv must be among them (its status gives the stall's rates).
+    configs: tuple[str, ...] = ("vanilla", "agentkv", "oracle")
     # Both cores for the worker: faster prefill, the same for every configuration.
     extra_env: dict[str, str] = field(default_factory=lambda: {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     ready_timeout_s: float = 600.0
@@ -126,17 +129,23 @@ def plan(opts: TraceBenchOptions) -> tuple[TraceWorkload, list[list[RoundPrompt]
 def _spec(
     opts: TraceBenchOptions, name: str, model_dir: str, work: Path, sizing: Sizing
 ) -> LaunchSpec:
-    """Identical vLLM settings; agentkv adds the connector, the oracle more blocks."""
+    """Identical vLLM settings; agentkv (and the fixed-action configurations) add the connector
+    (with their ``policy_override``), the oracle more blocks."""
+    cs = SPECS[BenchConfig(name)]
     connector = (
-        {"host_capacity_gib": opts.host_capacity_gib, "disk_dir": str(work / "disk")}
-        if name == "agentkv"
+        {
+            "host_capacity_gib": opts.host_capacity_gib,
+            "disk_dir": str(work / f"disk-{name}"),
+            **cs.connector_settings,
+        }
+        if cs.connector
         else None
     )
     return LaunchSpec(
         model=model_dir,
         connector_config=connector,
         kv_space_gib=sizing.kv_space_gib,
-        num_blocks=sizing.oracle_blocks if name == "oracle" else sizing.num_blocks,
+        num_blocks=sizing.oracle_blocks if cs.oracle_pool else sizing.num_blocks,
         served_model_name=opts.preset,
         max_model_len=sizing.max_model_len,
         extra_env={**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")},
@@ -169,7 +178,7 @@ async def _drive(
     opts: TraceBenchOptions,
     on_round: Callable[[RoundRecord], None],
 ) -> _Run:
-    agentkv = name == "agentkv"
+    agentkv = SPECS[BenchConfig(name)].connector
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
         before = parse_prom((await client.get(server.base_url + "/metrics")).text)
@@ -279,9 +288,13 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
             memcpy=memcpy,
         )
         summaries[name] = summarize(name, run.sessions, run.samples, run.makespan_s, block_tokens)
+        summaries[name].writeback_blocks = writebacks(run.status)
         configs[name] = {
             "makespan_s": run.makespan_s,
-            "num_blocks": sizing.oracle_blocks if name == "oracle" else sizing.num_blocks,
+            "num_blocks": sizing.oracle_blocks
+            if SPECS[BenchConfig(name)].oracle_pool
+            else sizing.num_blocks,
+            "agentkv_counters": (run.status.get("counters") or {}) if run.status else None,
             "vllm_phases": vllm_phases(run.prom),
             "engine_counters": {
                 f"{k}{{tier={t}}}" if t else k: v for (k, t), v in run.prom.items()

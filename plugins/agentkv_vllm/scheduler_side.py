@@ -160,6 +160,7 @@ class SchedulerSide:
             disk_capacity_blocks=disk_blocks,
             grace_s=settings.grace_s,
             default_action=settings.default_action,
+            policy_override=settings.policy_override,
             high_water=settings.high_water,
             job_timeout_s=settings.job_timeout_s,
             idle_ttl_s=settings.idle_ttl_s,

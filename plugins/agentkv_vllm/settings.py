@@ -54,6 +54,13 @@ class ConnectorSettings(BaseModel):
         description="What a finished turn's blocks get when no pause decision came in grace_s "
         "(one of agentkv.policy.Action).",
     )
+    policy_override: Action | None = Field(
+        default=None,
+        description="Benchmark knob: every pause takes this action whatever the policy decides "
+        "(retain holds for max_lease_s, unless the resume or pool pressure ends it). The fixed "
+        "policies `agentkv bench agents --configs retain-always,offload-always` run against. "
+        "Unset (the default) in production.",
+    )
     high_water: float = Field(
         default=HIGH_WATER,
         gt=0,

@@ -3,6 +3,8 @@ deltas of the connector's CPU clocks between two recorded status bodies, per-cal
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,12 +119,13 @@ def test_overhead_records_the_connector_cpu_of_probed_runs(
         ]
         * 2
     )
+
+    @contextlib.contextmanager
+    def open_server(name: str) -> Iterator[tuple[str, str, Any]]:
+        yield f"http://{name}", "m", (lambda: next(readings)) if name == "agentkv" else None
+
     runs = run_interleaved(
-        OverheadSpec(repeats=2),
-        {"vanilla": ("http://a", "m"), "agentkv": ("http://b", "m")},
-        "tok",
-        tmp_path,
-        probes={"agentkv": lambda: next(readings)},
+        OverheadSpec(repeats=2), open_server, ("vanilla", "agentkv"), "tok", tmp_path
     )
     assert all("connector_cpu_delta" not in r for r in runs["vanilla"])
     assert [r["engine_steps"] for r in runs["agentkv"]] == [2000.0, 2000.0]

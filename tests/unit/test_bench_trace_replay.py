@@ -124,3 +124,13 @@ def test_vanilla_and_oracle_send_only_plain_completions(mode: str) -> None:
 def test_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="mode must be one of"):
         _run("lmcache")
+
+
+@pytest.mark.parametrize("mode", ["retain-always", "offload-always"])
+def test_fixed_action_configs_drive_trajectories_like_agentkv(mode: str) -> None:
+    # The fixed policies differ from agentkv only on the server (policy_override), never in
+    # what the client sends: same calls, same trajectory params.
+    server, _ = _run(mode)
+    reference, _ = _run("agentkv")
+    assert [(m, p) for m, p, _ in server.calls] == [(m, p) for m, p, _ in reference.calls]
+    assert server.calls[0][2]["kv_transfer_params"] == {"agentkv": {"trajectory_id": "trace-7-0"}}

@@ -1,0 +1,97 @@
+"""``agentkv bench overhead``: what a plain request (no trajectory) costs on vLLM + agentkv against
+vanilla vLLM, measured in phases (one server at a time, ABBA rounds, a bootstrap interval).
+
+Only typer is imported at module level; the benchmark loads inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+
+from agentkv.cli.common import fail, with_progress
+
+
+def overhead(
+    phased: bool = typer.Option(
+        True,
+        "--phased/--no-phased",
+        help="One server at a time (the only method: two vLLM CPU servers side by side disturb "
+        "each other, see docs/bench.md); kept as a flag so the command says how it measures.",
+    ),
+    rounds: int = typer.Option(
+        6, "--rounds", min=1, help="ABBA rounds: each starts a vanilla and an agentkv server once."
+    ),
+    requests: int = typer.Option(
+        30, "--requests", min=2, help="Sequential plain requests per phase (after --warmup)."
+    ),
+    warmup: int = typer.Option(3, "--warmup", min=0, help="Untimed requests after each start."),
+    prompt_tokens: int = typer.Option(200, "--prompt-tokens", min=1),
+    output_tokens: int = typer.Option(16, "--output-tokens", min=1),
+    preset: str = typer.Option("tiny", "--preset", help="Embedded model: tiny or small."),
+    profile_s: float = typer.Option(
+        0.0,
+        "--profile-s",
+        min=0.0,
+        help="> 0: after round 0's measured requests of each configuration, py-spy records its "
+        "engine core (and worker) this many seconds under the same plain traffic "
+        "(pyspy-<config>.speedscope.json in --out; open in speedscope.app).",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompts and the bootstrap."),
+    out: Path = typer.Option(
+        Path("bench/results/overhead"), "--out", help="Folder for report.json, report.md, logs."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the ratio and verdict as JSON."),
+) -> None:
+    """Plain requests on vanilla vLLM vs vLLM + agentkv, one server up at a time.
+
+    Each round starts vanilla then agentkv (odd rounds: agentkv first), sends --warmup then
+    --requests sequential plain requests (--prompt-tokens of fresh random token ids,
+    --output-tokens greedy tokens, no agentkv params) and stops the server. Reports the ratio of
+    median end-to-end latencies (agentkv / vanilla) with a 95% two-level bootstrap interval
+    (rounds, then requests), each round's ratio, and a verdict against the <= 1.01 target:
+    within, over, or undecided (the interval straddles 1.01: more rounds or a quieter machine).
+    """
+    if not phased:
+        fail("only the phased method is offered: side by side, two CPU servers disturb each other")
+    from rich.console import Console
+
+    from agentkv.errors import AgentKVError
+    from agentkv_bench.phased import PhasedOptions, run_phased
+
+    argv = sys.argv
+    opts = PhasedOptions(
+        rounds=rounds,
+        requests=requests,
+        warmup=warmup,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        preset=preset,
+        seed=seed,
+        profile_s=profile_s,
+        out=out,
+        command="agentkv bench overhead " + shlex.join(argv[argv.index("overhead") + 1 :])
+        if "overhead" in argv
+        else "agentkv bench overhead",
+    )
+    try:
+        report = with_progress(lambda on_progress: run_phased(opts, on_progress))
+    except (AgentKVError, RuntimeError) as exc:
+        fail(str(exc))
+    if as_json:
+        keys = ("ratio", "verdict", "target", "per_round_ratio", "vanilla", "agentkv", "profiles")
+        typer.echo(json.dumps({"out": str(out), **{k: report[k] for k in keys}}))
+        return
+    from rich.markdown import Markdown
+
+    Console().print(Markdown((out / "report.md").read_text()))
+    Console(stderr=True).print(f"report: {out / 'report.json'}, {out / 'report.md'}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``overhead`` to the ``bench`` sub-app."""
+    app.command("overhead")(overhead)

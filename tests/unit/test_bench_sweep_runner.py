@@ -1,0 +1,137 @@
+"""The sweep orchestration (servers faked: the single-pool runners are replaced) and the CLI's
+refusal of bad --configs / --num-blocks before any server starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentkv_bench import runner, sweep_runner, trace_runner
+from agentkv_bench.overhead import OverheadSpec
+from agentkv_bench.runner import BenchOptions
+from agentkv_bench.trace_runner import TraceBenchOptions
+
+
+def _summary(n: int, name: str) -> dict[str, Any]:
+    # A pool-dependent agentkv that beats vanilla only in the tight pool.
+    ttft = {"vanilla": 1.0, "agentkv": 1.5 if n > 50 else 0.5, "oracle": 0.1}.get(name, 0.8)
+    return {
+        "resume_ttft_p50_s": ttft,
+        "resume_ttft_p99_s": ttft,
+        "jct_mean_s": ttft * 10,
+        "decode_tok_s": 50.0,
+        "recomputed_tokens": 100,
+        "writeback_blocks": None if name in ("vanilla", "oracle") else 7,
+    }
+
+
+def test_agents_sweep_runs_each_pool_the_oracle_and_overhead_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[tuple[int, tuple[str, ...], bool, Path]] = []
+
+    def fake_run_bench(opts: BenchOptions, progress: Any = None) -> dict[str, Any]:
+        calls.append((opts.num_blocks, opts.configs, opts.overhead is not None, opts.out))
+        return {"configs": {c: {"summary": _summary(opts.num_blocks, c)} for c in opts.configs}}
+
+    monkeypatch.setattr(runner, "run_bench", fake_run_bench)
+    opts = BenchOptions(
+        out=tmp_path,
+        configs=("vanilla", "agentkv", "retain-always", "oracle"),
+        overhead=OverheadSpec(),
+        command="agentkv bench agents --configs vanilla,agentkv,retain-always,oracle",
+    )
+    rep = sweep_runner.run_agents_sweep(opts, [96, 24])
+    assert calls == [
+        (96, ("vanilla", "agentkv", "retain-always", "oracle"), True, tmp_path / "pool-96"),
+        (24, ("vanilla", "agentkv", "retain-always"), False, tmp_path / "pool-24"),
+    ]
+    assert rep["oracle"]["resume_ttft_p50_s"] == 0.1
+    roomy, tight = rep["pools"]
+    assert list(roomy["metrics"]) == ["vanilla", "agentkv", "retain-always"]
+    assert roomy["regret"]["resume_ttft_p50_s"]["best_fixed"] == "retain-always"
+    assert roomy["regret"]["resume_ttft_p50_s"]["over_best_fixed"] == pytest.approx(1.5 / 0.8)
+    assert tight["regret"]["resume_ttft_p50_s"]["over_best_fixed"] == pytest.approx(0.5 / 0.8)
+    assert json.loads((tmp_path / "sweep.json").read_text())["schema"] == rep["schema"]
+    assert "## 24 device blocks" in (tmp_path / "sweep.md").read_text()
+
+
+def test_trace_sweep_fits_the_bound_of_later_pools_to_the_first_oracle(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[tuple[int | None, tuple[str, ...]]] = []
+
+    def fake_run(opts: TraceBenchOptions, progress: Any = None) -> dict[str, Any]:
+        seen.append((opts.num_blocks, tuple(opts.configs)))
+        n = opts.num_blocks or 0
+        rep: dict[str, Any] = {
+            "configs": {
+                c: {"summary": _summary(n, c), "rounds": ["r"] if c == "oracle" else []}
+                for c in opts.configs
+            },
+            "trace": {"path": "t.csv"},
+            "server": {"num_blocks": n},
+        }
+        if "oracle" in opts.configs:
+            rep["capacity_equal_bound"] = {"summary": {"resume_ttft_p50_s": 0.2, "pool": n}}
+        return rep
+
+    bound_calls: list[dict[str, Any]] = []
+
+    def fake_bound(report: dict[str, Any]) -> dict[str, Any]:
+        bound_calls.append(report)
+        return {"summary": {"resume_ttft_p50_s": 0.3, "pool": report["server"]["num_blocks"]}}
+
+    monkeypatch.setattr(trace_runner, "run_trace_bench", fake_run)
+    monkeypatch.setattr("agentkv.simulate.bounds.trace_report_bound", fake_bound)
+    opts = TraceBenchOptions(trace=Path("t.csv"), out=tmp_path, configs=("agentkv", "oracle"))
+    rep = sweep_runner.run_trace_sweep(opts, [64, 32])
+    assert seen == [(64, ("agentkv", "oracle")), (32, ("agentkv",))]
+    assert [p["capacity_equal_bound"] for p in rep["pools"]] == [
+        {"resume_ttft_p50_s": 0.2, "pool": 64},
+        {"resume_ttft_p50_s": 0.3, "pool": 32},
+    ]
+    (call,) = bound_calls
+    assert call["configs"]["oracle"]["rounds"] == ["r"]  # the first pool's oracle run
+
+
+CMD = [sys.executable, "-m", "agentkv.cli", "bench", "agents", "--quick"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--configs", "vanilla,always-retain"], "unknown configuration 'always-retain'"),
+        (["--configs", "vanilla,oracle"], "--configs must include agentkv"),
+        (["--configs", "agentkv,oracle"], "--configs must include vanilla"),
+        (["--num-blocks", "48,4"], "below the minimum of 8"),
+    ],
+)
+def test_bad_matrix_fails_before_any_server(tmp_path: Path, args: list[str], message: str) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [*CMD, *args, "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in " ".join(proc.stderr.split())
+    assert not out.exists()
+
+
+def test_synthetic_oracle_pool_holds_every_context_at_once() -> None:
+    from agentkv_bench.runner import oracle_blocks
+    from agentkv_bench.workload import WorkloadConfig, generate
+
+    wl = generate(WorkloadConfig.quick(0))
+    contexts = sum(
+        u.observation_tokens * max(1, u.fork) + u.max_tokens
+        for t in wl.trajectories
+        for u in t.turns
+    )
+    assert oracle_blocks(wl) * 128 >= wl.config.prefix_tokens + contexts
+    more = generate(WorkloadConfig.quick(0).with_overrides(trajectories=6))
+    assert oracle_blocks(more) > oracle_blocks(wl)
