@@ -201,6 +201,7 @@ def _overridden(decision: Decision, action: Action, policy: PolicyParams) -> Dec
     """``decision`` with its action replaced by a fixed one (``policy_override``, a benchmark's
     retain-always / offload-always): retain holds for the longest lease the policy allows (the
     resume or the pool's pressure ends it)."""
+    action = Action(action)  # a plain string from a config file names the same action
     return dataclasses.replace(
         decision,
         action=action,
