@@ -11,9 +11,8 @@ manager's ``key_of`` records it): an upload queued before an invalidation (e.g. 
 out in the manager while the engine was idle, so it ships late) publishes an older generation's
 key with that generation's KV, which is true (no later lookup derives that key), while a key the
 manager never derived, or a copy that is not its key's KV in its generation, is a violation.
-Invalidations happen while no load, upload or tier move is in flight in the manager's job table
-(the RL contract: generation is paused around a weight update; a reset answers unclean
-otherwise).
+Invalidations happen while no load or tier move is in flight (the RL contract: generation is
+paused around a weight update; a reset answers unclean otherwise); stores and uploads may be.
 All of ManagerMachine's invariants hold after every step, and everything drains to zero.
 """
 
@@ -97,9 +96,14 @@ class InvalidationMachine(base.ManagerMachine):
         mgr = self.mgr
         if mgr is None or not self.quiet:
             return False
-        if any(job.kind != "store" for job in mgr.jobs.values()):
+        # Stores and uploads may be in flight (their completion drops the copies an invalidation
+        # left busy; an upload is checked against its keys' own generation).
+        if any(job.kind not in ("store", "upload") for job in mgr.jobs.values()):
             return False
-        if any(p.kind != "store" for p in self.workers.pending):
+        if any(
+            p.kind != "store" and not (p.kind == "move" and p.job.kind == "upload")
+            for p in self.workers.pending
+        ):
             return False  # timed out in the manager, still running on a (late) rank
         return not any(req.load_state in ("planned", "in_flight") for req in mgr.requests.values())
 
