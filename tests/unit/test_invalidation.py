@@ -83,3 +83,59 @@ def test_a_load_in_flight_makes_the_invalidation_unclean_until_it_ends() -> None
     assert second.clean
     rig.settle()
     assert rig.host_keys() == set() and rig.mgr._pins == Counter()
+
+
+def test_an_upload_queued_before_an_invalidation_publishes_its_own_generations_kv() -> None:
+    """The engine idle past the job timeout: an upload queued before the switch times out in the
+    manager and ships after it. Its copies stay pinned (invalidate_tiers leaves them to the job),
+    so it publishes the old generation's keys with that generation's KV (true: no lookup of the
+    new generation derives them), then they are dropped; nothing of it loads again."""
+    rig = make_rig(grace=0.0, remote_enabled=True)
+    derived: dict[bytes, bytes] = {}  # key -> the generation it was derived under
+
+    def switch(generation: bytes) -> None:
+        def key_of(h: bytes) -> bytes:
+            key = hashlib.blake2b(generation + h, digest_size=16).digest()
+            derived[key] = generation
+            return key
+
+        rig.mgr.key_of = key_of
+
+    def true_in_its_generation(key: bytes, content: bytes) -> bool:
+        generation = derived.get(key)
+        return (
+            generation is not None
+            and hashlib.blake2b(generation + content, digest_size=16).digest() == key
+        )
+
+    rig.workers.published_truth = true_in_its_generation
+    switch(b"g0")
+    rig.turn("t1", P1)
+    rig.mgr.pause("t1", "main", "tool", None)
+    for _ in range(3):  # the store ships and completes: its upload is queued, not shipped
+        rig.eng.step()
+        for p in rig.workers.completable():
+            rig.workers.complete(p, True)
+        rig.eng.deliver_reports()
+        if rig.mgr._outbox.moves:
+            break
+    (upload,) = rig.mgr._outbox.moves
+    old_keys = set(upload.keys)
+    assert old_keys and old_keys <= rig.host_keys()
+    rig.clock.advance(20.0)  # no engine step: the control thread's tick times the upload out
+    rig.mgr.tick()
+    assert not rig.mgr.jobs
+    with rig.mgr.lock:
+        switch(b"g1")
+        assert invalidate_tiers(rig.mgr, "weights").clean
+    rig.settle()  # the upload ships late and reports: its copies are dropped
+    assert set(rig.workers.remote[0]) == old_keys
+    assert not rig.eng.violations
+    assert rig.host_keys() == set() and len(rig.mgr.index) == 0
+    again = rig.turn("t1", [*P1, 4, 4, 4])
+    assert again.status == "FINISHED" and again.load_n == 0  # recomputed, nothing stale loaded
+    rig.mgr.pause("t1", "main", "tool", None)
+    rig.settle()
+    new_keys = set(rig.workers.remote[0]) - old_keys
+    assert new_keys and all(derived[k] == b"g1" for k in new_keys)
+    assert not rig.eng.violations

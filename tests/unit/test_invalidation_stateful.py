@@ -6,8 +6,13 @@ flight.
 The simulated engine checks every load against ``key_of`` of the *current* generation, so a
 load of any copy written before an invalidation is a violation; the index invariant accepts a
 copy of any generation as true (old copies still being written are legitimately indexed until
-their store reports). Invalidations happen while no load, upload or tier move is in flight (the
-RL contract: generation is paused around a weight update; a reset answers unclean otherwise).
+their store reports). An upload is checked against the generation its key was derived in (the
+manager's ``key_of`` records it): an upload queued before an invalidation (e.g. one that timed
+out in the manager while the engine was idle, so it ships late) publishes an older generation's
+key with that generation's KV, which is true (no later lookup derives that key), while a key the
+manager never derived, or a copy that is not its key's KV in its generation, is a violation.
+Invalidations happen while no load or tier move is in flight (the RL contract: generation is
+paused around a weight update; a reset answers unclean otherwise); stores and uploads may be.
 All of ManagerMachine's invariants hold after every step, and everything drains to zero.
 """
 
@@ -33,12 +38,25 @@ class _Generations:
 
     def __init__(self) -> None:
         self.all: list[bytes] = [b""]
+        self.derived: dict[bytes, int] = {}  # every key the manager derived -> its generation
 
     def key(self, generation: bytes, h: bytes) -> bytes:
         return hashlib.blake2b(generation + b"fp" + h, digest_size=16).digest()
 
     def current(self, h: bytes) -> bytes:
         return self.key(self.all[-1], h)
+
+    def derive(self, h: bytes) -> bytes:
+        """The manager's key_of (the adapter's LogicalKeys.key_of): the current generation,
+        remembered as the generation the key was derived (and its copies written) under."""
+        key = self.current(h)
+        self.derived[key] = len(self.all) - 1
+        return key
+
+    def written_under(self, key: bytes, content: bytes) -> bool:
+        """``content`` is ``key``'s KV in the generation the manager derived ``key`` in."""
+        g = self.derived.get(key)
+        return g is not None and self.key(self.all[g], content) == key
 
     def any_generation(self, h: bytes) -> Any:
         gens = self
@@ -64,7 +82,8 @@ class InvalidationMachine(base.ManagerMachine):
     def setup(self, **kw: Any) -> None:
         _BASE_SETUP(self, **kw)
         assert self.mgr is not None
-        self.mgr.key_of = self.gens.current  # the adapter's LogicalKeys.key_of
+        self.mgr.key_of = self.gens.derive  # the adapter's LogicalKeys.key_of
+        self.workers.published_truth = self.gens.written_under
 
     def teardown(self) -> None:
         try:
@@ -77,9 +96,14 @@ class InvalidationMachine(base.ManagerMachine):
         mgr = self.mgr
         if mgr is None or not self.quiet:
             return False
-        if any(job.kind != "store" for job in mgr.jobs.values()):
+        # Stores and uploads may be in flight (their completion drops the copies an invalidation
+        # left busy; an upload is checked against its keys' own generation).
+        if any(job.kind not in ("store", "upload") for job in mgr.jobs.values()):
             return False
-        if any(p.kind != "store" for p in self.workers.pending):
+        if any(
+            p.kind != "store" and not (p.kind == "move" and p.job.kind == "upload")
+            for p in self.workers.pending
+        ):
             return False  # timed out in the manager, still running on a (late) rank
         return not any(req.load_state in ("planned", "in_flight") for req in mgr.requests.values())
 
@@ -90,7 +114,7 @@ class InvalidationMachine(base.ManagerMachine):
         assert mgr is not None
         with mgr.lock:
             self.gens.all.append(os.urandom(8))
-            mgr.key_of = self.gens.current
+            mgr.key_of = self.gens.derive
             result = invalidate_tiers(mgr, "weights")
         assert result.clean
         assert not mgr.table  # every trajectory ended
