@@ -37,6 +37,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from agentkv.admission import Admission
 from agentkv.predict import WaitEstimate, prefetch_at
 from agentkv.tier import Tier
 
@@ -396,6 +397,7 @@ def decide(
     host_free_bytes: float | None = None,
     disk_free_bytes: float | None = None,
     params: PolicyParams = DEFAULT_POLICY,
+    admission: Admission | None = None,
 ) -> Decision:
     """Decide what to do with a trajectory paused at ``tokens`` tokens holding ``kv_bytes``.
 
@@ -404,7 +406,9 @@ def decide(
     space (None: unlimited; 0: tier absent or full). Rules, in order:
       1. retain, with lease T*, when the predicted median wait is below T* (the smallest
          break-even wait over the usable options: host, disk, or drop whose "round trip" is the
-         recompute time);
+         recompute time) and the lease fits without delaying the scheduler's waiting requests
+         (``admission``: the step's admission picture; a queue short of blocks, or preempting,
+         rules retain out: pins are a loan and the queue is calling it in);
       2. offload_disk when the median wait is at least ``params.disk_after_s`` and disk has room
          and reloads faster than recompute;
       3. offload_host when host has room and reloads no slower than recompute;
@@ -426,6 +430,7 @@ def decide(
             host_free_bytes=host_free_bytes,
             disk_free_bytes=disk_free_bytes,
             params=params,
+            admission=admission,
         )
     except Exception as exc:  # the engine's hot path must never see an exception from here
         return _safe_drop(0, 0.0, [f"internal error {type(exc).__name__}: {exc}"], 1.0)
@@ -441,8 +446,11 @@ def _decide(
     host_free_bytes: float | None,
     disk_free_bytes: float | None,
     params: PolicyParams,
+    admission: Admission | None = None,
 ) -> Decision:
     notes: list[str] = []
+    queue_blocked = admission is not None and admission.blocked
+    queue_text = admission.describe() if admission is not None else "queue not seen"
     u = _sanitize_fraction(pressure, "pressure", 1.0, notes)
     m = float(kv_bytes)
     s = float(tokens)
@@ -530,7 +538,7 @@ def _decide(
     if m == 0:
         return build(Action.RETAIN, 0.0, None, 0.0, 0.0, 0.0, "nothing to move (0 bytes)")
 
-    if estimate is not None and p50 < t_star:
+    if estimate is not None and p50 < t_star and not queue_blocked:
         lease = lease_seconds(t_star, p50, params)
         return build(
             Action.RETAIN,
@@ -539,10 +547,18 @@ def _decide(
             0.0,
             ref_reload,
             ref_rt,
-            f"median wait is below the break-even wait; pinned for a lease of {_fmt_s(lease)}",
+            f"median wait is below the break-even wait; pinned for a lease of {_fmt_s(lease)}; "
+            f"the lease delays no waiting request ({queue_text})",
         )
+    # A retain the queue called in: say so in whatever is decided instead.
+    called_in = (
+        f"retain would delay waiting requests ({queue_text}); "
+        if estimate is not None and p50 < t_star and queue_blocked
+        else ""
+    )
 
     def offload(action: Action, reload: float, rt: float, why: str) -> Decision:
+        why = called_in + why
         if estimate is None:
             at = 0.0
             stall = reload
@@ -575,7 +591,7 @@ def _decide(
             disk_rt,
             "host tier unusable or full; write-back copy to disk",
         )
-    why = (
+    why = called_in + (
         "recompute beats every reload"
         if (host_room or disk_room)
         else "no tier has room or a usable link"

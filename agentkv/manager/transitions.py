@@ -50,6 +50,10 @@ class Transitions:
     def set_state(self, traj: Trajectory, branch: Branch, state: BranchState) -> None:
         branch.state = state
         branch.timer_token += 1
+        if state is BranchState.HELD:
+            self.m.held[(id(traj), branch.name)] = (traj, branch)
+        else:
+            self.m.held.pop((id(traj), branch.name), None)
         if state is not BranchState.RETAINED:
             self.m.leases.release(traj, branch)
         if state is BranchState.OFFLOADED:
