@@ -266,7 +266,7 @@ class Transitions:
         source) and queue it."""
         for key in keys:
             self.m.index.begin_write(key, tier, traj.trajectory_id if traj else None)
-            self.m.index.begin_read(key)
+            self.m.index.begin_read(key, load=False)
             if traj is not None:
                 traj.owned.add(key)
         job = self.m.job_table.prepare(kind, keys, tier, trajectory=traj)
@@ -331,7 +331,7 @@ class Transitions:
             # does not list (a timed-out job's late rank, its drop still queued) must never be
             # the one published. Keys a late rank may still write are skipped for the same reason.
             if e is not None and not e.doomed and e.host and not self._skip(key):
-                self.m.index.begin_read(key)
+                self.m.index.begin_read(key, load=False)
                 ready.append(key)
         if ready:
             job = self.m.job_table.prepare(JobKind.UPLOAD, ready, Tier.HOST)

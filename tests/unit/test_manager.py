@@ -236,6 +236,26 @@ def test_a_pause_while_the_queue_is_blocked_does_not_retain() -> None:
     assert "retain would delay waiting requests" in body["decision"]["rationale"]
 
 
+def test_writebacks_unread_counts_copies_that_left_without_a_load() -> None:
+    rig = make_rig()
+    offloaded(rig)  # a write-back of 4 blocks nobody reads
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
+    rig.mgr.delete("t1")
+    rig.settle()
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 4
+
+
+def test_a_write_back_a_load_read_is_not_counted_unread() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()  # vLLM's cache lost the blocks: the turn loads them from host
+    rig.turn("t1", [*P1, 4, 4, 4])
+    assert rig.mgr.counters["loads"] >= 1
+    rig.mgr.delete("t1")
+    rig.settle()
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
+
+
 # ============================================================================ (4) co-ownership
 
 
