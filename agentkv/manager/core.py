@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentkv import metrics as m
-from agentkv.admission import NO_QUEUE, Admission
+from agentkv.admission import NO_QUEUE, Admission, PoolTrend
 from agentkv.manager import views
 from agentkv.manager.jobs import MoveJob, MoveKind, StepPlan, WorkerReport
 from agentkv.manager.jobtable import Job, JobKind, JobTable
@@ -158,6 +158,7 @@ class TrajectoryManager:
         # The latest admission picture (decisions read it); a step's shortfall is acted on once,
         # in that step's take_step.
         self.admission: Admission = NO_QUEUE
+        self.pool_trend = PoolTrend()
         # HELD branches (their grace pins), so a blocked queue can end them early.
         self.held: dict[tuple[int, str], tuple[Trajectory, Branch]] = {}
 
@@ -262,6 +263,7 @@ class TrajectoryManager:
         Contract: the next ``take_step`` gives back blocks for its shortfall (invariant 5b)."""
         with self.lock:
             self.admission = admission
+            self.pool_trend.observe(self.clock.now(), admission.free_blocks)
 
     def take_step(self) -> StepPlan:
         """Engine thread, once per step: fire due timers, give blocks back to a queue blocked on

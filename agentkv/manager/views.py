@@ -14,7 +14,7 @@ Callers hold the manager's lock (``gauges`` takes it itself: the scrape thread c
 from __future__ import annotations
 
 import dataclasses
-
+import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -155,6 +155,10 @@ def status_view(mgr: TrajectoryManager) -> dict[str, Any]:
             "releasing_blocks": mgr.pins.releasing,
             "high_water": mgr.config.high_water,
             "admission": dataclasses.asdict(mgr.admission),
+            "free_block_drain_per_s": round(mgr.pool_trend.rate, 3),
+            "eviction_forecast_s": _finite_or_none(
+                mgr.pool_trend.seconds_to_eviction(mgr.admission)
+            ),
             "block_size_tokens": mgr.config.block_size,
             "block_bytes": bb,
         },
@@ -174,3 +178,7 @@ def status_view(mgr: TrajectoryManager) -> dict[str, Any]:
         },
         "predictor": mgr.predictor.tools(),
     }
+
+
+def _finite_or_none(value: float) -> float | None:
+    return round(value, 3) if math.isfinite(value) else None

@@ -913,3 +913,30 @@ def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
     assert ended["agentkv.outcome"] == "resumed" and ended["agentkv.observed_wait_s"] == 5.0
     (obs,) = rig.mgr.metrics.snapshot()["histogram"][m.TOOL_WAIT_OBSERVED.name]
     assert obs[0] == "grep" and obs[-1] == 1 and obs[-2] == 5.0
+
+
+def test_pool_trend_forecasts_eviction_from_the_free_block_drain() -> None:
+    from agentkv.admission import Admission, PoolTrend
+
+    trend = PoolTrend(alpha=1.0)
+    trend.observe(0.0, 100)
+    trend.observe(1.0, 90)  # 10 blocks a second leave the free list
+    assert trend.seconds_to_eviction(Admission(free_blocks=90)) == pytest.approx(9.0)
+    assert trend.seconds_to_eviction(Admission(waiting=1, blocks_needed=95, free_blocks=90)) == 0
+    trend.observe(2.0, 95)  # growing again: no eviction ahead
+    assert trend.seconds_to_eviction(Admission(free_blocks=95)) == float("inf")
+
+
+def test_status_shows_the_admission_picture_and_forecast() -> None:
+    rig = make_rig(blocks=20)
+    assert rig.eng.spike(16)
+    assert not rig.eng.spike(8)
+    rig.eng.step()
+    pool = rig.mgr.status()["pool"]
+    assert pool["admission"] == {
+        "waiting": 1,
+        "blocks_needed": 8,
+        "free_blocks": 4,
+        "preempted": 0,
+    }
+    assert pool["eviction_forecast_s"] == 0.0
