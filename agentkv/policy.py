@@ -37,6 +37,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from agentkv.admission import Admission
 from agentkv.predict import WaitEstimate, prefetch_at
 from agentkv.tier import Tier
 
@@ -396,6 +397,7 @@ def decide(
     host_free_bytes: float | None = None,
     disk_free_bytes: float | None = None,
     params: PolicyParams = DEFAULT_POLICY,
+    admission: Admission | None = None,
 ) -> Decision:
     """Decide what to do with a trajectory paused at ``tokens`` tokens holding ``kv_bytes``.
 
@@ -404,7 +406,9 @@ def decide(
     space (None: unlimited; 0: tier absent or full). Rules, in order:
       1. retain, with lease T*, when the predicted median wait is below T* (the smallest
          break-even wait over the usable options: host, disk, or drop whose "round trip" is the
-         recompute time);
+         recompute time) and the lease fits without delaying the scheduler's waiting requests
+         (``admission``: the step's admission picture; a queue short of blocks, or preempting,
+         rules retain out: pins are a loan and the queue is calling it in);
       2. offload_disk when the median wait is at least ``params.disk_after_s`` and disk has room
          and reloads faster than recompute;
       3. offload_host when host has room and reloads no slower than recompute;
@@ -426,6 +430,7 @@ def decide(
             host_free_bytes=host_free_bytes,
             disk_free_bytes=disk_free_bytes,
             params=params,
+            admission=admission,
         )
     except Exception as exc:  # the engine's hot path must never see an exception from here
         return _safe_drop(0, 0.0, [f"internal error {type(exc).__name__}: {exc}"], 1.0)
@@ -451,6 +456,8 @@ class _Numbers:
     t_star: float
     ref_reload: float
     ref_rt: float
+    queue_blocked: bool = False
+    queue_text: str = "queue not seen"
 
     @property
     def p50(self) -> float:
@@ -522,8 +529,11 @@ def _decide(
     host_free_bytes: float | None,
     disk_free_bytes: float | None,
     params: PolicyParams,
+    admission: Admission | None = None,
 ) -> Decision:
     notes: list[str] = []
+    queue_blocked = admission is not None and admission.blocked
+    queue_text = admission.describe() if admission is not None else "queue not seen"
     u = _sanitize_fraction(pressure, "pressure", 1.0, notes)
     m = float(kv_bytes)
     s = float(tokens)
@@ -577,6 +587,8 @@ def _decide(
         t_star=min(t_host, t_disk, t_drop),
         ref_reload=host_reload if ref_host else disk_reload,
         ref_rt=host_rt if ref_host else disk_rt,
+        queue_blocked=queue_blocked,
+        queue_text=queue_text,
     )
     return _choose(numbers, params)
 
@@ -586,21 +598,27 @@ def _choose(n: _Numbers, params: PolicyParams) -> Decision:
     if n.m == 0:
         return n.build(Action.RETAIN, 0.0, None, 0.0, 0.0, 0.0, "nothing to move (0 bytes)")
     p50 = n.p50
-    if n.estimate is not None and p50 < n.t_star:
+    short_wait = n.estimate is not None and p50 < n.t_star
+    if short_wait and not n.queue_blocked:
         lease = lease_seconds(n.t_star, p50, params)
-        why = f"median wait is below the break-even wait; pinned for a lease of {_fmt_s(lease)}"
+        why = (
+            f"median wait is below the break-even wait; pinned for a lease of {_fmt_s(lease)}; "
+            f"the lease delays no waiting request ({n.queue_text})"
+        )
         return n.build(Action.RETAIN, lease, None, 0.0, n.ref_reload, n.ref_rt, why)
+    # A retain the queue called in: say so in whatever is decided instead.
+    called_in = f"retain would delay waiting requests ({n.queue_text}); " if short_wait else ""
     long_wait = n.estimate is not None and p50 >= params.disk_after_s
     if long_wait and n.disk_room and n.disk_reload <= n.recompute:
         why = f"median wait is at least {_fmt_s(params.disk_after_s)}; disk holds it for free"
-        return n.offload(Action.OFFLOAD_DISK, n.disk_reload, n.disk_rt, why, params)
+        return n.offload(Action.OFFLOAD_DISK, n.disk_reload, n.disk_rt, called_in + why, params)
     if n.host_room and n.host_reload <= n.recompute:
         why = "wait exceeds the break-even wait; write-back copy to host, device blocks unpinned"
-        return n.offload(Action.OFFLOAD_HOST, n.host_reload, n.host_rt, why, params)
+        return n.offload(Action.OFFLOAD_HOST, n.host_reload, n.host_rt, called_in + why, params)
     if n.disk_room and n.disk_reload <= n.recompute:
         why = "host tier unusable or full; write-back copy to disk"
-        return n.offload(Action.OFFLOAD_DISK, n.disk_reload, n.disk_rt, why, params)
-    why = (
+        return n.offload(Action.OFFLOAD_DISK, n.disk_reload, n.disk_rt, called_in + why, params)
+    why = called_in + (
         "recompute beats every reload"
         if (n.host_room or n.disk_room)
         else "no tier has room or a usable link"

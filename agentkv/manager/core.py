@@ -11,8 +11,10 @@ are requests.RequestTable's methods under the manager's lock, their docstrings t
                                      engine recomputes those blocks (for adapter errors)
   on_finish(req_id, ...)             pin the finished context (only blocks fully computed or
                                      loaded), start its grace period, return the turn's stats
-  take_step()                        fire due timers; the step's jobs (drops, stores, loads,
-                                     moves) for the workers
+  set_admission(admission)           this step's admission picture (agentkv.admission): what
+                                     the scheduler could not admit for lack of blocks
+  take_step()                        fire due timers, give blocks back to a blocked queue; the
+                                     step's jobs (drops, stores, loads, moves) for the workers
   on_report(report)                  jobs finished / failed per rank -> unpin, index, states
   has_work()                         the engine must keep stepping (jobs in flight, pins queued)
   record_tier_changes, take_tier_changes, tier_keys
@@ -44,6 +46,9 @@ Invariants (checked by tests/unit/test_manager_stateful.py after every step):
      other trajectory owns; a deleted trajectory never comes back (its running requests end
      without pinning or storing anything).
   5. One pressure event demotes only as many retained trajectories as needed.
+  5b. Pins are a loan: when the scheduler's queue is blocked on blocks (a shortfall in the step's
+     admission picture), the same take_step demotes retained branches (policy order) and then
+     ends grace pins early until the shortfall is covered by blocks on their way back.
   6. State is bounded (idle trajectories expire, a cap bounds the table) and per-step work is
      O(changes): timers sit in a heap; idle branches are never visited.
 Every number acted on (lease, prefetch time, demotion order and action) comes from
@@ -61,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from agentkv import metrics as m
+from agentkv.admission import NO_QUEUE, Admission, PoolTrend
 from agentkv.manager import views
 from agentkv.manager.jobs import MoveJob, MoveKind, StepPlan, TransferKind, WorkerReport
 from agentkv.manager.jobtable import Job, JobKind, JobTable
@@ -73,7 +79,7 @@ from agentkv.manager.requests import (
     RequestTable,
 )
 from agentkv.manager.residency import ResidencyIndex
-from agentkv.manager.state import BranchState, Trajectory
+from agentkv.manager.state import Branch, BranchState, Trajectory
 from agentkv.manager.timers import BRANCH_TIMERS, Leases, Timer, TimerHeap, TimerKind
 from agentkv.manager.transitions import Transitions
 from agentkv.metrics import MetricsRecorder
@@ -184,6 +190,12 @@ class TrajectoryManager:
         self.decisions: Counter[str] = Counter()
         self.prefetch_outcomes = PrefetchOutcomeCounter()
         self.bad_keys: dict[bytes, str] = {}  # keys ranks reported bad in the report at hand
+        # The latest admission picture (decisions read it); a step's shortfall is acted on once,
+        # in that step's take_step.
+        self.admission: Admission = NO_QUEUE
+        self.pool_trend = PoolTrend()
+        # HELD branches (their grace pins), so a blocked queue can end them early.
+        self.held: dict[tuple[int, str], tuple[Trajectory, Branch]] = {}
 
     # ------------------------------------------------------------------ the parts' state
     # (tests and views read these; the parts own them)
@@ -237,13 +249,21 @@ class TrajectoryManager:
         with self.lock:
             self.reqs.fail_load(req_id, block_ids, num_external)
 
+    def set_admission(self, admission: Admission) -> None:
+        """Engine thread, before ``take_step``: what this step's schedule could not admit.
+        Contract: the next ``take_step`` gives back blocks for its shortfall (invariant 5b)."""
+        with self.lock:
+            self.admission = admission
+            self.pool_trend.observe(self.clock.now(), admission.free_blocks)
+
     def take_step(self) -> StepPlan:
-        """Engine thread, once per step: fire due timers, then hand over every queued job.
-        Contract: never raises; loads queued before an internal error are still returned."""
+        """Engine thread, once per step: fire due timers, give blocks back to a queue blocked on
+        them, then hand over every queued job. Contract: never raises; loads queued before an
+        internal error are still returned."""
         with self.lock:
             try:
                 self._apply_pin_ops()
-                self._tick(self.clock.now())
+                self._tick(self.clock.now(), self.admission.shortfall)
             except Exception:
                 self.counters["internal_errors"] += 1
                 log.exception("agentkv: manager tick failed; queued jobs still go out")
@@ -393,6 +413,8 @@ class TrajectoryManager:
             if traj is None:
                 return 404, {"detail": f"unknown trajectory {trajectory_id!r}"}
             released = self.names.release(traj, reason)
+            for name in traj.branches:
+                self.held.pop((id(traj), name), None)
             return 200, {"trajectory_id": trajectory_id, **released}
 
     def get(self, trajectory_id: str) -> tuple[int, dict[str, Any]]:
@@ -412,7 +434,7 @@ class TrajectoryManager:
         traj, branch = t.ref
         return bool(traj.deleted) or branch.timer_token != t.token
 
-    def _tick(self, now: float) -> None:
+    def _tick(self, now: float, queue_short: int = 0) -> None:
         for t in self.timers.pop_due(now, self._stale):
             if t.kind is TimerKind.JOB:
                 self.job_table.time_out(t.ref, now)
@@ -420,21 +442,47 @@ class TrajectoryManager:
                 self.names.expire(t.ref, now)
             elif t.kind in BRANCH_TIMERS:
                 self.transitions.fire(t.kind, t.ref[0], t.ref[1], now)
-        self._check_pressure(now)
+        self._check_pressure(now, queue_short)
         self.transitions.drain_doomed()
 
-    def _check_pressure(self, now: float) -> None:
-        """Pool use over high water demotes retained branches, farthest predicted return first,
-        only as many as cover the excess (invariant 5)."""
-        if not len(self.leases):
+    def _check_pressure(self, now: float, queue_short: int = 0) -> None:
+        """Pool use over high water, or a scheduler queue short of ``queue_short`` blocks,
+        demotes retained branches, farthest predicted return first, only as many as cover the
+        excess (invariant 5); a queue still short then ends grace pins early (5b). Blocks already
+        on their way back (store jobs in flight, unpins queued) count as given back."""
+        if not len(self.leases) and not (queue_short > 0 and self.held):
             return
         total = max(1, self.pinner.total_blocks())
         excess = (self.pins.pressure() - self.config.high_water) * total
-        if excess <= 0:
+        short = queue_short - (self.pins.releasing + self.pins.unpins_queued)
+        if max(excess, short) <= 0:
             return
-        for traj, branch in self.leases.victims(excess, pressure_victims):
-            self.counters["pressure_demotions"] += 1
-            self.transitions.demote(traj, branch, "pressure", now)
+        for traj, branch in self.leases.victims(max(excess, short), pressure_victims):
+            short -= len(branch.pinned)
+            if excess > 0:
+                self.counters["pressure_demotions"] += 1
+                self.transitions.demote(traj, branch, "pressure", now)
+            else:
+                self.counters["queue_demotions"] += 1
+                self.transitions.demote(traj, branch, "queue_blocked", now)
+        if short > 0:
+            self._end_grace_early(short, now)
+
+    def _end_grace_early(self, short: int, now: float) -> None:
+        """A queue still short after every retained branch went: HELD branches take their
+        default action now instead of when their grace ends, latest grace first."""
+        held = sorted(self.held.values(), key=lambda tb: -tb[1].grace_until)
+        for traj, branch in held:
+            if short <= 0:
+                break
+            if traj.deleted or branch.state is not BranchState.HELD:
+                self.held.pop((id(traj), branch.name), None)
+                continue
+            short -= len(branch.pinned)
+            self.counters["grace_shortened"] += 1
+            self.metrics.add(m.DEMOTIONS, reason="queue_blocked")
+            self.transitions.apply(traj, branch, Action(self.config.default_action), 0.0, now)
+            branch.demoted_by = "queue_blocked"
 
     def _apply_pin_ops(self) -> None:
         """Engine thread: apply what other threads queued (pins must not race the scheduler)."""

@@ -95,6 +95,7 @@ class Pauses:
             if self.m.config.disk_enabled
             else 0.0,
             params=self.m.policy,
+            admission=self.m.admission,
         )
 
     def _note_pause(

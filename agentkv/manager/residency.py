@@ -13,7 +13,9 @@ Primitives:
                               copy becomes readable only when every rank reported it written
   spoil_writes                a drop overtook writes in flight: they never become readable
   begin_read / end_read       loads and moves in flight pin the key: never evicted or dropped
-                              mid-copy (a drop while pinned is deferred)
+                              mid-copy (a drop while pinned is deferred); a load marks the key
+                              read, and ``unread_dropped`` counts complete copies that left the
+                              index without any load reading them
   own / disown                ownership by reference, in flight included; disown returns the keys
                               no one owns any more (the caller drops them); own revives a doomed key
   victims(tier, n)            eviction order: least recently used, unowned first, idle keys only
@@ -50,6 +52,7 @@ class Entry:
     # monotonic time until which the remote tier holds a copy we uploaded or fetched (0: none
     # known); an external copy alone never keeps an entry in the index
     remote_until: float = 0.0
+    loaded: bool = False  # a request's load read this key (a write-back that paid)
 
     def has(self, tier: Tier) -> bool:
         """A complete copy in ``tier`` (remote: one was known; its TTL is ``external``'s)."""
@@ -80,6 +83,9 @@ class ResidencyIndex:
         self._late: dict[Tier, int] = {t: 0 for t in TIERS}  # slots a late rank may fill
         self._doomed_idle: list[bytes] = []
         self._changes: list[tuple[bytes, Tier, bool]] | None = None
+        # Complete copies dropped, evicted or expired that no request's load ever read: a
+        # write-back that did not pay (status counter ``writebacks_unread``).
+        self.unread_dropped = 0
 
     def record_changes(self) -> None:
         """Start logging copy changes (off by default: nobody pays for a log nobody reads)."""
@@ -199,8 +205,12 @@ class ResidencyIndex:
 
     # ------------------------------------------------------------------ reads
 
-    def begin_read(self, key: bytes) -> None:
-        self._entries[key].readers += 1
+    def begin_read(self, key: bytes, *, load: bool = True) -> None:
+        """Pin ``key`` for a reader; ``load``: a request's load (not a tier-to-tier move or an
+        upload), so the copy paid for its write."""
+        e = self._entries[key]
+        e.readers += 1
+        e.loaded = e.loaded or load
 
     def end_read(self, key: bytes) -> None:
         e = self._entries.get(key)
@@ -277,6 +287,8 @@ class ResidencyIndex:
             if present:
                 self._lru[tier].move_to_end(key)
             return
+        if not present and not e.loaded:
+            self.unread_dropped += 1
         if tier == Tier.HOST:
             e.host = present
         else:
@@ -298,6 +310,8 @@ class ResidencyIndex:
             self._remove(key, e)
 
     def _remove(self, key: bytes, e: Entry) -> None:
+        if not e.loaded:
+            self.unread_dropped += sum(e.has(t) for t in TIERS)
         for tier in TIERS:
             if self._lru[tier].pop(key, "absent") is None and self._changes is not None:
                 self._changes.append((key, tier, False))

@@ -50,6 +50,10 @@ class Transitions:
     def set_state(self, traj: Trajectory, branch: Branch, state: BranchState) -> None:
         branch.state = state
         branch.timer_token += 1
+        if state is BranchState.HELD:
+            self.m.held[(id(traj), branch.name)] = (traj, branch)
+        else:
+            self.m.held.pop((id(traj), branch.name), None)
         if state is not BranchState.RETAINED:
             self.m.leases.release(traj, branch)
         if state is BranchState.OFFLOADED:
@@ -262,7 +266,7 @@ class Transitions:
         source) and queue it."""
         for key in keys:
             self.m.index.begin_write(key, tier, traj.trajectory_id if traj else None)
-            self.m.index.begin_read(key)
+            self.m.index.begin_read(key, load=False)
             if traj is not None:
                 traj.owned.add(key)
         job = self.m.job_table.prepare(kind, keys, tier, trajectory=traj)
@@ -332,7 +336,7 @@ class Transitions:
             if e is None or self.m.index.external(key, now):
                 continue
             if not e.doomed and e.host and not self._skip(key):
-                self.m.index.begin_read(key)
+                self.m.index.begin_read(key, load=False)
                 ready.append(key)
         if ready:
             job = self.m.job_table.prepare(JobKind.UPLOAD, ready, Tier.HOST)

@@ -13,6 +13,8 @@ Callers hold the manager's lock (``gauges`` takes it itself: the scrape thread c
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,9 @@ REPORTED_COUNTERS = (
     "grace_expired",
     "lease_expired_demotions",
     "pressure_demotions",
+    "queue_demotions",
+    "grace_shortened",
+    "writebacks_unread",
     "prefetches",
     "evictions_host",
     "evictions_disk",
@@ -149,6 +154,11 @@ def status_view(mgr: TrajectoryManager) -> dict[str, Any]:
             "pinned_blocks": mgr.pinned_blocks(),
             "releasing_blocks": mgr.pins.releasing,
             "high_water": mgr.config.high_water,
+            "admission": dataclasses.asdict(mgr.admission),
+            "free_block_drain_per_s": round(mgr.pool_trend.rate, 3),
+            "eviction_forecast_s": _finite_or_none(
+                mgr.pool_trend.seconds_to_eviction(mgr.admission)
+            ),
             "block_size_tokens": mgr.config.block_size,
             "block_bytes": bb,
         },
@@ -161,6 +171,14 @@ def status_view(mgr: TrajectoryManager) -> dict[str, Any]:
         "branches_by_state": count_by_state(mgr),
         "decisions": dict(mgr.decisions),
         "prefetch": mgr.prefetch_outcomes.counts(),
-        "counters": {**dict.fromkeys(REPORTED_COUNTERS, 0), **mgr.counters},
+        "counters": {
+            **dict.fromkeys(REPORTED_COUNTERS, 0),
+            **mgr.counters,
+            "writebacks_unread": mgr.index.unread_dropped,
+        },
         "predictor": mgr.predictor.tools(),
     }
+
+
+def _finite_or_none(value: float) -> float | None:
+    return round(value, 3) if math.isfinite(value) else None

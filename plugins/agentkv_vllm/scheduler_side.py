@@ -9,7 +9,9 @@ agentkv params, before any lock):
   plan_load(request, blocks, n_ext)    -> the load job for the allocated blocks
   fail_load(request, blocks, n_ext)    -> fail closed: those blocks are reported as load errors
   finish(request, block_ids)           -> (False, {"agentkv": turn stats})
-  build_step()                         -> AgentKVStepMetadata (the manager's StepPlan)
+  build_step()                         -> AgentKVStepMetadata (the manager's StepPlan), after
+                                          handing the manager the step's admission picture
+                                          (``admission_of``: O(1) counts, no queue walk)
   on_worker_report(output)             -> merged worker reports into the manager
   has_pending_work()                   -> jobs queued or in flight: keep the engine stepping
   take_events()                        -> vLLM KV events for tier copies (kv_events.py), when
@@ -31,6 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from agentkv.admission import Admission
 from agentkv.kv_identity import LogicalKeys
 from agentkv.manager import ManagerConfig, RequestParams, TrajectoryManager
 from agentkv.manager.invalidation import Invalidation, invalidate_tiers
@@ -196,6 +199,9 @@ class SchedulerSide:
         self.counters: Counter[str] = Counter()
         # request id -> parsed params, for agentkv requests only (plain ones never enter)
         self._params: dict[str, AgentKVParams] = {}
+        # The request the scheduler looked up this step and has not allocated for (vLLM stops
+        # at the first request it cannot allocate): (request id, blocks it needs).
+        self._unadmitted: tuple[str, int] | None = None
         self.started_at = time.time()
         self.manifest: ManifestKeeper | None = None
         if settings.disk_dir:
@@ -278,6 +284,11 @@ class SchedulerSide:
         return result.params
 
     def lookup(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        # Every request the scheduler tries comes here first; allocation clears it (plan_load).
+        self._unadmitted = (
+            request.request_id,
+            -(-request.num_tokens // self.block_size) - num_computed // self.block_size,
+        )
         if request.kv_transfer_params is None and request.request_id not in self._params:
             return 0, False
         start = time.thread_time_ns()
@@ -297,11 +308,15 @@ class SchedulerSide:
                 request.block_hashes,
                 num_computed,
             )
+            if answer.tokens is None:
+                self._unadmitted = None  # our own PENDING, not a lack of blocks
             return answer.tokens, answer.load_async
         finally:
             self.cpu.add("request", start)
 
     def plan_load(self, request: Any, blocks: Any, num_external: int) -> None:
+        if self._unadmitted is not None and self._unadmitted[0] == request.request_id:
+            self._unadmitted = None
         if request.request_id not in self._params and num_external <= 0:
             return
         start = time.thread_time_ns()
@@ -345,11 +360,32 @@ class SchedulerSide:
         start = time.thread_time_ns()
         try:
             self._sample_step(scheduler_output)
+            self.manager.set_admission(self.admission_of(scheduler_output))
             if self.events is not None:
                 self._watch_cache_reset()
             return AgentKVStepMetadata(self.manager.take_step())
         finally:
             self.cpu.add("step", start)
+
+    def admission_of(self, scheduler_output: Any) -> Admission:
+        """This step's admission picture, from counts the hooks already hold: the request vLLM
+        looked up and could not allocate for (it stops the waiting queue there), the requests it
+        preempted, the pool's free blocks. Resets the looked-up request for the next step."""
+        head, self._unadmitted = self._unadmitted, None
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        free = 0
+        pool = self.block_pool
+        if pool is not None:
+            try:
+                free = int(pool.get_num_free_blocks())
+            except Exception:
+                free = 0
+        return Admission(
+            waiting=1 if head is not None else 0,
+            blocks_needed=max(0, head[1]) if head is not None else 0,
+            free_blocks=free,
+            preempted=len(preempted),
+        )
 
     def _watch_cache_reset(self) -> None:
         """vLLM queues AllBlocksCleared when its prefix cache is reset; consumers then forget this

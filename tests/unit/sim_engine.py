@@ -21,6 +21,10 @@ Primitives:
                              load reports), preemption, pressure spikes (non-agent requests). An
                              async load ends only when every rank reported it (as vLLM's output
                              aggregator): the manager's job timeout alone tells vLLM nothing.
+                             Each step hands the manager its admission picture (requests and
+                             spikes that could not allocate since the last step, their blocks,
+                             the free count, preemptions) as the adapter does, and checks the
+                             loan rule: a blocked queue gets its blocks back in that step.
   pinned_content_breaches    pinned blocks that do not hold their keys' true KV
 
 Ground truth: block content is the hash of the tokens it holds (salt included); a tier copy
@@ -38,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from agentkv.admission import Admission
 from agentkv.manager import (
     LoadJob,
     MoveJob,
@@ -520,6 +525,9 @@ class SimEngine:
         self._seq = 0
         self._awaiting_cover: list[SimRequest] = []
         self.finished_contexts: dict[tuple[str, str], list[int]] = {}
+        self.blocked_needs: list[int] = []  # blocks each failed allocation asked for, this step
+        self.preempted = 0
+        self.last_admission: Admission | None = None
 
     # ---------------------------------------------------------------- helpers
     def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[bytes]:
@@ -568,6 +576,7 @@ class SimEngine:
         need = -(-len(tokens) // bs)
         new = self.pool.allocate(hit, need - len(hit))
         if new is None:
+            self.blocked_needs.append(need - len(hit))
             return False
         req.blocks = list(hit) + new
         req.device_hit = num_computed
@@ -600,13 +609,39 @@ class SimEngine:
     def step(self) -> StepPlan:
         """build_connector_meta: take the manager's plan, check it covers every counted load,
         ship it; layerwise loads run during this step's forward."""
+        admission = Admission(
+            waiting=len(self.blocked_needs),
+            blocks_needed=sum(self.blocked_needs),
+            free_blocks=self.pool.num_free(),
+            preempted=self.preempted,
+        )
+        self.blocked_needs, self.preempted = [], 0
+        self.last_admission = admission
+        self.mgr.set_admission(admission)
+        errors = self.mgr.counters["internal_errors"]
         plan = self.mgr.take_step()
+        if self.mgr.counters["internal_errors"] == errors:  # a glitched tick demotes nothing
+            self._check_loan(admission)
         self._check_cover(plan)
         now = self.mgr.clock.now()
         self.workers.deliver(plan, now)
         self.workers.expire_loads(now, self.mgr.config.job_timeout_s)
         self._absorb_load_events()
         return plan
+
+    def _check_loan(self, admission: Admission) -> None:
+        """Pins are a loan: after a step whose queue was short of blocks, either the blocks on
+        their way back cover the shortfall or nothing retained or held in grace is left."""
+        if not admission.blocked:
+            return
+        pins = self.mgr.pins
+        back = pins.releasing + pins.unpins_queued
+        kept = len(self.mgr.leases) + len(self.mgr.held)
+        if back < admission.shortfall and kept:
+            self.violations.append(
+                f"queue short {admission.shortfall} blocks, {back} on their way back, "
+                f"{kept} branches still pinned"
+            )
 
     def _check_cover(self, plan: StepPlan) -> None:
         by_req: dict[str, list[LoadJob]] = {}
@@ -780,11 +815,13 @@ class SimEngine:
         req.status = "WAITING"
         req.load_n = 0
         req.load_jobs = set()
+        self.preempted += 1
 
     # ---------------------------------------------------------------- pressure
     def spike(self, n: int) -> bool:
         new = self.pool.allocate([], n)
         if new is None:
+            self.blocked_needs.append(n)  # a plain request the scheduler cannot admit
             return False
         for b in new:
             self.pool.write(b, GARBAGE)

@@ -193,6 +193,69 @@ def test_control_thread_ticks_do_not_cascade_before_the_engine_unpins() -> None:
     assert sum(branch(rig, t).state is BranchState.RETAINED for t in ids) == 2
 
 
+def test_a_blocked_queue_demotes_retained_branches_in_the_same_step() -> None:
+    # Pool use stays under high water: only the scheduler's queue shows the shortage.
+    rig = make_rig(blocks=20, high_water=0.99)
+    ids = _three_retained(rig)
+    assert rig.eng.spike(8)  # 17 of 20 used, 3 free
+    assert not rig.eng.spike(6)  # a plain request the scheduler cannot admit: 3 blocks short
+    rig.eng.step()
+    assert rig.eng.last_admission is not None and rig.eng.last_admission.shortfall == 3
+    assert rig.mgr.counters["queue_demotions"] == 1  # one 3-block branch covers it
+    assert rig.mgr.counters["pressure_demotions"] == 0
+    states = sorted(branch(rig, t).state.value for t in ids)
+    assert states == ["offloading", "retained", "retained"]
+    demoted = next(t for t in ids if branch(rig, t).state is BranchState.OFFLOADING)
+    assert branch(rig, demoted).demoted_by == "queue_blocked"
+    rig.settle()  # the write-back completes and hands the blocks back
+    assert rig.eng.spike(6)  # the waiting request is admitted now
+    assert rig.eng.violations == []
+
+
+def test_a_blocked_queue_ends_grace_pins_early() -> None:
+    rig = make_rig(blocks=20, high_water=0.99, grace=30.0)
+    rig.turn("t0", [10] * 12 + [1])  # HELD for 30 s, 3 blocks pinned
+    assert branch(rig, "t0").state is BranchState.HELD
+    assert rig.eng.spike(16)  # 19 of 20 used
+    assert not rig.eng.spike(3)
+    rig.eng.step()
+    assert rig.mgr.counters["grace_shortened"] == 1
+    assert branch(rig, "t0").state is not BranchState.HELD
+    assert branch(rig, "t0").demoted_by == "queue_blocked"
+    assert rig.eng.violations == []
+
+
+def test_a_pause_while_the_queue_is_blocked_does_not_retain() -> None:
+    rig = make_rig(blocks=20, high_water=0.99)
+    rig.turn("t0", [10] * 12 + [1])
+    assert rig.eng.spike(16)
+    assert not rig.eng.spike(3)
+    rig.eng.step()
+    code, body = rig.mgr.pause("t0", "main", "fast", 0.001)  # retains on a free pool
+    assert code == 200 and body["decision"]["action"] != "retain"
+    assert "retain would delay waiting requests" in body["decision"]["rationale"]
+
+
+def test_writebacks_unread_counts_copies_that_left_without_a_load() -> None:
+    rig = make_rig()
+    offloaded(rig)  # a write-back of 4 blocks nobody reads
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
+    rig.mgr.delete("t1")
+    rig.settle()
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 4
+
+
+def test_a_write_back_a_load_read_is_not_counted_unread() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()  # vLLM's cache lost the blocks: the turn loads them from host
+    rig.turn("t1", [*P1, 4, 4, 4])
+    assert rig.mgr.counters["loads"] >= 1
+    rig.mgr.delete("t1")
+    rig.settle()
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
+
+
 # ============================================================================ (4) co-ownership
 
 
@@ -1092,3 +1155,30 @@ def test_a_layerwise_load_is_counted_and_the_turn_stats_carry_the_hit_ratio() ->
     rig.eng.compute(req3)
     out = rig.eng.finish(req3)
     assert out is not None and out["prefix_hit_ratio"] == round(t1.prefix_hit_ratio, 6) > 0
+
+
+def test_pool_trend_forecasts_eviction_from_the_free_block_drain() -> None:
+    from agentkv.admission import Admission, PoolTrend
+
+    trend = PoolTrend(alpha=1.0)
+    trend.observe(0.0, 100)
+    trend.observe(1.0, 90)  # 10 blocks a second leave the free list
+    assert trend.seconds_to_eviction(Admission(free_blocks=90)) == pytest.approx(9.0)
+    assert trend.seconds_to_eviction(Admission(waiting=1, blocks_needed=95, free_blocks=90)) == 0
+    trend.observe(2.0, 95)  # growing again: no eviction ahead
+    assert trend.seconds_to_eviction(Admission(free_blocks=95)) == float("inf")
+
+
+def test_status_shows_the_admission_picture_and_forecast() -> None:
+    rig = make_rig(blocks=20)
+    assert rig.eng.spike(16)
+    assert not rig.eng.spike(8)
+    rig.eng.step()
+    pool = rig.mgr.status()["pool"]
+    assert pool["admission"] == {
+        "waiting": 1,
+        "blocks_needed": 8,
+        "free_blocks": 4,
+        "preempted": 0,
+    }
+    assert pool["eviction_forecast_s"] == 0.0

@@ -13,10 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from agentkv.admission import Admission
 from agentkv.cli import app
 from agentkv.policy import (
     DEFAULT_POLICY,
     LEASE_MARGIN_S,
+    Action,
     CostModel,
     Decision,
     PolicyParams,
@@ -442,3 +444,67 @@ def test_cli_rejects_nonsense_with_exit_2(args: list[str]) -> None:
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
+
+
+# ---- the admission picture: retain only when the lease delays no waiting request ----------
+
+
+def _short_wait(admission: Admission | None) -> Decision:
+    # A 0.05 s wait under a 0.43 s round trip: retain on its own merits.
+    return decide(
+        tokens=16_384,
+        kv_bytes=FIG10_BYTES,
+        wait=0.05,
+        costs=FIG10,
+        pressure=0.5,
+        admission=admission,
+    )
+
+
+def test_retain_when_the_waiting_queue_fits() -> None:
+    d = _short_wait(Admission(waiting=2, blocks_needed=10, free_blocks=40))
+    assert d.action == Action.RETAIN
+    assert "delays no waiting request (2 waiting need 10 blocks, 40 free)" in d.rationale
+
+
+def test_a_queue_short_of_blocks_calls_the_retain_in() -> None:
+    d = _short_wait(Admission(waiting=3, blocks_needed=50, free_blocks=8))
+    assert d.action == Action.OFFLOAD_HOST
+    assert d.lease_s == 0.0
+    assert "retain would delay waiting requests (3 waiting need 50 blocks, 8 free)" in d.rationale
+
+
+def test_a_preemption_counts_as_a_blocked_queue() -> None:
+    d = _short_wait(Admission(free_blocks=100, preempted=1))
+    assert d.action == Action.OFFLOAD_HOST
+    assert "1 preempted" in d.rationale
+
+
+def test_no_admission_picture_keeps_the_old_decision() -> None:
+    assert _short_wait(None).action == Action.RETAIN
+    assert _short_wait(Admission()).action == Action.RETAIN
+
+
+@given(
+    waiting=st.integers(0, 50),
+    needed=st.integers(0, 500),
+    free=st.integers(0, 500),
+    preempted=st.integers(0, 3),
+    wait=st.floats(0.0, 1e4),
+)
+@settings(max_examples=200, deadline=None)
+def test_never_retain_while_the_queue_is_blocked(
+    waiting: int, needed: int, free: int, preempted: int, wait: float
+) -> None:
+    adm = Admission(waiting, needed, free, preempted)
+    d = decide(
+        tokens=16_384, kv_bytes=FIG10_BYTES, wait=wait, costs=FIG10, pressure=0.3, admission=adm
+    )
+    if adm.blocked:
+        assert d.action != Action.RETAIN
+    else:
+        assert d.action == _short_wait_at(wait).action
+
+
+def _short_wait_at(wait: float) -> Decision:
+    return decide(tokens=16_384, kv_bytes=FIG10_BYTES, wait=wait, costs=FIG10, pressure=0.3)

@@ -1,0 +1,86 @@
+"""The admission picture: what vLLM's scheduler could not admit this step, for lack of blocks.
+
+Primitives:
+  Admission            waiting requests the scheduler tried and could not allocate for, the
+                       blocks they need, the pool's free blocks (cached-but-unreferenced ones
+                       included: vLLM evicts those on demand), requests preempted this step
+  Admission.shortfall  blocks the queue lacks now (0: nothing waits on blocks)
+  Admission.blocked    the queue is blocked on blocks (a shortfall or a preemption)
+  Admission.describe   one line for a decision's rationale
+  NO_QUEUE             nothing waits (the default before an adapter reports)
+  PoolTrend            the free-block drain rate over steps; ``seconds_to_eviction`` forecasts
+                       when vLLM starts evicting (0: the queue is blocked now; inf: not draining)
+
+Why counts, not a walk: the adapter builds it each step from what its hooks already see (the
+head request the scheduler looked up but never allocated for, ``preempted_req_ids``, the block
+pool's free count), so it is O(1) per step whatever the queue's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Admission:
+    waiting: int = 0
+    """Requests the scheduler could not admit this step (0 when none was left waiting)."""
+    blocks_needed: int = 0
+    """Device blocks those requests need beyond their prefix-cache hit."""
+    free_blocks: int = 0
+    """Free blocks in the pool now (evictable cached blocks count as free)."""
+    preempted: int = 0
+    """Running requests vLLM preempted this step for lack of blocks."""
+
+    @property
+    def shortfall(self) -> int:
+        """Blocks the waiting queue lacks; a preemption counts as at least one block short."""
+        short = max(0, self.blocks_needed - self.free_blocks) if self.waiting > 0 else 0
+        return max(short, 1 if self.preempted > 0 else 0)
+
+    @property
+    def blocked(self) -> bool:
+        return self.shortfall > 0
+
+    def describe(self) -> str:
+        text = f"{self.waiting} waiting need {self.blocks_needed} blocks, {self.free_blocks} free"
+        if self.preempted:
+            text += f", {self.preempted} preempted"
+        return text
+
+
+NO_QUEUE = Admission()
+
+
+@dataclass
+class PoolTrend:
+    """The pool's free-block trend, from each step's admission picture: an exponentially
+    weighted drain rate (blocks per second leaving the free list; negative while it grows).
+
+    ``seconds_to_eviction`` forecasts when vLLM must start evicting cached blocks (free blocks
+    after the waiting requests' needs, over the drain rate): 0 when the queue is blocked now,
+    inf when the pool is not draining. The write-back rule reads it to tell a copy that will be
+    needed (eviction before the resume) from one nobody will read (``writebacks_unread``).
+    """
+
+    alpha: float = 0.2
+    rate: float = 0.0
+    last: tuple[float, int] | None = None
+
+    def observe(self, now: float, free_blocks: int) -> None:
+        if self.last is not None:
+            dt = now - self.last[0]
+            if dt > 0:
+                sample = (self.last[1] - free_blocks) / dt
+                self.rate += self.alpha * (sample - self.rate)
+        self.last = (now, free_blocks)
+
+    def seconds_to_eviction(self, admission: Admission) -> float:
+        if admission.blocked:
+            return 0.0
+        headroom = admission.free_blocks - admission.blocks_needed
+        if headroom <= 0:
+            return 0.0
+        if self.rate <= 0:
+            return float("inf")
+        return headroom / self.rate

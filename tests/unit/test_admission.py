@@ -1,0 +1,52 @@
+"""The adapter's admission picture: what the scheduler's hooks saw this step, in O(1)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from agentkv.admission import Admission
+from agentkv_vllm.scheduler_side import SchedulerSide, VllmBlockPinner
+
+
+class _Pool:
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def get_num_free_blocks(self) -> int:
+        return self.free
+
+
+def _side(free: int) -> Any:
+    side = SchedulerSide.__new__(SchedulerSide)  # only the parts the picture reads
+    side.block_size = 16
+    side._params = {}
+    side._unadmitted = None
+    side.pinner = VllmBlockPinner()
+    side.pinner.pool = _Pool(free)
+    side.cpu = SimpleNamespace(add=lambda *a: None)
+    return side
+
+
+def _plain(rid: str, tokens: int) -> Any:
+    return SimpleNamespace(request_id=rid, kv_transfer_params=None, num_tokens=tokens)
+
+
+def test_a_request_looked_up_and_never_allocated_is_the_blocked_head() -> None:
+    side = _side(free=3)
+    side.lookup(_plain("a", 100), 32)  # 7 blocks, 2 hit: 5 needed
+    adm = side.admission_of(SimpleNamespace(preempted_req_ids=set()))
+    assert adm == Admission(waiting=1, blocks_needed=5, free_blocks=3, preempted=0)
+    assert adm.shortfall == 2
+    # The next step starts clean.
+    assert side.admission_of(None) == Admission(free_blocks=3)
+
+
+def test_an_allocated_request_is_not_waiting_and_preemptions_count() -> None:
+    side = _side(free=10)
+    req = _plain("a", 40)
+    side.lookup(req, 0)
+    side.plan_load(req, None, 0)  # vLLM allocated it
+    adm = side.admission_of(SimpleNamespace(preempted_req_ids={"b", "c"}))
+    assert adm == Admission(waiting=0, blocks_needed=0, free_blocks=10, preempted=2)
+    assert adm.blocked
