@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from agentkv.manager import views
 from agentkv.manager.jobs import BlockTransfer, LoadJob
 from agentkv.manager.jobtable import JobKind
-from agentkv.manager.state import Branch, BranchState, Trajectory, TurnStats
+from agentkv.manager.state import Branch, BranchState, Trajectory, TurnStats, scoped_id
 from agentkv.manager.timers import TimerKind
 from agentkv.policy import Action
 from agentkv.tier import Tier
@@ -48,6 +48,12 @@ class RequestParams:
     trajectory_id: str
     branch: str = "main"
     zone_of: Callable[[int], str | None] | None = None  # token index -> zone name
+    tenant: str | None = None  # the request's cache_salt: its trajectory namespace
+
+    @property
+    def key(self) -> str:
+        """The trajectory's table key: its id in its tenant's namespace."""
+        return scoped_id(self.trajectory_id, self.tenant)
 
 
 class LookupStatus(enum.StrEnum):
@@ -154,19 +160,19 @@ class RequestTable:
         job = self._remote_waits.get(req_id)
         if job is None:
             self._remote_waits[req_id] = job = 0
-            if params.trajectory_id not in self.m.table:
+            if params.key not in self.m.table:
                 bs = self.m.config.block_size
                 hashes = block_hashes[num_computed // bs : len(prompt) // bs]
                 if hashes:
                     keys = [self.m.key_of(h) for h in hashes]
-                    job = self.m.fetch_remote(params.trajectory_id, keys) or 0
+                    job = self.m.fetch_remote_for(params.key, keys) or 0
                     self._remote_waits[req_id] = job
         return bool(job) and job in self.m.jobs
 
     def _waits_for_admission(self, req_id: str, params: RequestParams, now: float) -> bool:
         """A new trajectory waits (at most ADMISSION_MAX_WAIT_S) for pressure demotion rather
         than evicting live ones, when ``admission_wait`` is on and the pool is over high water."""
-        traj = self.m.table.get(params.trajectory_id)
+        traj = self.m.table.get(params.key)
         if (
             self.m.config.admission_wait
             and (traj is None or not traj.turn_count)
@@ -183,7 +189,7 @@ class RequestTable:
         self, req_id: str, params: RequestParams, prompt: Sequence[int], now: float
     ) -> Request:
         """A new turn of a branch: the branch becomes ACTIVE (the pause it was in ends)."""
-        traj = self.m.names.for_request(params.trajectory_id, now)
+        traj = self.m.names.for_request(params.key, now)
         turn = TurnStats(turn=traj.turn_count + 1, branch=params.branch, prompt_tokens=len(prompt))
         req = self.requests[req_id] = Request(req_id, traj, params.branch, turn, now)
         branch = traj.branch(params.branch)
@@ -330,7 +336,7 @@ class RequestTable:
         traj.add_turn(req.turn)
         views.record_turn(self.m.metrics, req.turn)
         stats = req.turn.to_dict()
-        stats["trajectory_id"] = traj.trajectory_id
+        stats["trajectory_id"] = traj.name
         stats["prefix_hit_ratio"] = round(traj.prefix_hit_ratio, 6)
         if traj.deleted:
             if traj.running == 0:

@@ -195,6 +195,16 @@ TrajectoryId = Path(
 )
 
 
+# The trajectory's tenant on the control routes: the cache_salt its requests carry. Without it a
+# route addresses the unsalted namespace; another tenant's trajectory of the same id is a 404.
+TENANT_HEADER = "x-agentkv-cache-salt"
+
+
+def _tenant(request: Request) -> dict[str, str]:
+    salt = request.headers.get(TENANT_HEADER)
+    return {"cache_salt": salt} if salt else {}
+
+
 async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
     if _State.client is None:
         raise HTTPException(
@@ -283,7 +293,11 @@ async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResp
     if isinstance(body, JSONResponse):
         return body
     return await _call(
-        "pause", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude=ROUTING_FIELDS)
+        "pause",
+        nudge=True,
+        trajectory_id=trajectory_id,
+        **body.model_dump(exclude=ROUTING_FIELDS),
+        **_tenant(request),
     )
 
 
@@ -299,7 +313,11 @@ async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONRes
     if isinstance(body, JSONResponse):
         return body
     return await _call(
-        "resume", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude=ROUTING_FIELDS)
+        "resume",
+        nudge=True,
+        trajectory_id=trajectory_id,
+        **body.model_dump(exclude=ROUTING_FIELDS),
+        **_tenant(request),
     )
 
 
@@ -311,17 +329,17 @@ async def end(request: Request, trajectory_id: str = TrajectoryId) -> JSONRespon
     body = await _parse(request, EndBody, optional=True)
     if isinstance(body, JSONResponse):
         return body
-    return await _call("end", nudge=True, trajectory_id=trajectory_id)
+    return await _call("end", nudge=True, trajectory_id=trajectory_id, **_tenant(request))
 
 
 @router.get(
     "/trajectories/{trajectory_id}",
     summary="State, tier residency and prefix stats of a trajectory",
 )
-async def get(trajectory_id: str = TrajectoryId) -> JSONResponse:
+async def get(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
     if bad := _check_id(trajectory_id):
         return bad
-    return await _call("get", nudge=True, trajectory_id=trajectory_id)
+    return await _call("get", nudge=True, trajectory_id=trajectory_id, **_tenant(request))
 
 
 @router.get("/status", summary="Pool use, tiers, decisions and prefetch outcomes")
@@ -340,6 +358,7 @@ async def _auto_pause(
     tools: list[str],
     expected_wait_s: float | None,
     lease_cap_s: float | None = None,
+    cache_salt: str | None = None,
 ) -> None:
     """The hooks' pause: the same control op as the pause route, then a background nudge so
     the engine starts the decision's transfers even when it is idle. Raises on failure (the
@@ -355,6 +374,7 @@ async def _auto_pause(
         tools=tools,
         expected_wait_s=expected_wait_s,
         max_lease_s=lease_cap_s,
+        **({"cache_salt": cache_salt} if cache_salt else {}),
     )
     if status >= 400:
         raise RuntimeError(f"pause answered {status}: {body.get('detail')}")
