@@ -54,13 +54,20 @@ class Namespace:
         return traj
 
     def _evict_idle_one(self) -> bool:
-        for tid, traj in self.table.items():
-            if traj.running == 0:
-                self.m.counters["trajectories_evicted_cap"] += 1
-                self.table.pop(tid)
-                self.release(traj, "capacity")
-                return True
-            break  # the least recently active one is busy: go over the cap rather than scan
+        """Evict the least recently active trajectory without a running request. One that runs
+        is active now: it moves to the most recent end. So a creation passes at most the
+        trajectories with running requests (bounded by the engine's running requests, not by
+        the table), and each is passed once until it becomes the oldest again. False (the
+        table goes over its cap) only when every trajectory runs."""
+        for _ in range(len(self.table)):
+            tid, traj = next(iter(self.table.items()))
+            if traj.running:
+                self.table.move_to_end(tid)
+                continue
+            self.m.counters["trajectories_evicted_cap"] += 1
+            self.table.pop(tid)
+            self.release(traj, "capacity")
+            return True
         return False
 
     def expire(self, idle: Trajectory, now: float) -> None:

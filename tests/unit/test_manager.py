@@ -7,7 +7,9 @@ reloads from host in 0.04 s and recomputes in 0.17 s), grace 0.5 s, job timeout 
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -935,3 +937,42 @@ def test_scoped_ids_never_collide_across_namespaces() -> None:
     assert len(set(keys.values())) == len(distinct)
     for (i, t), key in keys.items():
         assert split_scoped(key) == (i, tenant_digest(t) if t else None)
+
+
+# ============================================================================ memory (issue 25, 6)
+
+
+def _live(refs: list[Any]) -> int:
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
+def test_deleted_and_cap_evicted_trajectories_are_freed_at_once() -> None:
+    """Timers never keep a trajectory alive: its IDLE timer (idle_ttl_s, a day by default) and
+    its branch timers hold it weakly; once deleted or evicted nothing references it."""
+    rig = make_rig(idle_ttl_s=86400.0, max_trajectories=4, grace=30.0)
+    refs = []
+    for i in range(10):
+        rig.turn(f"d{i}", [40 + i] * 9)  # HELD: a 30 s GRACE timer armed too
+        refs.append(weakref.ref(rig.mgr.table[f"d{i}"]))
+    assert rig.mgr.counters["trajectories_evicted_cap"] == 6
+    for i in range(6, 10):
+        assert rig.mgr.delete(f"d{i}")[0] == 200
+    rig.settle()
+    assert len(rig.mgr.timers) >= 10  # the timers are still in the heap (they go stale)...
+    assert _live(refs) == 0  # ...but reference no trajectory
+
+
+def test_the_cap_holds_while_the_oldest_trajectory_runs() -> None:
+    """The least recently active trajectory has a running request: the oldest idle one is
+    evicted instead of going over the cap."""
+    rig = make_rig(max_trajectories=3)
+    busy = rig.eng.new_request("busy", "main", [50] * 9, max_new=50)
+    rig.eng.schedule(busy)
+    rig.eng.step()
+    for i in range(6):
+        rig.turn(f"c{i}", [30 + i] * 5)
+        assert len(rig.mgr.table) <= 3
+    assert "busy" in rig.mgr.table
+    assert rig.mgr.counters["trajectories_evicted_cap"] == 4
+    assert list(rig.mgr.table)[-2:] == ["c4", "c5"]
