@@ -10,7 +10,9 @@ Primitives:
   Namespace.own           a trajectory takes a reference on an indexed key
   Namespace.reown         a trajectory owns exactly the keys its live branches reference
   Namespace.release       delete / expiry / cap eviction: pins queued off, keys disowned (keys no
-                          other trajectory owns are dropped), the trajectory never comes back
+                          other trajectory owns are dropped), the trajectory never comes back:
+                          after a DELETE not even through a request looked up before it (one
+                          PENDING on its remote fetch or admission runs as a vanilla request)
 
 Why by reference: branches of different trajectories share prefix blocks (a system prompt), so a
 DELETE may only drop keys no other trajectory owns; ``Trajectory.owned`` is exactly what the
@@ -122,5 +124,7 @@ class Namespace:
             mgr.outbox.drops.append(DropOp(gone))
         if traj.running:
             self.tombstones[id(traj)] = traj
+        if reason not in ("capacity", "expired"):  # DELETE (or an invalidation) is final
+            mgr.reqs.orphan_waiting(traj.trajectory_id)
         mgr.counters[f"trajectories_{reason}"] += 1
         return {"released_blocks": released, "dropped_tier_blocks": len(gone)}

@@ -112,6 +112,11 @@ class RequestTable:
         self._admission_seen: dict[str, float] = {}
         # request id -> remote fetch job for its trajectory (0: checked, nothing to wait for)
         self._remote_waits: dict[str, int] = {}
+        # Requests looked up but not started (PENDING: a remote fetch or an admission wait) ->
+        # their trajectory's key; those whose trajectory was deleted meanwhile are ``_orphans``:
+        # they run as vanilla requests and never re-create it (DELETE is final).
+        self._waiting: dict[str, str] = {}
+        self._orphans: set[str] = set()
 
     def lookup(
         self,
@@ -129,10 +134,14 @@ class RequestTable:
         now = self.m.clock.now()
         req = self.requests.get(req_id)
         if req is None:
-            if self._waits_for_remote(req_id, params, prompt_token_ids, block_hashes, num_computed):
+            if req_id in self._orphans:
+                return MISS
+            if self._waits_for_remote(
+                req_id, params, prompt_token_ids, block_hashes, num_computed
+            ) or self._waits_for_admission(req_id, params, now):
+                self._waiting[req_id] = params.key
                 return PENDING
-            if self._waits_for_admission(req_id, params, now):
-                return PENDING
+            self._waiting.pop(req_id, None)
             req = self._start_request(req_id, params, prompt_token_ids, now)
         else:
             self._release_plan(req)
@@ -168,6 +177,15 @@ class RequestTable:
                     job = self.m.fetch_remote_for(params.key, keys) or 0
                     self._remote_waits[req_id] = job
         return bool(job) and job in self.m.jobs
+
+    def orphan_waiting(self, key: str) -> None:
+        """The trajectory ``key`` was deleted: requests that were looked up for it and still
+        wait (vLLM asks again) run without it. O(waiting requests), a short list."""
+        for req_id, waits_for in list(self._waiting.items()):
+            if waits_for == key:
+                del self._waiting[req_id]
+                self._orphans.add(req_id)
+                self.m.counters["requests_of_deleted_trajectories"] += 1
 
     def _waits_for_admission(self, req_id: str, params: RequestParams, now: float) -> bool:
         """A new trajectory waits (at most ADMISSION_MAX_WAIT_S) for pressure demotion rather
@@ -326,6 +344,8 @@ class RequestTable:
         req = self.requests.pop(req_id, None)
         self._admission_seen.pop(req_id, None)
         self._remote_waits.pop(req_id, None)
+        self._waiting.pop(req_id, None)
+        self._orphans.discard(req_id)
         if req is None:
             return None
         now = self.m.clock.now()

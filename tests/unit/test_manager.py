@@ -976,3 +976,38 @@ def test_the_cap_holds_while_the_oldest_trajectory_runs() -> None:
     assert "busy" in rig.mgr.table
     assert rig.mgr.counters["trajectories_evicted_cap"] == 4
     assert list(rig.mgr.table)[-2:] == ["c4", "c5"]
+
+
+# ============================================================================ DELETE is final (25, 5)
+
+
+def test_a_request_waiting_for_its_remote_fetch_at_delete_never_recreates_the_trajectory() -> None:
+    """A request looked up before the DELETE (PENDING on its remote fetch) runs as a vanilla
+    request afterwards: GET stays 404, it loads, pins and stores nothing, no host block stays."""
+    from agentkv.manager import LookupStatus
+
+    rig = make_rig(remote_enabled=True)
+    offloaded(rig)
+    rig.settle()  # uploaded to the shared remote tier
+    rig.mgr.delete("t1")
+    rig.eng.step()
+    rig.flush()
+    req = rig.eng.new_request("elsewhere", "main", P1)
+    hashes = rig.eng.hashes(P1)
+    first = rig.mgr.on_lookup(req.req_id, req.params, P1, hashes, 0)
+    assert first.status is LookupStatus.PENDING
+    assert rig.mgr.get("elsewhere")[0] == 200  # the fetch created it
+    assert rig.mgr.delete("elsewhere")[0] == 200
+    rig.settle()  # the fetch completes after the DELETE
+    again = rig.mgr.on_lookup(req.req_id, req.params, P1, hashes, 0)
+    assert again.status is LookupStatus.MISS
+    assert rig.mgr.get("elsewhere")[0] == 404
+    rig.run(req)
+    assert req.status == "FINISHED" and req.stats is None
+    rig.clock.advance(5.0)
+    rig.settle()
+    assert rig.mgr.get("elsewhere")[0] == 404 and not rig.mgr.table
+    assert not rig.host_keys() and len(rig.mgr.index) == 0
+    assert rig.mgr.pinned_blocks() == 0 and not any(rig.pool.pins)
+    assert rig.mgr.counters["requests_of_deleted_trajectories"] == 1
+    assert not rig.eng.violations

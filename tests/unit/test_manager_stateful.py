@@ -127,6 +127,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.tp = tp
         self.deleted: list[Trajectory] = []
         self.deleted_ids: set[tuple[str, str | None]] = set()  # (trajectory id, tenant)
+        self.looked_up_before_delete: set[str] = set()  # request ids
         self.jobs_at_delete: dict[int, set[int]] = {}  # id(trajectory) -> its jobs then
         self.next_traj = 0
         # pressure bookkeeping (invariant 5)
@@ -465,6 +466,11 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.mgr.get(tid, tenant=other)[0] == 404
             assert self._snapshot(tid, salt) == before
         gone = self.mgr.table[scoped_id(tid, salt)]
+        # Requests looked up before the DELETE (running, or PENDING on a fetch or admission):
+        # none of them may ever run on a live trajectory again.
+        self.looked_up_before_delete |= {
+            rid for rid, key in self.mgr.reqs._waiting.items() if key == gone.trajectory_id
+        } | {rid for rid, r in self.mgr.requests.items() if r.traj is gone}
         self.jobs_at_delete[id(gone)] = {
             j for j, job in self.mgr.jobs.items() if job.trajectory is gone
         }
@@ -627,6 +633,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert j in self.jobs_at_delete[id(job.trajectory)], job
         for traj in mgr.tombstones.values():
             assert traj.deleted and traj.running > 0
+        for rid in self.looked_up_before_delete:  # DELETE is final against waiting requests
+            req = mgr.requests.get(rid)
+            assert req is None or req.traj.deleted, f"{rid} re-created {req.traj.trajectory_id}"
+            assert rid not in mgr.reqs._waiting
         for tid, salt in self.deleted_ids:
             if scoped_id(tid, salt) not in mgr.table:
                 assert mgr.get(tid, tenant=salt)[0] == 404
