@@ -41,10 +41,13 @@ Invariants (checked by tests/unit/test_manager_stateful.py after every step):
   3. Pins held in the engine's pool equal the pins this manager records, and balance to zero.
   4. A trajectory that references a tier key owns it (in flight too); DELETE frees only keys no
      other trajectory owns; a deleted trajectory never comes back (its running requests end
-     without pinning or storing anything).
+     without pinning or storing anything; a request looked up before the DELETE and still
+     PENDING runs as a vanilla request). Tenants: a trajectory is keyed by its id in its
+     cache_salt's namespace (``state.scoped_id``); nothing crosses namespaces.
   5. One pressure event demotes only as many retained trajectories as needed.
-  6. State is bounded (idle trajectories expire, a cap bounds the table) and per-step work is
-     O(changes): timers sit in a heap; idle branches are never visited.
+  6. State is bounded (idle trajectories expire, a cap bounds the table even when the oldest
+     runs, timers hold trajectories weakly) and per-step work is O(changes): timers sit in a
+     heap; idle branches are never visited.
 Every number acted on (lease, prefetch time, demotion order and action) comes from
 ``agentkv.policy`` and ``agentkv.predict``.
 """
