@@ -44,13 +44,16 @@ Invariants (checked by tests/unit/test_manager_stateful.py after every step):
   3. Pins held in the engine's pool equal the pins this manager records, and balance to zero.
   4. A trajectory that references a tier key owns it (in flight too); DELETE frees only keys no
      other trajectory owns; a deleted trajectory never comes back (its running requests end
-     without pinning or storing anything).
+     without pinning or storing anything; a request looked up before the DELETE and still
+     PENDING runs as a vanilla request). Tenants: a trajectory is keyed by its id in its
+     cache_salt's namespace (``state.scoped_id``); nothing crosses namespaces.
   5. One pressure event demotes only as many retained trajectories as needed.
   5b. Pins are a loan: when the scheduler's queue is blocked on blocks (a shortfall in the step's
      admission picture), the same take_step demotes retained branches (policy order) and then
      ends grace pins early until the shortfall is covered by blocks on their way back.
-  6. State is bounded (idle trajectories expire, a cap bounds the table) and per-step work is
-     O(changes): timers sit in a heap; idle branches are never visited.
+  6. State is bounded (idle trajectories expire, a cap bounds the table even when the oldest
+     runs, timers hold trajectories weakly) and per-step work is O(changes): timers sit in a
+     heap; idle branches are never visited.
 Every number acted on (lease, prefetch time, demotion order and action) comes from
 ``agentkv.policy`` and ``agentkv.predict``.
 """
@@ -79,7 +82,7 @@ from agentkv.manager.requests import (
     RequestTable,
 )
 from agentkv.manager.residency import ResidencyIndex
-from agentkv.manager.state import Branch, BranchState, Trajectory
+from agentkv.manager.state import Branch, BranchState, Trajectory, scoped_id
 from agentkv.manager.timers import BRANCH_TIMERS, Leases, Timer, TimerHeap, TimerKind
 from agentkv.manager.transitions import Transitions
 from agentkv.metrics import MetricsRecorder
@@ -313,18 +316,24 @@ class TrajectoryManager:
         with self.lock:
             return bool(self.outbox) or bool(self.pins.ops) or bool(self.jobs)
 
-    def knows(self, trajectory_id: str) -> bool:
+    def knows(self, trajectory_id: str, tenant: str | None = None) -> bool:
         with self.lock:
-            return trajectory_id in self.table
+            return scoped_id(trajectory_id, tenant) in self.table
 
-    def fetch_remote(self, trajectory_id: str, keys: Sequence[bytes]) -> int | None:
+    def fetch_remote(
+        self, trajectory_id: str, keys: Sequence[bytes], tenant: str | None = None
+    ) -> int | None:
         """Engine thread: copy ``keys`` (a prompt's blocks, in order) from the shared remote tier
-        into the host tier for ``trajectory_id``, a trajectory this replica does not hold (it is
-        created here, as its first lookup would). Keys indexed here already, or known bad, are
-        skipped; host room is made as for any write. The trajectory owns the copies, so they go
-        when it is deleted or expires. Returns the job id (``on_lookup`` answers PENDING until
-        it completes; the lookup then finds the fetched blocks in host) or None when there is
-        nothing to fetch."""
+        into the host tier for ``trajectory_id`` (in ``tenant``'s namespace), a trajectory this
+        replica does not hold (it is created here, as its first lookup would). Keys indexed
+        here already, or known bad, are skipped; host room is made as for any write. The
+        trajectory owns the copies, so they go when it is deleted or expires. Returns the job id
+        (``on_lookup`` answers PENDING until it completes; the lookup then finds the fetched
+        blocks in host) or None when there is nothing to fetch."""
+        return self.fetch_remote_for(scoped_id(trajectory_id, tenant), keys)
+
+    def fetch_remote_for(self, key: str, keys: Sequence[bytes]) -> int | None:
+        """``fetch_remote`` for a trajectory's table key (``scoped_id``)."""
         with self.lock:
             want = [
                 k
@@ -334,10 +343,10 @@ class TrajectoryManager:
             want = want[: self.transitions.make_room(Tier.HOST, len(want))]
             if not want:
                 return None
-            traj = self.names.for_request(trajectory_id, self.clock.now())
-            for key in want:
-                self.index.begin_write(key, Tier.HOST, traj.trajectory_id)
-                traj.owned.add(key)
+            traj = self.names.for_request(key, self.clock.now())
+            for k in want:
+                self.index.begin_write(k, Tier.HOST, traj.trajectory_id)
+                traj.owned.add(k)
             job = self.job_table.prepare(JobKind.FETCH, want, Tier.HOST, trajectory=traj)
             self.outbox.moves.append(MoveJob(job.job_id, MoveKind.FETCH, want))
             self.counters["remote_fetches"] += 1
@@ -387,39 +396,59 @@ class TrajectoryManager:
         expected_wait_s: float | None,
         *,
         max_lease_s: float | None = None,
+        tenant: str | None = None,
     ) -> tuple[int, dict[str, Any]]:
         """Decide and apply (or record, while a request runs) what happens to a paused branch.
         ``tool``: the called tool, or the tools of parallel calls (the pause is predicted and
         learned as the one with the longest predicted wait: ``WaitPredictor.longest``).
-        ``max_lease_s`` caps a retain decision's lease (a client's KV retention TTL)."""
+        ``max_lease_s`` caps a retain decision's lease (a client's KV retention TTL).
+        ``tenant`` (every control op): the cache_salt naming the trajectory's namespace; None
+        addresses the unsalted one. Another tenant's trajectory of the same id is a 404."""
         tools = [tool] if isinstance(tool, str) else list(tool) or ["unknown"]
         tool = self.predictor.longest(tools, expected_wait_s)
         with self.lock:
             code, reply = self.pauses.pause(
-                trajectory_id, branch_name, tool, expected_wait_s, max_lease_s=max_lease_s
+                scoped_id(trajectory_id, tenant),
+                branch_name,
+                tool,
+                expected_wait_s,
+                max_lease_s=max_lease_s,
             )
+        _as_client(reply, trajectory_id, tenant)
         if code == 200 and len(tools) > 1:
             reply["tools"] = tools
             reply["predicted_tool"] = tool
         return code, reply
 
-    resume = _control_op(Pauses.resume)
+    def resume(
+        self, trajectory_id: str, branch_name: str, *, tenant: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            code, reply = self.pauses.resume(scoped_id(trajectory_id, tenant), branch_name)
+        _as_client(reply, trajectory_id, tenant)
+        return code, reply
 
-    def delete(self, trajectory_id: str, reason: str = "deleted") -> tuple[int, dict[str, Any]]:
+    def delete(
+        self, trajectory_id: str, reason: str = "deleted", *, tenant: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """Release everything the trajectory holds. Its running requests finish normally for
         their clients but pin and store nothing; GET answers 404 from now on."""
-        with self.lock:
-            traj = self.table.pop(trajectory_id, None)
-            if traj is None:
-                return 404, {"detail": f"unknown trajectory {trajectory_id!r}"}
-            released = self.names.release(traj, reason)
-            for name in traj.branches:
-                self.held.pop((id(traj), name), None)
-            return 200, {"trajectory_id": trajectory_id, **released}
+        code, reply = self.delete_key(scoped_id(trajectory_id, tenant), reason)
+        _as_client(reply, trajectory_id, tenant)
+        return code, reply
 
-    def get(self, trajectory_id: str) -> tuple[int, dict[str, Any]]:
+    def delete_key(self, key: str, reason: str = "deleted") -> tuple[int, dict[str, Any]]:
+        """``delete`` by table key (``scoped_id``), for the manager's own sweeps."""
         with self.lock:
-            traj = self.table.get(trajectory_id)
+            traj = self.table.pop(key, None)
+            if traj is None:
+                return 404, {"detail": f"unknown trajectory {key!r}"}
+            released = self.names.release(traj, reason)
+            return 200, {"trajectory_id": traj.name, **released}
+
+    def get(self, trajectory_id: str, *, tenant: str | None = None) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            traj = self.table.get(scoped_id(trajectory_id, tenant))
             if traj is None:
                 return 404, {"detail": f"unknown trajectory {trajectory_id!r}"}
             return 200, views.trajectory_view(self, traj)
@@ -515,3 +544,14 @@ class TrajectoryManager:
     def status(self) -> dict[str, Any]:
         with self.lock:
             return views.status_view(self)
+
+
+def _as_client(reply: dict[str, Any], trajectory_id: str, tenant: str | None) -> None:
+    """A reply names the trajectory as its client does (never by its table key)."""
+    if "trajectory_id" in reply:
+        reply["trajectory_id"] = trajectory_id
+    detail = reply.get("detail")
+    if isinstance(detail, str):
+        reply["detail"] = detail.replace(
+            repr(scoped_id(trajectory_id, tenant)), repr(trajectory_id)
+        )

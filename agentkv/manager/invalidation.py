@@ -50,7 +50,7 @@ def invalidate_tiers(manager: TrajectoryManager, reason: str) -> Invalidation:
         )
         ended = dropped = 0
         for tid in list(manager.table):
-            code, body = manager.delete(tid, reason)
+            code, body = manager.delete_key(tid, reason)
             if code == 200:
                 ended += 1
                 dropped += int(body.get("dropped_tier_blocks", 0))

@@ -10,7 +10,9 @@ Primitives:
   Namespace.own           a trajectory takes a reference on an indexed key
   Namespace.reown         a trajectory owns exactly the keys its live branches reference
   Namespace.release       delete / expiry / cap eviction: pins queued off, keys disowned (keys no
-                          other trajectory owns are dropped), the trajectory never comes back
+                          other trajectory owns are dropped), the trajectory never comes back:
+                          after a DELETE not even through a request looked up before it (one
+                          PENDING on its remote fetch or admission runs as a vanilla request)
 
 Why by reference: branches of different trajectories share prefix blocks (a system prompt), so a
 DELETE may only drop keys no other trajectory owns; ``Trajectory.owned`` is exactly what the
@@ -54,13 +56,20 @@ class Namespace:
         return traj
 
     def _evict_idle_one(self) -> bool:
-        for tid, traj in self.table.items():
-            if traj.running == 0:
-                self.m.counters["trajectories_evicted_cap"] += 1
-                self.table.pop(tid)
-                self.release(traj, "capacity")
-                return True
-            break  # the least recently active one is busy: go over the cap rather than scan
+        """Evict the least recently active trajectory without a running request. One that runs
+        is active now: it moves to the most recent end. So a creation passes at most the
+        trajectories with running requests (bounded by the engine's running requests, not by
+        the table), and each is passed once until it becomes the oldest again. False (the
+        table goes over its cap) only when every trajectory runs."""
+        for _ in range(len(self.table)):
+            tid, traj = next(iter(self.table.items()))
+            if traj.running:
+                self.table.move_to_end(tid)
+                continue
+            self.m.counters["trajectories_evicted_cap"] += 1
+            self.table.pop(tid)
+            self.release(traj, "capacity")
+            return True
         return False
 
     def expire(self, idle: Trajectory, now: float) -> None:
@@ -109,11 +118,14 @@ class Namespace:
             branch.pending = None
             branch.timer_token += 1
             mgr.leases.release(traj, branch)
+            mgr.held.pop((id(traj), branch.name), None)  # its grace pins went above
         gone = mgr.index.disown(traj.owned, traj.trajectory_id)
         traj.owned = set()
         if gone:
             mgr.outbox.drops.append(DropOp(gone))
         if traj.running:
             self.tombstones[id(traj)] = traj
+        if reason not in ("capacity", "expired"):  # DELETE (or an invalidation) is final
+            mgr.reqs.orphan_waiting(traj.trajectory_id)
         mgr.counters[f"trajectories_{reason}"] += 1
         return {"released_blocks": released, "dropped_tier_blocks": len(gone)}

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from agentkv.manager import views
 from agentkv.manager.jobs import BlockTransfer, LoadJob
 from agentkv.manager.jobtable import JobKind
-from agentkv.manager.state import Branch, BranchState, Trajectory, TurnStats
+from agentkv.manager.state import Branch, BranchState, Trajectory, TurnStats, scoped_id
 from agentkv.manager.timers import TimerKind
 from agentkv.policy import Action
 from agentkv.tier import Tier
@@ -48,6 +48,12 @@ class RequestParams:
     trajectory_id: str
     branch: str = "main"
     zone_of: Callable[[int], str | None] | None = None  # token index -> zone name
+    tenant: str | None = None  # the request's cache_salt: its trajectory namespace
+
+    @property
+    def key(self) -> str:
+        """The trajectory's table key: its id in its tenant's namespace."""
+        return scoped_id(self.trajectory_id, self.tenant)
 
 
 class LookupStatus(enum.StrEnum):
@@ -106,6 +112,11 @@ class RequestTable:
         self._admission_seen: dict[str, float] = {}
         # request id -> remote fetch job for its trajectory (0: checked, nothing to wait for)
         self._remote_waits: dict[str, int] = {}
+        # Requests looked up but not started (PENDING: a remote fetch or an admission wait) ->
+        # their trajectory's key; those whose trajectory was deleted meanwhile are ``_orphans``:
+        # they run as vanilla requests and never re-create it (DELETE is final).
+        self._waiting: dict[str, str] = {}
+        self._orphans: set[str] = set()
 
     def lookup(
         self,
@@ -123,10 +134,14 @@ class RequestTable:
         now = self.m.clock.now()
         req = self.requests.get(req_id)
         if req is None:
-            if self._waits_for_remote(req_id, params, prompt_token_ids, block_hashes, num_computed):
+            if req_id in self._orphans:
+                return MISS
+            if self._waits_for_remote(
+                req_id, params, prompt_token_ids, block_hashes, num_computed
+            ) or self._waits_for_admission(req_id, params, now):
+                self._waiting[req_id] = params.key
                 return PENDING
-            if self._waits_for_admission(req_id, params, now):
-                return PENDING
+            self._waiting.pop(req_id, None)
             req = self._start_request(req_id, params, prompt_token_ids, now)
         else:
             self._release_plan(req)
@@ -154,19 +169,28 @@ class RequestTable:
         job = self._remote_waits.get(req_id)
         if job is None:
             self._remote_waits[req_id] = job = 0
-            if params.trajectory_id not in self.m.table:
+            if params.key not in self.m.table:
                 bs = self.m.config.block_size
                 hashes = block_hashes[num_computed // bs : len(prompt) // bs]
                 if hashes:
                     keys = [self.m.key_of(h) for h in hashes]
-                    job = self.m.fetch_remote(params.trajectory_id, keys) or 0
+                    job = self.m.fetch_remote_for(params.key, keys) or 0
                     self._remote_waits[req_id] = job
         return bool(job) and job in self.m.jobs
+
+    def orphan_waiting(self, key: str) -> None:
+        """The trajectory ``key`` was deleted: requests that were looked up for it and still
+        wait (vLLM asks again) run without it. O(waiting requests), a short list."""
+        for req_id, waits_for in list(self._waiting.items()):
+            if waits_for == key:
+                del self._waiting[req_id]
+                self._orphans.add(req_id)
+                self.m.counters["requests_of_deleted_trajectories"] += 1
 
     def _waits_for_admission(self, req_id: str, params: RequestParams, now: float) -> bool:
         """A new trajectory waits (at most ADMISSION_MAX_WAIT_S) for pressure demotion rather
         than evicting live ones, when ``admission_wait`` is on and the pool is over high water."""
-        traj = self.m.table.get(params.trajectory_id)
+        traj = self.m.table.get(params.key)
         if (
             self.m.config.admission_wait
             and (traj is None or not traj.turn_count)
@@ -183,7 +207,7 @@ class RequestTable:
         self, req_id: str, params: RequestParams, prompt: Sequence[int], now: float
     ) -> Request:
         """A new turn of a branch: the branch becomes ACTIVE (the pause it was in ends)."""
-        traj = self.m.names.for_request(params.trajectory_id, now)
+        traj = self.m.names.for_request(params.key, now)
         turn = TurnStats(turn=traj.turn_count + 1, branch=params.branch, prompt_tokens=len(prompt))
         req = self.requests[req_id] = Request(req_id, traj, params.branch, turn, now)
         branch = traj.branch(params.branch)
@@ -320,6 +344,8 @@ class RequestTable:
         req = self.requests.pop(req_id, None)
         self._admission_seen.pop(req_id, None)
         self._remote_waits.pop(req_id, None)
+        self._waiting.pop(req_id, None)
+        self._orphans.discard(req_id)
         if req is None:
             return None
         now = self.m.clock.now()
@@ -330,7 +356,7 @@ class RequestTable:
         traj.add_turn(req.turn)
         views.record_turn(self.m.metrics, req.turn)
         stats = req.turn.to_dict()
-        stats["trajectory_id"] = traj.trajectory_id
+        stats["trajectory_id"] = traj.name
         stats["prefix_hit_ratio"] = round(traj.prefix_hit_ratio, 6)
         if traj.deleted:
             if traj.running == 0:

@@ -8,6 +8,7 @@ Primitives:
                 in (tool, decision, lease, prefetch), the requests running on it
   TurnStats     prefix statistics of one turn
   Trajectory    branches under one id, the last turns, activity time, the deleted flag
+  scoped_id     the table key of a trajectory id in a tenant's namespace (tenants: cache_salt)
 
 Plain data: the TrajectoryManager is the only writer.
 """
@@ -15,6 +16,8 @@ Plain data: the TrajectoryManager is the only writer.
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,8 +140,41 @@ class Branch:
         }
 
 
+# Separates a trajectory id from its tenant's digest in a table key. Ids from the wire never
+# contain it (the plugin's ID_PATTERN); an id that does (a direct caller) is escaped.
+_SEP = "\x00"
+_DIGEST_HEX = 16
+
+
+@functools.lru_cache(maxsize=4096)
+def tenant_digest(tenant: str) -> str:
+    """An opaque tenant id: the salt itself is never kept in tables, manifests or spans."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:_DIGEST_HEX]
+
+
+def scoped_id(trajectory_id: str, tenant: str | None) -> str:
+    """The table key of ``trajectory_id`` in ``tenant``'s namespace. Tenants are separate
+    namespaces: the same id under two cache_salts is two trajectories (stats, divergence, tier
+    copies, pins). No tenant (None or ""): the unsalted namespace, whose keys are the plain id.
+    Injective: a salted key ends in SEP + 16 hex digits, an escaped unsalted one in SEP."""
+    if tenant:
+        return f"{trajectory_id}{_SEP}{tenant_digest(tenant)}"
+    return trajectory_id + _SEP if _SEP in trajectory_id else trajectory_id
+
+
+def split_scoped(key: str) -> tuple[str, str | None]:
+    """(trajectory id, tenant digest or None) of a table key."""
+    if _SEP not in key:
+        return key, None
+    if key.endswith(_SEP):
+        return key[:-1], None
+    name, digest = key.rsplit(_SEP, 1)
+    return name, digest
+
+
 @dataclass
 class Trajectory:
+    # The table key: the client's id scoped to its tenant (``scoped_id``); ``name`` is the id.
     trajectory_id: str
     created_at: float = 0.0
     last_active: float = 0.0
@@ -156,6 +192,16 @@ class Trajectory:
         if b is None:
             b = self.branches[name] = Branch(name=name)
         return b
+
+    @property
+    def name(self) -> str:
+        """The id its client knows (without the tenant)."""
+        return split_scoped(self.trajectory_id)[0]
+
+    @property
+    def tenant(self) -> str | None:
+        """Its tenant's digest (None: the unsalted namespace)."""
+        return split_scoped(self.trajectory_id)[1]
 
     @property
     def running(self) -> int:

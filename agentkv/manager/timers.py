@@ -3,7 +3,8 @@
 Primitives:
   TimerKind          GRACE | LEASE | PREFETCH (per branch), JOB (per job), IDLE (per trajectory)
   Timer              (due, kind, ref, token): ``ref`` is (trajectory, branch), a job id or a
-                     trajectory; ``token`` is the branch's ``timer_token`` when armed
+                     trajectory, held weakly (None once it is gone); ``token`` is the branch's
+                     ``timer_token`` when armed
   TimerHeap.add      arm a timer (O(log n)); timers are never cancelled, they go stale
   TimerHeap.pop_due  the due timers in order, stale ones skipped (the caller says what is stale)
   TimerHeap.next_due seconds until the next live timer (None: none)
@@ -13,7 +14,10 @@ Primitives:
 
 Why stale rather than cancelled: a branch's ``timer_token`` bumps on every state change, so a
 timer armed for an old state is recognised and dropped when it comes up; per-step work stays
-O(timers due), and idle branches are never visited.
+O(timers due), and idle branches are never visited. Why weakly: a stale timer stays in the heap
+until its due time (an IDLE timer: idle_ttl_s, a day by default); holding its trajectory strongly
+kept every deleted or evicted trajectory's context alive until then. A timer whose object is
+gone is stale.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,8 +49,26 @@ class Timer:
     due: float
     seq: int
     kind: TimerKind = field(compare=False)
-    ref: Any = field(compare=False)
+    held: Any = field(compare=False)  # a job id, or weak references (see ``ref``)
     token: int = field(compare=False, default=0)
+
+    @property
+    def ref(self) -> Any:
+        """The job id, trajectory or (trajectory, branch) armed for; None once gone."""
+        if self.kind is TimerKind.JOB:
+            return self.held
+        if self.kind is TimerKind.IDLE:
+            return self.held()
+        traj, branch = self.held[0](), self.held[1]()
+        return None if traj is None or branch is None else (traj, branch)
+
+
+def _weakly(kind: TimerKind, ref: Any) -> Any:
+    if kind is TimerKind.JOB:
+        return ref
+    if kind is TimerKind.IDLE:
+        return weakref.ref(ref)
+    return (weakref.ref(ref[0]), weakref.ref(ref[1]))
 
 
 class TimerHeap:
@@ -57,18 +80,18 @@ class TimerHeap:
         return len(self._heap)
 
     def add(self, due: float, kind: TimerKind, ref: Any, token: int = 0) -> None:
-        heapq.heappush(self._heap, Timer(due, next(self._seq), kind, ref, token))
+        heapq.heappush(self._heap, Timer(due, next(self._seq), kind, _weakly(kind, ref), token))
 
     def pop_due(self, now: float, stale: Callable[[Timer], bool]) -> Iterator[Timer]:
         """Due live timers, earliest first. A timer a handler arms while iterating fires in the
         same call when it is already due."""
         while self._heap and self._heap[0].due <= now:
             t = heapq.heappop(self._heap)
-            if not stale(t):
+            if t.ref is not None and not stale(t):
                 yield t
 
     def next_due(self, now: float, stale: Callable[[Timer], bool]) -> float | None:
-        while self._heap and stale(self._heap[0]):
+        while self._heap and (self._heap[0].ref is None or stale(self._heap[0])):
             heapq.heappop(self._heap)
         return max(0.0, self._heap[0].due - now) if self._heap else None
 

@@ -14,6 +14,7 @@ Callers hold the manager's lock (``gauges`` takes it itself: the scrape thread c
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -99,7 +100,7 @@ def trajectory_view(mgr: TrajectoryManager, traj: Trajectory) -> dict[str, Any]:
         s["residency_blocks"] = dict(residency)
         branches[name] = s
     return {
-        "trajectory_id": traj.trajectory_id,
+        "trajectory_id": traj.name,
         "branches": branches,
         "turns": [t.to_dict() for t in traj.turns],
         "prefix_hit_ratio": round(traj.prefix_hit_ratio, 6),
@@ -165,7 +166,7 @@ def status_view(mgr: TrajectoryManager) -> dict[str, Any]:
         "tiers": tiers,
         "bytes_held": bytes_held(mgr),
         "trajectories": len(mgr.table),
-        "trajectory_ids": list(mgr.table)[:1000],
+        "trajectory_ids": [t.name for t in itertools.islice(mgr.table.values(), 1000)],
         "tombstones": len(mgr.tombstones),
         "running_requests": len(mgr.requests),
         "branches_by_state": count_by_state(mgr),

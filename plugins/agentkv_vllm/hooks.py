@@ -76,7 +76,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PauseFn = Callable[[str, str, list[str], float | None, float | None], Awaitable[None]]
+# (trajectory id, branch, tools, expected wait, lease cap[, cache_salt: only when the request
+# named one -- the trajectory's tenant])
+PauseFn = Callable[..., Awaitable[None]]
 """``await pause(trajectory_id, branch, tools, expected_wait_s, lease_cap_s)``; ``tools``: the
 called tools' names in reply order, at least one."""
 
@@ -369,6 +371,7 @@ class _ResponseWatcher:
                     tools,
                     ident.expected_wait_s,
                     ident.lease_cap_s,
+                    *((ident.cache_salt,) if ident.cache_salt else ()),
                 ),
                 timeout=self.state.pause_timeout_s,
             )

@@ -32,6 +32,7 @@ parsed like any body that may carry a hint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import uuid
@@ -82,6 +83,8 @@ class Identity:
     lease_cap_s: float | None = None
     request_id: str | None = None
     """A ``request_id`` to add to the body (a new Responses chain named after its response)."""
+    cache_salt: str | None = None
+    """The body's ``cache_salt``: the tenant whose namespace holds the trajectory."""
 
 
 def _id_problem(value: object) -> str:
@@ -165,7 +168,19 @@ def _context_seconds(
 def resolve_identity(
     body: Any, headers: Mapping[str, str], chains: ResponseChains | None = None
 ) -> tuple[Identity | None, list[Problem]]:
-    """The trajectory a request belongs to, and the malformed hints met on the way. Pure.
+    """The trajectory a request belongs to (in its ``cache_salt``'s namespace), and the
+    malformed hints met on the way. Pure."""
+    ident, problems = _resolve_identity(body, headers, chains)
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    if ident is not None and isinstance(salt, str) and salt:
+        ident = dataclasses.replace(ident, cache_salt=salt)
+    return ident, problems
+
+
+def _resolve_identity(
+    body: Any, headers: Mapping[str, str], chains: ResponseChains | None = None
+) -> tuple[Identity | None, list[Problem]]:
+    """``resolve_identity`` before the tenant.
 
     ``headers``: lower-case names. ``chains``: the Responses chain table, for a ``/v1/responses``
     request on a server that stores responses (source 6); None elsewhere. Explicit params are

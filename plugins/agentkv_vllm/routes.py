@@ -132,7 +132,7 @@ class _State:
     engine_client: Any = None
     pump: asyncio.Task[None] | None = None
     hooks: HookState = HookState()
-    hooks_client: ControlClient | None = None
+    hooks_clients: list[ControlClient] = []  # noqa: RUF012 - auto-pause, one per DP rank
     background: set[asyncio.Task[Any]] = set()  # noqa: RUF012 - strong refs to nudge tasks
 
 
@@ -195,6 +195,16 @@ TrajectoryId = Path(
 )
 
 
+# The trajectory's tenant on the control routes: the cache_salt its requests carry. Without it a
+# route addresses the unsalted namespace; another tenant's trajectory of the same id is a 404.
+TENANT_HEADER = "x-agentkv-cache-salt"
+
+
+def _tenant(request: Request) -> dict[str, str]:
+    salt = request.headers.get(TENANT_HEADER)
+    return {"cache_salt": salt} if salt else {}
+
+
 async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
     if _State.client is None:
         raise HTTPException(
@@ -203,13 +213,7 @@ async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
         )
     try:
         if "trajectory_id" in fields and len(_State.clients) > 1:
-            # Each DP engine core holds its own trajectories: the first rank that knows the
-            # trajectory answers; 404 only when none does.
-            status, body = 404, {"detail": f"unknown trajectory {fields['trajectory_id']!r}"}
-            for client in _State.clients:
-                status, body = await client.call(op, **fields)
-                if status != 404:
-                    break
+            status, body = await _fan_out(_State.clients, op, **fields)
         else:
             status, body = await _State.client.call(op, **fields)
     except ControlUnavailable as exc:
@@ -221,6 +225,26 @@ async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
         except Exception as exc:
             log.debug("agentkv: engine nudge failed: %s", exc)
     return JSONResponse(status_code=status, content=body)
+
+
+async def _fan_out(clients: list[Any], op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+    """A trajectory op on every DP rank: each engine core holds its own trajectories, and the
+    same id may hold state on several (a request of it routed to each). Every rank that knows
+    it applies the op; 404 only when none does. DELETE's counts are summed over the ranks;
+    pause, resume and GET answer with the first rank's body that knows it. ``dp_ranks``: the
+    ranks that know it."""
+    answers = [await client.call(op, **fields) for client in clients]
+    known = [(rank, s, b) for rank, (s, b) in enumerate(answers) if s != 404]
+    if not known:
+        return answers[0]
+    _, status, body = known[0]
+    body = dict(body)
+    if op == "end":
+        for field in ("released_blocks", "dropped_tier_blocks"):
+            body[field] = sum(int(b.get(field, 0)) for _, s, b in known if s == 200)
+        status = 200 if any(s == 200 for _, s, _ in known) else status
+    body["dp_ranks"] = [rank for rank, _, _ in known]
+    return status, body
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -283,7 +307,11 @@ async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResp
     if isinstance(body, JSONResponse):
         return body
     return await _call(
-        "pause", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude=ROUTING_FIELDS)
+        "pause",
+        nudge=True,
+        trajectory_id=trajectory_id,
+        **body.model_dump(exclude=ROUTING_FIELDS),
+        **_tenant(request),
     )
 
 
@@ -299,7 +327,11 @@ async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONRes
     if isinstance(body, JSONResponse):
         return body
     return await _call(
-        "resume", nudge=True, trajectory_id=trajectory_id, **body.model_dump(exclude=ROUTING_FIELDS)
+        "resume",
+        nudge=True,
+        trajectory_id=trajectory_id,
+        **body.model_dump(exclude=ROUTING_FIELDS),
+        **_tenant(request),
     )
 
 
@@ -311,17 +343,17 @@ async def end(request: Request, trajectory_id: str = TrajectoryId) -> JSONRespon
     body = await _parse(request, EndBody, optional=True)
     if isinstance(body, JSONResponse):
         return body
-    return await _call("end", nudge=True, trajectory_id=trajectory_id)
+    return await _call("end", nudge=True, trajectory_id=trajectory_id, **_tenant(request))
 
 
 @router.get(
     "/trajectories/{trajectory_id}",
     summary="State, tier residency and prefix stats of a trajectory",
 )
-async def get(trajectory_id: str = TrajectoryId) -> JSONResponse:
+async def get(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
     if bad := _check_id(trajectory_id):
         return bad
-    return await _call("get", nudge=True, trajectory_id=trajectory_id)
+    return await _call("get", nudge=True, trajectory_id=trajectory_id, **_tenant(request))
 
 
 @router.get("/status", summary="Pool use, tiers, decisions and prefetch outcomes")
@@ -340,14 +372,16 @@ async def _auto_pause(
     tools: list[str],
     expected_wait_s: float | None,
     lease_cap_s: float | None = None,
+    cache_salt: str | None = None,
 ) -> None:
     """The hooks' pause: the same control op as the pause route, then a background nudge so
     the engine starts the decision's transfers even when it is idle. Raises on failure (the
     hook counts and logs it; the response goes out regardless)."""
-    client = _State.hooks_client
-    if client is None:
+    clients = _State.hooks_clients
+    if not clients:
         raise ControlUnavailable("agentkv connector is not enabled on this server")
-    status, body = await client.call(
+    status, body = await _fan_out(
+        clients,
         "pause",
         trajectory_id=trajectory_id,
         branch=branch,
@@ -355,6 +389,7 @@ async def _auto_pause(
         tools=tools,
         expected_wait_s=expected_wait_s,
         max_lease_s=lease_cap_s,
+        **({"cache_salt": cache_salt} if cache_salt else {}),
     )
     if status >= 400:
         raise RuntimeError(f"pause answered {status}: {body.get('detail')}")
@@ -413,7 +448,11 @@ class AgentKVRoutes:
         ]
         _State.client = _State.clients[0]
         # A short timeout: the auto-pause holds a response's last bytes while it runs.
-        _State.hooks_client = ControlClient(settings.control_endpoint(engine_id), timeout_s=2.0)
+        # Every DP rank: the trajectory may hold state on any of them.
+        _State.hooks_clients = [
+            ControlClient(settings.control_endpoint(engine_id, rank), timeout_s=2.0)
+            for rank in range(dp_size)
+        ]
         _State.hooks.auto_pause = _auto_pause_setting(settings, extra)
         _State.hooks.pause = _auto_pause
         _State.hooks.responses_chains = _responses_store_enabled()

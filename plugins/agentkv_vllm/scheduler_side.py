@@ -303,6 +303,7 @@ class SchedulerSide:
                     params.trajectory_id,
                     params.branch,
                     zone_of=(lambda t: _zone_at(zones, t)) if zones else None,
+                    tenant=getattr(request, "cache_salt", None),  # its trajectory namespace
                 ),
                 request.prompt_token_ids or [],
                 request.block_hashes,
@@ -473,6 +474,8 @@ class SchedulerSide:
         mgr = self.manager
         tid = str(req.get("trajectory_id"))
         branch = str(req.get("branch") or "main")
+        # The trajectory's tenant (its requests' cache_salt); none: the unsalted namespace.
+        tenant = str(req["cache_salt"]) if req.get("cache_salt") else None
         if op == "ping":
             return 200, {"pong": True}
         if op == "tick":
@@ -493,13 +496,14 @@ class SchedulerSide:
                 [str(t) for t in tools] if tools else str(req.get("tool") or "unknown"),
                 float(wait) if wait is not None else None,
                 max_lease_s=float(cap) if cap is not None else None,
+                tenant=tenant,
             )
         if op == "resume":
-            return mgr.resume(tid, branch)
+            return mgr.resume(tid, branch, tenant=tenant)
         if op == "end":
-            return mgr.delete(tid)
+            return mgr.delete(tid, tenant=tenant)
         if op == "get":
-            return mgr.get(tid)
+            return mgr.get(tid, tenant=tenant)
         return 400, {"detail": f"unknown op {op!r}"}
 
     def _gauges(self) -> list[Any]:

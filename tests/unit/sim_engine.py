@@ -505,6 +505,7 @@ class SimRequest:
     covered: bool = True  # every counted block has a LoadJob
     aborted_waiting: bool = False  # aborted in WAITING_FOR_REMOTE_KVS: free when the load ends
     salt: str | None = None  # vLLM's cache_salt (a tenant's isolation): part of every hash
+    stats: dict[str, Any] | None = None  # what on_finish returned (the turn's stats)
 
     @property
     def tokens(self) -> list[int]:
@@ -547,7 +548,12 @@ class SimEngine:
         self._seq += 1
         rid = f"r{self._seq}"
         req = SimRequest(
-            rid, traj_id, branch, list(prompt), max_new, RequestParams(traj_id, branch, **kw)
+            rid,
+            traj_id,
+            branch,
+            list(prompt),
+            max_new,
+            RequestParams(traj_id, branch, tenant=salt, **kw),  # the salt is its namespace
         )
         req.salt = salt
         self.requests[rid] = req
@@ -775,6 +781,7 @@ class SimEngine:
             aborted=False,
         )
         self.finished_contexts[(req.traj_id, req.branch)] = list(tokens)
+        req.stats = stats
         self._release(req)
         return stats
 

@@ -118,8 +118,10 @@ class InvalidationMachine(base.ManagerMachine):
             result = invalidate_tiers(mgr, "weights")
         assert result.clean
         assert not mgr.table  # every trajectory ended
-        for tid in list(self.deleted_ids | {f"t{i}" for i in range(self.next_traj + 1)}):
-            assert mgr.get(tid)[0] == 404
+        named = {f"t{i}" for i in range(self.next_traj + 1)} | {t for t, _ in self.deleted_ids}
+        for tid in named:
+            for salt in base.SALTS:
+                assert mgr.get(tid, tenant=salt)[0] == 404
 
 
 InvalidationMachine.TestCase.settings = settings(

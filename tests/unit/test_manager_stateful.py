@@ -44,6 +44,7 @@ from hypothesis.stateful import (
 
 import agentkv.manager.core as core
 from agentkv.manager import BranchState, ManagerConfig, Trajectory, TrajectoryManager
+from agentkv.manager.state import scoped_id, tenant_digest
 from agentkv.policy import CostModel, PolicyParams
 from tests.unit.sim_engine import (
     GARBAGE,
@@ -64,6 +65,7 @@ WAITS = [None, 0.0, 0.001, 0.05, 2.0, 30.0, 400.0, 1e5]
 CLOCK_STEPS = [0.05, 0.3, 0.6, 3.0, 2 * TIMEOUT, 70.0, 700.0]
 SYSTEM = [7, 7, 7, 7, 9, 9, 9, 9]  # a shared system prompt: identical blocks across trajectories
 SALTS = [None, None, "tenant-b"]  # vLLM cache_salt: the same tokens, another tenant's blocks
+SALT_OF = {None: None, **{tenant_digest(s): s for s in SALTS if s}}  # tenant digest -> salt
 OUTCOMES = ["ok", "ok", "ok", "io_error", "start_error"]  # how one rank ends one job
 
 
@@ -124,7 +126,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.eng = SimEngine(self.mgr, self.pool, self.workers)
         self.tp = tp
         self.deleted: list[Trajectory] = []
-        self.deleted_ids: set[str] = set()
+        self.deleted_ids: set[tuple[str, str | None]] = set()  # (trajectory id, tenant)
+        self.looked_up_before_delete: set[str] = set()  # request ids
         self.jobs_at_delete: dict[int, set[int]] = {}  # id(trajectory) -> its jobs then
         self.next_traj = 0
         # pressure bookkeeping (invariant 5)
@@ -183,16 +186,19 @@ class ManagerMachine(RuleBasedStateMachine):
             core.pressure_victims = self._orig_victims  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ helpers
-    def _live_ids(self) -> list[str]:
+    def _live_ids(self) -> list[tuple[str, str | None]]:
+        """(trajectory id, tenant) of every live trajectory: the same id under two tenants is
+        two trajectories."""
         assert self.mgr is not None
-        return list(self.mgr.table)
+        return [(t.name, SALT_OF[t.tenant]) for t in self.mgr.table.values()]
 
     def _pick_request(self, i: int, pred: Any) -> Any:
         reqs = [r for r in self.eng.requests.values() if pred(r)]
         return reqs[i % len(reqs)] if reqs else None
 
-    def _pick_traj(self, i: int, deleted: bool = False) -> str | None:
-        ids = self._live_ids() + (sorted(self.deleted_ids)[:1] if deleted else [])
+    def _pick_traj(self, i: int, deleted: bool = False) -> tuple[str, str | None] | None:
+        gone = sorted(self.deleted_ids, key=str)[:1] if deleted else []
+        ids = self._live_ids() + gone
         return ids[i % len(ids)] if ids else None
 
     @property
@@ -224,10 +230,10 @@ class ManagerMachine(RuleBasedStateMachine):
         """A turn of a live trajectory (continuing its branch, or forking main at ``cut``), of
         a deleted one, or of a new one (``traj`` past the candidates), under a cache_salt (the
         same tokens under two salts are two tenants' blocks: never one key, never one block)."""
-        ids = self._live_ids()
-        ids = ids + ids + sorted(self.deleted_ids)[:1]
+        ids = [tid for tid, _ in self._live_ids()]
+        ids = ids + ids + [tid for tid, _ in sorted(self.deleted_ids, key=str)[:1]]
         if traj < len(ids):
-            tid = ids[traj]
+            tid = ids[traj]  # under ``salt``: maybe another tenant's id (its own trajectory)
         else:
             self.next_traj += 1
             tid = f"t{self.next_traj}"
@@ -280,7 +286,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.mgr is not None
         if req.status == "FINISHED" and wait != "no pause":
             assert not isinstance(wait, str)
-            self.mgr.pause(req.traj_id, req.branch, tool, wait)
+            self.mgr.pause(req.traj_id, req.branch, tool, wait, tenant=req.salt)
         self.clock.advance(gap)
         self._engine_loop(1, jobs, 0.01)
         if flush:
@@ -340,7 +346,7 @@ class ManagerMachine(RuleBasedStateMachine):
         keys = [written[i % len(written)] for i in pick] if written else []
         keys += [bytes([0xEE, n]) * 8 for n in range(unknown)]
         self.next_traj += 1
-        mgr.fetch_remote(f"t{self.next_traj}", keys)
+        mgr.fetch_remote(f"t{self.next_traj}", keys, tenant=SALTS[unknown])
 
     @rule(glitch=st.sampled_from([False, False, True]))
     def engine_step(self, glitch: bool) -> None:
@@ -424,39 +430,86 @@ class ManagerMachine(RuleBasedStateMachine):
         wait=st.sampled_from(WAITS),
         tool=st.sampled_from(["t1", "t2"]),
     )
-    def pause(self, traj: int, branch: str, wait: float | None, tool: str) -> None:
+    def pause(
+        self, traj: int, branch: str, wait: float | None, tool: str, other: bool = False
+    ) -> None:
+        """A pause of a live (or deleted) trajectory; with ``other``, under another tenant: it
+        must not reach the trajectory (a 404, or that tenant's own trajectory of the id)."""
         assert self.mgr is not None
-        tid = self._pick_traj(traj, deleted=True)
-        if tid is None:
+        picked = self._pick_traj(traj, deleted=True)
+        if picked is None:
             return
-        code, body = self.mgr.pause(tid, branch, tool, wait)
-        if tid not in self.mgr.table:
+        tid, salt = picked
+        if other:
+            salt = next(s for s in SALTS if s != salt)
+        before = self._snapshot(tid, picked[1])
+        code, body = self.mgr.pause(tid, branch, tool, wait, tenant=salt)
+        if scoped_id(tid, salt) not in self.mgr.table:
             assert code == 404, body
+        if other:
+            assert self._snapshot(tid, picked[1]) == before
         if code == 200 and not body["applied"]:
             assert body.get("reason"), body
 
     @rule(traj=st.integers(0, 5))
     def resume(self, traj: int) -> None:
         assert self.mgr is not None
-        tid = self._pick_traj(traj)
-        if tid is not None:
-            self.mgr.resume(tid, "main")
+        picked = self._pick_traj(traj)
+        if picked is not None:
+            self.mgr.resume(picked[0], "main", tenant=picked[1])
 
     @rule(traj=st.integers(0, 5))
     def delete(self, traj: int) -> None:
         assert self.mgr is not None
-        tid = self._pick_traj(traj)
-        if tid is None:
+        picked = self._pick_traj(traj)
+        if picked is None:
             return
-        gone = self.mgr.table[tid]
+        tid, salt = picked
+        # Another tenant first: its DELETE of the same id never touches this trajectory.
+        other = next(s for s in SALTS if s != salt)
+        before = self._snapshot(tid, salt)
+        if scoped_id(tid, other) not in self.mgr.table:
+            assert self.mgr.delete(tid, tenant=other)[0] == 404
+            assert self.mgr.get(tid, tenant=other)[0] == 404
+            assert self._snapshot(tid, salt) == before
+        gone = self.mgr.table[scoped_id(tid, salt)]
+        # Requests looked up before the DELETE (running, or PENDING on a fetch or admission):
+        # none of them may ever run on a live trajectory again.
+        self.looked_up_before_delete |= {
+            rid for rid, key in self.mgr.reqs._waiting.items() if key == gone.trajectory_id
+        } | {rid for rid, r in self.mgr.requests.items() if r.traj is gone}
         self.jobs_at_delete[id(gone)] = {
             j for j, job in self.mgr.jobs.items() if job.trajectory is gone
         }
-        code, _ = self.mgr.delete(tid)
+        code, _ = self.mgr.delete(tid, tenant=salt)
         assert code == 200
         self.deleted.append(gone)
-        self.deleted_ids.add(tid)
-        assert self.mgr.get(tid)[0] == 404
+        self.deleted_ids.add(picked)
+        assert self.mgr.get(tid, tenant=salt)[0] == 404
+
+    @rule(
+        traj=st.integers(0, 5),
+        branch=st.sampled_from(["main", "f1"]),
+        wait=st.sampled_from(WAITS),
+        tool=st.sampled_from(["t1", "t2"]),
+    )
+    def pause_as_another_tenant(
+        self, traj: int, branch: str, wait: float | None, tool: str
+    ) -> None:
+        self.pause(traj, branch, wait, tool, other=True)
+
+    def _snapshot(self, tid: str, salt: str | None) -> Any:
+        """What another tenant must never change: the trajectory's turns, branch states, pins
+        and owned keys."""
+        assert self.mgr is not None
+        t = self.mgr.table.get(scoped_id(tid, salt))
+        if t is None:
+            return None
+        return (
+            t.turn_count,
+            {n: (b.state, list(b.pinned), list(b.keys)) for n, b in t.branches.items()},
+            set(t.owned),
+        )
 
     @rule(dt=st.sampled_from(CLOCK_STEPS))
     def advance_clock(self, dt: float) -> None:
@@ -556,6 +609,25 @@ class ManagerMachine(RuleBasedStateMachine):
         assert +expected == +mgr._pins, (expected, mgr._pins)
 
     @invariant()
+    def tenants_never_cross(self) -> None:
+        """A trajectory's requests and context are its tenant's only: every running request
+        belongs to the trajectory of its (id, cache_salt); every branch's keys are its tokens'
+        keys under its tenant's salt (another tenant's turn never became its context)."""
+        mgr = self.mgr
+        if mgr is None:
+            return
+        for rid, req in mgr.requests.items():
+            sim = self.eng.requests.get(rid)
+            if sim is not None:
+                assert req.traj.trajectory_id == scoped_id(sim.traj_id, sim.salt), rid
+        for traj in mgr.table.values():
+            salt = SALT_OF[traj.tenant]
+            for b in traj.branches.values():
+                if b.keys:
+                    want = [key_of(h) for h in self.eng.hashes(b.token_ids, salt)]
+                    assert b.keys == want[: len(b.keys)], (traj.trajectory_id, b.name)
+
+    @invariant()
     def ownership(self) -> None:
         mgr = self.mgr
         if mgr is None:
@@ -568,8 +640,13 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert j in self.jobs_at_delete[id(job.trajectory)], job
         for traj in mgr.tombstones.values():
             assert traj.deleted and traj.running > 0
-        for tid in self.deleted_ids - set(mgr.table):
-            assert mgr.get(tid)[0] == 404
+        for rid in self.looked_up_before_delete:  # DELETE is final against waiting requests
+            req = mgr.requests.get(rid)
+            assert req is None or req.traj.deleted, f"{rid} re-created {req.traj.trajectory_id}"
+            assert rid not in mgr.reqs._waiting
+        for tid, salt in self.deleted_ids:
+            if scoped_id(tid, salt) not in mgr.table:
+                assert mgr.get(tid, tenant=salt)[0] == 404
         for key in mgr.index:
             e = mgr.index.get(key)
             assert e is not None
@@ -634,8 +711,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 if eng._awaiting_cover:
                     eng.step()
                 eng.abort(req)
-            for tid in list(mgr.table):
-                mgr.delete(tid)
+            for tid, salt in self._live_ids():
+                assert mgr.delete(tid, tenant=salt)[0] == 200
             for _ in range(4):
                 eng.step()
                 for p in self.workers.completable():

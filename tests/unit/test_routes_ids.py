@@ -100,3 +100,42 @@ def test_openapi_documents_the_grammar(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     param = spec["paths"][f"{BASE}/{{trajectory_id}}/pause"]["post"]["parameters"][0]
     assert param["schema"]["pattern"] == ID_PATTERN
+
+
+class _FakeRank:
+    """A DP rank's control channel: the trajectories it holds, the calls it got."""
+
+    def __init__(self, holds: dict[str | None, set[str]]) -> None:
+        self.holds = holds  # cache_salt -> trajectory ids
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def call(self, op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+        self.calls.append((op, fields))
+        tid = fields.get("trajectory_id")
+        ids = self.holds.get(fields.get("cache_salt"), set())
+        if tid not in ids:
+            return 404, {"detail": f"unknown trajectory {tid!r}"}
+        if op == "end":
+            ids.discard(tid)
+            return 200, {"trajectory_id": tid, "released_blocks": 1, "dropped_tier_blocks": 2}
+        return 200, {"trajectory_id": tid}
+
+
+def test_trajectory_ops_reach_every_dp_rank_and_name_the_tenant(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DELETE reaches every DP rank that holds the id (issue 25: it stopped at the first) and
+    sums what they released; the X-AgentKV-Cache-Salt header names the tenant's namespace."""
+    ranks = [_FakeRank({None: {"t1"}}), _FakeRank({None: {"t1"}, "s": {"t1"}})]
+    monkeypatch.setattr(routes._State, "clients", ranks)
+    monkeypatch.setattr(routes._State, "client", ranks[0])
+    r = client.get(f"{BASE}/t1", headers={routes.TENANT_HEADER: "s"})
+    assert r.status_code == 200 and r.json()["dp_ranks"] == [1]
+    assert ranks[0].calls[-1] == ("get", {"trajectory_id": "t1", "cache_salt": "s"})
+    r = client.delete(f"{BASE}/t1")
+    assert r.status_code == 200
+    assert r.json()["dropped_tier_blocks"] == 4 and r.json()["dp_ranks"] == [0, 1]
+    assert ranks[1].holds == {None: set(), "s": {"t1"}}  # the tenant's own t1 stays
+    assert client.delete(f"{BASE}/t1").status_code == 404
+    r = client.delete(f"{BASE}/t1", headers={routes.TENANT_HEADER: "s"})
+    assert r.status_code == 200 and r.json()["dp_ranks"] == [1]
