@@ -36,6 +36,9 @@ from tests.e2e.conftest import wait_until
 pytestmark = pytest.mark.e2e
 
 BLOCK = 128
+# Control and status calls are answered between engine steps, and one prefill step of a few
+# thousand tokens takes seconds on a slow 2-core CPU: httpx's 5 s default is too short there.
+CONTROL_TIMEOUT_S = 120
 TURNS = 4
 # What an earlier test of this module measured, for a later one to compare against.
 MEASURED: dict[str, float] = {}
@@ -133,7 +136,8 @@ def holder(fleet: RunningFleet, tid: str) -> list[int]:
     return [
         i
         for i, url in enumerate(fleet.replica_urls)
-        if tid in httpx.get(url + "/agentkv/v1/status").json()["trajectory_ids"]
+        if tid
+        in httpx.get(url + "/agentkv/v1/status", timeout=CONTROL_TIMEOUT_S).json()["trajectory_ids"]
     ]
 
 
@@ -158,12 +162,15 @@ def pause_on_holders(fleet: RunningFleet, tid: str, tool: str) -> None:
         r = httpx.post(
             f"{fleet.replica_urls[i]}/agentkv/v1/trajectories/{tid}/pause",
             json={"tool": tool, "expected_wait_s": 1.0},
+            timeout=CONTROL_TIMEOUT_S,
         )
         assert r.status_code == 200, r.text
 
 
 def offloaded(fleet: RunningFleet, i: int, tid: str) -> bool:
-    r = httpx.get(f"{fleet.replica_urls[i]}/agentkv/v1/trajectories/{tid}")
+    r = httpx.get(
+        f"{fleet.replica_urls[i]}/agentkv/v1/trajectories/{tid}", timeout=CONTROL_TIMEOUT_S
+    )
     return r.status_code == 200 and r.json()["branches"]["main"]["state"] == "offloaded"
 
 
@@ -298,16 +305,33 @@ def test_affinity_keeps_each_trajectory_on_its_replica(fleet: RunningFleet) -> N
 def test_wrong_replica_answers_404_and_creates_nothing(fleet: RunningFleet) -> None:
     """Two servers on one host: each answers its own control routes (one control channel per
     server); a pause or delete for a trajectory a replica does not hold is a 404, no state."""
-    statuses = [httpx.get(u + "/agentkv/v1/status").json() for u in fleet.replica_urls]
+    statuses = [
+        httpx.get(u + "/agentkv/v1/status", timeout=CONTROL_TIMEOUT_S).json()
+        for u in fleet.replica_urls
+    ]
     assert statuses[0]["engine"]["pid"] != statuses[1]["engine"]["pid"]
     held = [set(st["trajectory_ids"]) for st in statuses]
     assert not held[0] & held[1]
     tid = next(iter(held[0] | held[1]))
     other = fleet.replica_urls[1 if tid in held[0] else 0]
-    r = httpx.post(f"{other}/agentkv/v1/trajectories/{tid}/pause", json={"tool": "x"})
+    r = httpx.post(
+        f"{other}/agentkv/v1/trajectories/{tid}/pause",
+        json={"tool": "x"},
+        timeout=CONTROL_TIMEOUT_S,
+    )
     assert r.status_code == 404 and "unknown trajectory" in r.json()["detail"]
-    assert httpx.delete(f"{other}/agentkv/v1/trajectories/{tid}").status_code == 404
-    assert tid not in httpx.get(other + "/agentkv/v1/status").json()["trajectory_ids"]
+    assert (
+        httpx.delete(
+            f"{other}/agentkv/v1/trajectories/{tid}", timeout=CONTROL_TIMEOUT_S
+        ).status_code
+        == 404
+    )
+    assert (
+        tid
+        not in httpx.get(other + "/agentkv/v1/status", timeout=CONTROL_TIMEOUT_S).json()[
+            "trajectory_ids"
+        ]
+    )
 
 
 def test_failover_resumes_from_the_remote_tier(fleet: RunningFleet, valkey: ValkeyProcess) -> None:
@@ -339,7 +363,9 @@ def test_failover_resumes_from_the_remote_tier(fleet: RunningFleet, valkey: Valk
     os.kill(dead.pid, signal.SIGKILL)
     dead.wait(timeout=30)
     assert fleet.dead() == [victim]
-    before = httpx.get(survivor_url + "/agentkv/v1/status").json()["counters"]
+    before = httpx.get(survivor_url + "/agentkv/v1/status", timeout=CONTROL_TIMEOUT_S).json()[
+        "counters"
+    ]
     for s in moved:
         reference = Session(s.tid)
         reference.messages = list(s.messages)
@@ -348,7 +374,9 @@ def test_failover_resumes_from_the_remote_tier(fleet: RunningFleet, valkey: Valk
             lambda s=s: _try_turn(client, s), "a turn routed to the survivor", 60
         )
         assert holder_alive(survivor_url, s.tid)
-        counters = httpx.get(survivor_url + "/agentkv/v1/status").json()["counters"]
+        counters = httpx.get(survivor_url + "/agentkv/v1/status", timeout=CONTROL_TIMEOUT_S).json()[
+            "counters"
+        ]
         assert reuse(usage_resp) >= 0.9, (
             usage_resp["usage"],
             {k: v for k, v in counters.items() if "remote" in k or "miss" in k},
@@ -361,7 +389,9 @@ def test_failover_resumes_from_the_remote_tier(fleet: RunningFleet, valkey: Valk
             usage_resp["choices"][0]["message"]["content"]
             == ref["choices"][0]["message"]["content"]
         )
-    after = httpx.get(survivor_url + "/agentkv/v1/status").json()["counters"]
+    after = httpx.get(survivor_url + "/agentkv/v1/status", timeout=CONTROL_TIMEOUT_S).json()[
+        "counters"
+    ]
     assert after["remote_fetched_blocks"] > before["remote_fetched_blocks"]
     # The dead replica comes back on its address (the router's health check readmits it), and
     # what was left of it (the engine core of the killed API server) is gone, not orphaned.
@@ -391,7 +421,10 @@ def _try_turn(client: httpx.Client, s: Session) -> dict[str, Any] | None:
 
 
 def holder_alive(url: str, tid: str) -> bool:
-    return tid in httpx.get(url + "/agentkv/v1/status").json()["trajectory_ids"]
+    return (
+        tid
+        in httpx.get(url + "/agentkv/v1/status", timeout=CONTROL_TIMEOUT_S).json()["trajectory_ids"]
+    )
 
 
 def test_round_robin_without_remote_reuses_less(
