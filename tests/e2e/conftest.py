@@ -155,12 +155,17 @@ class Server:
         return self.client.get(f"/agentkv/v1/trajectories/{tid}").status_code
 
     def pause(
-        self, tid: str, tool: str, wait: float | None, branch: str = "main"
+        self,
+        tid: str,
+        tool: str,
+        wait: float | None,
+        branch: str = "main",
+        max_lease_s: float | None = None,
     ) -> dict[str, Any]:
-        r = self.client.post(
-            f"/agentkv/v1/trajectories/{tid}/pause",
-            json={"tool": tool, "expected_wait_s": wait, "branch": branch},
-        )
+        body: dict[str, Any] = {"tool": tool, "expected_wait_s": wait, "branch": branch}
+        if max_lease_s is not None:
+            body["max_lease_s"] = max_lease_s
+        r = self.client.post(f"/agentkv/v1/trajectories/{tid}/pause", json=body)
         r.raise_for_status()
         return dict(r.json())
 
@@ -350,9 +355,10 @@ def server() -> Iterator[Server]:
         "host_capacity_gib": 0.5,
         "disk_capacity_gib": 2,
         "grace_s": 0.3,
-        # Leases are predicted return + this margin: long enough for a test to set up
-        # several retained trajectories before the first lease ends.
-        "lease_margin_s": 8,
+        # Leases are predicted return + this margin: longer than any test's setup and traffic
+        # on a slow, shared 2-core machine (a wall-clock lease must not decide a test's
+        # outcome). Tests about a lease's end cap their own lease with `max_lease_s`.
+        "lease_margin_s": 600,
         # Predicted median waits of 3 s or more go to disk: tests declare <= 2 s for host, >= 5 s
         # for disk.
         "disk_after_s": 3,

@@ -208,8 +208,8 @@ def test_timers_fire_on_an_idle_server(server: Server) -> None:
     leased, prefetched = "idle-lease", "idle-prefetch"
     counters = server.counters()
     server.chat(_ctx(4400), trajectory=leased)
-    out = server.pause(leased, "idle-grep", 0.001)
-    assert out["decision"]["action"] == "retain", out
+    out = server.pause(leased, "idle-grep", 0.001, max_lease_s=3.0)
+    assert out["decision"]["action"] == "retain" and out["decision"]["lease_s"] == 3.0, out
     lease_end = time.monotonic() + out["decision"]["lease_s"]
     server.chat(_ctx(4500), trajectory=prefetched)
     paused = time.monotonic()
