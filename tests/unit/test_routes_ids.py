@@ -196,3 +196,19 @@ def test_a_bad_or_conflicting_idempotency_key_is_422(
     r = client.post(f"{BASE}/t1/pause", json=body, headers=headers)
     assert r.status_code == 422, r.text
     assert r.json()["detail"].startswith(f"invalid {named}")
+
+
+async def test_auto_pause_reaches_every_dp_rank_in_the_tenant_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 25 item 5: the hooks' auto-pause went to DP rank 0 only; a trajectory served by
+    rank 1 was never paused. Every rank gets it, with the request's cache_salt."""
+    ranks = [_FakeRank({"s": set()}), _FakeRank({"s": {"t1"}})]
+    monkeypatch.setattr(routes._State, "hooks_clients", ranks)
+    monkeypatch.setattr(routes._State, "engine_client", None)
+    await routes._auto_pause("t1", "main", ["grep"], None, cache_salt="s")
+    for rank in ranks:
+        op, fields = rank.calls[-1]
+        assert op == "pause" and fields["trajectory_id"] == "t1" and fields["cache_salt"] == "s"
+    with pytest.raises(RuntimeError, match="404"):  # no rank holds it: the hook counts a failure
+        await routes._auto_pause("t2", "main", ["grep"], None, cache_salt="s")
