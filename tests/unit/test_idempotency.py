@@ -161,3 +161,45 @@ def test_a_replayed_resume_learns_the_wait_once() -> None:
     assert status == 200 and again.pop("_idempotent_replayed") and again == first
     assert first["observed_wait_s"] == 2.0
     assert side.handle({"op": "resume", "trajectory_id": "t1"})[1]["observed_wait_s"] is None
+
+
+def test_a_delete_whose_answer_timed_out_is_answered_on_retry() -> None:
+    """The route's 503 on a control timeout does not mean the engine did not apply the call:
+    the first DELETE times out at the client while the engine is busy, the engine applies it
+    anyway, and the retry with the same key over the real control channel gets its 200."""
+    import tempfile
+    import threading
+
+    pytest.importorskip("zmq")
+    from agentkv_vllm.control import ControlClient, ControlServer, ControlUnavailable
+
+    rig = make_rig()
+    side = _side(rig)
+    _held(rig)
+    busy = threading.Event()  # the engine is busy until the client has given up
+    applied: list[int] = []
+
+    def handler(req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if not applied:
+            assert busy.wait(30)
+        status, body = side.handle(req)
+        applied.append(status)
+        return status, body
+
+    # A short ipc path: socket paths are limited to ~100 bytes.
+    server = ControlServer(f"ipc://{tempfile.mkdtemp(prefix='akv-')}/c.sock", handler)
+    try:
+        end = {"trajectory_id": "t1", KEY_FIELD: "del-timeout"}
+        with pytest.raises(ControlUnavailable):
+            ControlClient(server.endpoint, timeout_s=0.2).call_sync("end", **end)
+        busy.set()
+        status, body = ControlClient(server.endpoint, timeout_s=30).call_sync("end", **end)
+        assert applied[0] == 200  # the timed-out call was applied
+        assert status == 200 and body.pop("_idempotent_replayed") is True
+        assert body["trajectory_id"] == "t1"
+        assert (
+            ControlClient(server.endpoint, timeout_s=30).call_sync("get", trajectory_id="t1")[0]
+            == 404
+        )
+    finally:
+        server.close()
