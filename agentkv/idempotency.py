@@ -30,6 +30,7 @@ in transit, the engine's are not), per DP rank; it does not survive a restart.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import threading
@@ -126,7 +127,9 @@ class ReplayCache:
                 return seen.status, dict(seen.body), True
             status, body = apply()
             if status < 500:
-                self._answers[scope] = _Answer(fingerprint, now + self.window_s, status, dict(body))
+                # A deep copy (the answer is JSON): the manager may change what it returned.
+                kept = copy.deepcopy(body)
+                self._answers[scope] = _Answer(fingerprint, now + self.window_s, status, kept)
                 while len(self._answers) > self.max_keys:
                     self._answers.popitem(last=False)
             return status, body, False
