@@ -6,6 +6,10 @@ Routes (same host, port and API key as the OpenAI API):
   DELETE /agentkv/v1/trajectories/{id}          release everything it holds, in every tier
   GET    /agentkv/v1/trajectories/{id}          state, tier residency, per-turn prefix stats
   GET    /agentkv/v1/status                     pool use, tiers, decisions, prefetch outcomes
+Pause, resume and DELETE take an ``Idempotency-Key`` header (or ``idempotency_key`` body field):
+a retry with the same key within 600 s answers the first call's answer (header
+``Idempotent-Replayed: true``) and applies nothing again; the engine keeps the answers
+(``agentkv.idempotency``), so a call whose answer was lost to a timeout (503) is safe to retry.
 Metrics: ``agentkv_*`` families on the server's own ``/metrics`` (a collector that reads the
 engine's snapshot over the same channel at scrape time; see docs/metrics.md).
 
@@ -42,8 +46,9 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agentkv.idempotency import KEY_FIELD, KEY_HEADER, MAX_KEY_LEN, validate_key
 from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
 from agentkv_vllm.control import ControlClient, ControlUnavailable
 from agentkv_vllm.hooks import AgentKVHooks, HookState
@@ -75,10 +80,27 @@ class RoutingHints(BaseModel):
 ROUTING_FIELDS = {"model", "agent_hint", "vllm_xargs"}
 
 
+class Keyed(RoutingHints):
+    """A control call that changes state: ``idempotency_key`` (or the ``Idempotency-Key``
+    header) makes a retry answer the first call's answer instead of applying it again."""
+
+    idempotency_key: str | None = Field(
+        default=None,
+        description="Retry key (as the Idempotency-Key header; routers drop unknown headers): "
+        "a retry with the same key within 600 s answers the first call's answer, applied once. "
+        f"1-{MAX_KEY_LEN} visible ASCII characters.",
+    )
+
+    @field_validator("idempotency_key")
+    @classmethod
+    def _key_grammar(cls, value: str | None) -> str | None:
+        return None if value is None else validate_key(value)
+
+
 ToolName = Annotated[str, Field(min_length=1, max_length=128)]
 
 
-class PauseBody(RoutingHints):
+class PauseBody(Keyed):
     model_config = ConfigDict(extra="forbid")
     tool: str | None = Field(
         default=None,
@@ -116,12 +138,12 @@ class PauseBody(RoutingHints):
         return self
 
 
-class ResumeBody(RoutingHints):
+class ResumeBody(Keyed):
     model_config = ConfigDict(extra="forbid")
     branch: BranchStr = "main"
 
 
-class EndBody(RoutingHints):
+class EndBody(Keyed):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -205,6 +227,29 @@ def _tenant(request: Request) -> dict[str, str]:
     return {"cache_salt": salt} if salt else {}
 
 
+# Set by the engine in an answer that replays an earlier one (agentkv_vllm.scheduler_side).
+REPLAYED_FIELD = "_idempotent_replayed"
+REPLAYED_HEADER = "Idempotent-Replayed"
+
+
+def _idempotency(request: Request, body: Keyed) -> dict[str, str] | JSONResponse:
+    """The call's idempotency key (header or body field; both must agree), as control fields,
+    or the 422 naming the problem."""
+    header = request.headers.get(KEY_HEADER)
+    if header is not None:
+        try:
+            validate_key(header)
+        except ValueError as exc:
+            return _invalid(
+                [{"loc": ["header", KEY_HEADER], "msg": str(exc), "type": "value_error"}]
+            )
+        if body.idempotency_key is not None and body.idempotency_key != header:
+            msg = f"the {KEY_HEADER} header and the body's {KEY_FIELD} differ"
+            return _invalid([{"loc": [KEY_FIELD], "msg": msg, "type": "value_error"}])
+    key = header if header is not None else body.idempotency_key
+    return {KEY_FIELD: key} if key is not None else {}
+
+
 async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
     if _State.client is None:
         raise HTTPException(
@@ -217,14 +262,19 @@ async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
         else:
             status, body = await _State.client.call(op, **fields)
     except ControlUnavailable as exc:
-        raise HTTPException(status_code=503, detail=str(exc)) from None
+        detail = str(exc)
+        if KEY_FIELD in fields:
+            detail += f"; it may have been applied: retry with the same {KEY_HEADER}"
+        raise HTTPException(status_code=503, detail=detail) from None
+    replayed = bool(body.pop(REPLAYED_FIELD, False))
     if nudge and status < 400 and _State.engine_client is not None:
         try:
             # Any utility call wakes an idle engine loop, which then runs the queued transfers.
             await _State.engine_client.is_sleeping()
         except Exception as exc:
             log.debug("agentkv: engine nudge failed: %s", exc)
-    return JSONResponse(status_code=status, content=body)
+    headers = {REPLAYED_HEADER: "true"} if replayed else None
+    return JSONResponse(status_code=status, content=body, headers=headers)
 
 
 async def _fan_out(clients: list[Any], op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
@@ -306,12 +356,16 @@ async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResp
     body = await _parse(request, PauseBody)
     if isinstance(body, JSONResponse):
         return body
+    key = _idempotency(request, body)
+    if isinstance(key, JSONResponse):
+        return key
     return await _call(
         "pause",
         nudge=True,
         trajectory_id=trajectory_id,
-        **body.model_dump(exclude=ROUTING_FIELDS),
+        **body.model_dump(exclude=ROUTING_FIELDS | {KEY_FIELD}),
         **_tenant(request),
+        **key,
     )
 
 
@@ -326,12 +380,16 @@ async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONRes
     body = await _parse(request, ResumeBody, optional=True)
     if isinstance(body, JSONResponse):
         return body
+    key = _idempotency(request, body)
+    if isinstance(key, JSONResponse):
+        return key
     return await _call(
         "resume",
         nudge=True,
         trajectory_id=trajectory_id,
-        **body.model_dump(exclude=ROUTING_FIELDS),
+        **body.model_dump(exclude=ROUTING_FIELDS | {KEY_FIELD}),
         **_tenant(request),
+        **key,
     )
 
 
@@ -343,7 +401,10 @@ async def end(request: Request, trajectory_id: str = TrajectoryId) -> JSONRespon
     body = await _parse(request, EndBody, optional=True)
     if isinstance(body, JSONResponse):
         return body
-    return await _call("end", nudge=True, trajectory_id=trajectory_id, **_tenant(request))
+    key = _idempotency(request, body)
+    if isinstance(key, JSONResponse):
+        return key
+    return await _call("end", nudge=True, trajectory_id=trajectory_id, **_tenant(request), **key)
 
 
 @router.get(

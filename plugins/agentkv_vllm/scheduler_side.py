@@ -18,6 +18,8 @@ agentkv params, before any lock):
                                           the server runs with --kv-events-config
 Primitives (control thread): ``handle(op)`` with ops pause, resume, end, get, status, metrics,
 tick (fire due timers; says whether the engine must be woken and when the next timer is due).
+A pause, resume or end carrying ``idempotency_key`` is applied once: a retry with the same key
+(same tenant) answers the first answer again (``agentkv.idempotency.ReplayCache``).
 
 Pins use the block pool's own reference counts (``touch`` / ``free_blocks``): a pinned block can't
 be evicted, and once unpinned it goes back to vLLM's prefix cache with its hash, still reusable
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentkv.admission import Admission
+from agentkv.idempotency import KEY_FIELD, ReplayCache
 from agentkv.kv_identity import LogicalKeys
 from agentkv.manager import ManagerConfig, RequestParams, TrajectoryManager
 from agentkv.manager.invalidation import Invalidation, invalidate_tiers
@@ -59,6 +62,10 @@ PREFILL_SAMPLE_MIN_TOKENS = 32
 PREFILL_SAMPLE_MAX_S = 30.0
 # The adapter's own counters, always in /status (0 until they happen).
 ADAPTER_COUNTERS = ("malformed_params", "unsupported_requests", "load_failed_blocks")
+# Control ops a retry must not apply twice (GET, status and metrics are safe already).
+REPLAYABLE_OPS = frozenset({"pause", "resume", "end"})
+# Set in a control answer that replays an earlier answer; the route turns it into a header.
+REPLAYED_FIELD = "_idempotent_replayed"
 
 
 class VllmBlockPinner:
@@ -187,6 +194,7 @@ class SchedulerSide:
             otel=self.otel,
         )
         self.lock = self.manager.lock
+        self.replays = ReplayCache(self.manager.clock.now)
         kv_events_config = getattr(vllm_config, "kv_events_config", None)
         self.events: TierEvents | None = None
         self._reannounce = False
@@ -486,6 +494,19 @@ class SchedulerSide:
             return 200, self.status()
         if op == "metrics":
             return 200, self.metrics_snapshot()
+        if op in REPLAYABLE_OPS and req.get(KEY_FIELD):
+            # A retried call with the same key answers the first call's answer (the route's
+            # 503 on a timeout does not mean the engine did not apply it).
+            status, body, replayed = self.replays.run(
+                str(req[KEY_FIELD]), tenant, req, lambda: self._apply(op, req, tid, branch, tenant)
+            )
+            return status, {**body, REPLAYED_FIELD: True} if replayed else body
+        return self._apply(op, req, tid, branch, tenant)
+
+    def _apply(
+        self, op: object, req: dict[str, Any], tid: str, branch: str, tenant: str | None
+    ) -> tuple[int, dict[str, Any]]:
+        mgr = self.manager
         if op == "pause":
             wait = req.get("expected_wait_s")
             cap = req.get("max_lease_s")

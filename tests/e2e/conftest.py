@@ -241,8 +241,11 @@ def start_server(
     env: dict[str, str] | None = None,
     otlp: bool = False,
     start_timeout: float = 420,
+    model: Path | None = None,
 ) -> Iterator[Server]:
     """Start ``agentkv serve`` (tiny model, API key, dev mode) in ``work``; stop it on exit.
+
+    ``model``: a model folder to serve (still named ``tiny``) instead of the embedded one.
 
     ``connector["disk_dir"]`` names the disk tier; ``otlp`` adds an OTLP/HTTP receiver process
     and points the server's OTEL_* variables at it.
@@ -287,6 +290,7 @@ def start_server(
         "-m",
         "agentkv.cli",
         "serve",
+        *([str(model)] if model is not None else []),
         "--port",
         str(port),
         "--kv-space-gib",

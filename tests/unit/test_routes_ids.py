@@ -139,3 +139,76 @@ def test_trajectory_ops_reach_every_dp_rank_and_name_the_tenant(
     assert client.delete(f"{BASE}/t1").status_code == 404
     r = client.delete(f"{BASE}/t1", headers={routes.TENANT_HEADER: "s"})
     assert r.status_code == 200 and r.json()["dp_ranks"] == [1]
+
+
+class _KeyedRank(_FakeRank):
+    """A rank that replays an answer when it sees a key again (as the engine's ReplayCache)."""
+
+    def __init__(self, holds: dict[str | None, set[str]]) -> None:
+        super().__init__(holds)
+        self.seen: dict[str, tuple[int, dict[str, Any]]] = {}
+
+    async def call(self, op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+        key = fields.get("idempotency_key")
+        if key in self.seen:
+            self.calls.append((op, fields))
+            status, body = self.seen[key]
+            return status, {**body, routes.REPLAYED_FIELD: True}
+        status, body = await super().call(op, **fields)
+        if key:
+            self.seen[key] = (status, body)
+        return status, body
+
+
+def test_idempotency_key_from_header_or_body_reaches_every_rank_and_a_replay_says_so(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ranks = [_KeyedRank({None: {"t1"}}), _KeyedRank({None: set()})]
+    monkeypatch.setattr(routes._State, "clients", ranks)
+    monkeypatch.setattr(routes._State, "client", ranks[0])
+    r = client.delete(f"{BASE}/t1", headers={"Idempotency-Key": "d1"})
+    assert r.status_code == 200 and "idempotent-replayed" not in r.headers
+    first = r.json()
+    assert all(
+        c.calls[-1] == ("end", {"trajectory_id": "t1", "idempotency_key": "d1"}) for c in ranks
+    )
+    r = client.delete(f"{BASE}/t1", headers={"Idempotency-Key": "d1"})
+    assert r.status_code == 200 and r.json() == first  # not 404: the first answer again
+    assert r.headers["idempotent-replayed"] == "true"
+    assert client.delete(f"{BASE}/t1").status_code == 404
+    # The body field (routers drop unknown headers) is the same key.
+    r = client.post(f"{BASE}/t1/pause", json={"tool": "x", "idempotency_key": "p1"})
+    assert ranks[0].calls[-1] == ("pause", {**ranks[0].calls[-1][1], "idempotency_key": "p1"})
+    assert "idempotency_key" in ranks[1].calls[-1][1]
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "named"),
+    [
+        ({"Idempotency-Key": "a b"}, {"tool": "x"}, "header.idempotency-key"),
+        ({}, {"tool": "x", "idempotency_key": ""}, "idempotency_key"),
+        ({"Idempotency-Key": "a"}, {"tool": "x", "idempotency_key": "b"}, "idempotency_key"),
+    ],
+)
+def test_a_bad_or_conflicting_idempotency_key_is_422(
+    client: TestClient, headers: dict[str, str], body: dict[str, Any], named: str
+) -> None:
+    r = client.post(f"{BASE}/t1/pause", json=body, headers=headers)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"].startswith(f"invalid {named}")
+
+
+async def test_auto_pause_reaches_every_dp_rank_in_the_tenant_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 25 item 5: the hooks' auto-pause went to DP rank 0 only; a trajectory served by
+    rank 1 was never paused. Every rank gets it, with the request's cache_salt."""
+    ranks = [_FakeRank({"s": set()}), _FakeRank({"s": {"t1"}})]
+    monkeypatch.setattr(routes._State, "hooks_clients", ranks)
+    monkeypatch.setattr(routes._State, "engine_client", None)
+    await routes._auto_pause("t1", "main", ["grep"], None, cache_salt="s")
+    for rank in ranks:
+        op, fields = rank.calls[-1]
+        assert op == "pause" and fields["trajectory_id"] == "t1" and fields["cache_salt"] == "s"
+    with pytest.raises(RuntimeError, match="404"):  # no rank holds it: the hook counts a failure
+        await routes._auto_pause("t2", "main", ["grep"], None, cache_salt="s")
