@@ -15,8 +15,9 @@ import valkey
 
 from agentkv.tiers import remote as remote_module
 from agentkv.tiers.keys import BlockKey
-from agentkv.tiers.remote import RemoteBlocks, RemoteConfig, encode_value
+from agentkv.tiers.remote import RemoteBlocks, RemoteConfig
 from agentkv.tiers.remote_auth import SECRET_ENV, RemoteAuth
+from agentkv.tiers.remote_codec import encode_value
 from agentkv.tiers.results import BlockStatus
 from tests.valkey_fixture import unique_prefix, valkey_server, valkey_url  # noqa: F401
 

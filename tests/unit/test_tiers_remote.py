@@ -17,7 +17,9 @@ import valkey
 from agentkv.errors import ConfigError, CorruptBlockError
 from agentkv.tiers.disk import HEADER_BYTES as HEADER_BYTES_DISK
 from agentkv.tiers.keys import BlockKey, ModelFingerprint
-from agentkv.tiers.remote import HEADER_BYTES, RemoteBlocks, RemoteConfig, remote_key
+from agentkv.tiers.remote import RemoteBlocks, RemoteConfig
+from agentkv.tiers.remote_auth import HEADER_BYTES
+from agentkv.tiers.remote_codec import remote_key
 from agentkv.tiers.results import BlockStatus
 from agentkv.tiers.store import TieredStore
 from agentkv.tiers.valkey_server import ValkeyProcess
