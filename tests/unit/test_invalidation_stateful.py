@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import initialize, precondition, rule
 
 import tests.unit.sim_engine as sim
+import tests.unit.sim_workers as sim_workers
 import tests.unit.test_manager_stateful as base
 from agentkv.manager.invalidation import invalidate_tiers
 
@@ -76,6 +77,7 @@ class InvalidationMachine(base.ManagerMachine):
         super().__init__()
         self.gens = _Generations()
         sim.key_of = self.gens.current  # loads and uploads: the current generation only
+        sim_workers.key_of = self.gens.current
         base.key_of = self.gens.any_generation  # index invariant: true for its generation
 
     @initialize(**_BASE_SETUP.hypothesis_stateful_initialize_rule.arguments)  # type: ignore[attr-defined]
@@ -90,6 +92,7 @@ class InvalidationMachine(base.ManagerMachine):
             super().teardown()
         finally:
             sim.key_of = _ORIGINAL
+            sim_workers.key_of = _ORIGINAL
             base.key_of = _ORIGINAL
 
     def _no_transfer_in_flight(self) -> bool:
