@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -95,31 +96,7 @@ def size_cmd(
     as_json: opts.SizeAsJson = False,
 ) -> None:
     """KV bytes per token and how many trajectories fit, per context length."""
-    try:
-        report = _size_report(
-            config=config,
-            context=context,
-            kv_dtype=kv_dtype,
-            tp=tp,
-            gpu=gpu,
-            gpus=gpus,
-            hbm_bytes=hbm_bytes,
-            weights_bytes=weights_bytes,
-            runtime_bytes=runtime_bytes,
-            pool_bytes=pool_bytes,
-            headroom=headroom,
-            output_tokens=output_tokens,
-            shared_tokens=shared_tokens,
-            block_size=block_size,
-            static_max_tokens=static_max_tokens,
-            sequences=sequences,
-        )
-    except AgentKVError as exc:
-        _fail(str(exc))
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-        return
-    _print_size(report)
+    _emit(_size_report, _print_size, **locals())  # every parameter, by name
 
 
 def plan_cmd(
@@ -143,32 +120,25 @@ def plan_cmd(
     as_json: opts.PlanAsJson = False,
 ) -> None:
     """How many GPUs and nodes hold N trajectories (or a tool-wait load) at a context length."""
+    _emit(_plan_report, _print_plan, **locals())  # every parameter, by name
+
+
+def _emit(
+    build: Callable[..., dict[str, Any]],
+    show: Callable[[dict[str, Any]], None],
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Build the report from the command's options; print it as JSON or as tables. A bad
+    option (AgentKVError) prints one line and exits 2."""
     try:
-        report = _plan_report(
-            config=config,
-            context=context,
-            trajectories=trajectories,
-            arrival_rate=arrival_rate,
-            gen_seconds=gen_seconds,
-            tool_seconds=tool_seconds,
-            kv_dtype=kv_dtype,
-            gpu=gpu,
-            hbm_bytes_per_gpu=hbm_bytes_per_gpu,
-            runtime_bytes_per_gpu=runtime_bytes_per_gpu,
-            weights_bytes=weights_bytes,
-            tp=tp,
-            pp=pp,
-            gpus_per_node=gpus_per_node,
-            headroom=headroom,
-            output_tokens=output_tokens,
-            shared_tokens=shared_tokens,
-        )
+        report = build(**options)
     except AgentKVError as exc:
         _fail(str(exc))
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
-    _print_plan(report)
+    show(report)
 
 
 # ---- size ---------------------------------------------------------------------------------

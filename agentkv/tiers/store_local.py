@@ -45,16 +45,18 @@ class LocalTransfers(BlockIndex):
         device.mark_ready(blocks)  # on the caller's thread: copies wait for its queued work
         return blocks
 
-    def _run(self, handle: TransferHandle, one: Callable[[int], BlockResult]) -> None:
+    def _chunks(self, handle: TransferHandle) -> list[tuple[int, int]]:
+        """Contiguous [start, stop) runs of the handle's blocks, one per worker: a pool task per
+        block would cost more than a 1 MiB copy. Raises TierError once the store is closed."""
         if self._closed:
             raise TierError("the store is closed")
         count = len(handle.keys)
         if count == 0:
-            return
-        # Contiguous chunks, one per worker: a pool task per block would cost more than a 1 MiB copy.
+            return []
         chunks = min(count, self._workers)
-        bounds = [count * i // chunks for i in range(chunks + 1)]
+        return list(itertools.pairwise(count * i // chunks for i in range(chunks + 1)))
 
+    def _run(self, handle: TransferHandle, one: Callable[[int], BlockResult]) -> None:
         def run_chunk(start: int, stop: int) -> None:
             for index in range(start, stop):
                 try:
@@ -66,7 +68,7 @@ class LocalTransfers(BlockIndex):
                     result = self._failed(handle.keys[index], TierError(f"internal error: {exc!r}"))
                 handle._set(index, result)
 
-        for start, stop in itertools.pairwise(bounds):
+        for start, stop in self._chunks(handle):
             self._pool.submit(run_chunk, start, stop)
 
     def _run_chunks(
@@ -75,13 +77,6 @@ class LocalTransfers(BlockIndex):
         """Like ``_run``, for transfers that batch their blocks (the remote tier): ``chunk`` gets
         a contiguous run of indices and returns their results; a run it leaves out or fails is
         completed with errors, so the handle always finishes."""
-        if self._closed:
-            raise TierError("the store is closed")
-        count = len(handle.keys)
-        if count == 0:
-            return
-        chunks = min(count, self._workers)
-        bounds = [count * i // chunks for i in range(chunks + 1)]
 
         def run(start: int, stop: int) -> None:
             indices = list(range(start, stop))
@@ -99,7 +94,7 @@ class LocalTransfers(BlockIndex):
                 result = results.get(index)
                 handle._set(index, result or self._failed(handle.keys[index], error))
 
-        for start, stop in itertools.pairwise(bounds):
+        for start, stop in self._chunks(handle):
             self._pool.submit(run, start, stop)
 
     def _store_one(

@@ -3,9 +3,7 @@
 Each test pins down one fixed behaviour (the numbers follow the issue's list; the other topics
 are in test_manager_pressure.py (3), test_manager_bugs.py (B1.., bugs the stateful test found),
 test_manager_net.py (remote fetch, salts, status), test_manager_mutants.py (mutants that
-survived) and test_manager_tenants.py (tenants, memory, DELETE is final)). The rig (tests/unit/manager_helpers.py, sim_engine.make_rig): 4-token blocks, a 40-block pool,
-1 MiB blocks (a 4-block context reloads from host in 0.04 s and recomputes in 0.17 s), grace
-0.5 s, job timeout 10 s.
+survived) and test_manager_tenants.py (tenants, memory, DELETE is final)). The rig: manager_helpers.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Tests that kill mutants which survived the manager's suite (docs/testing.md, mutation
-testing), on the simulated engine. The rig (tests/unit/manager_helpers.py, sim_engine.make_rig): 4-token blocks, a 40-block pool,
-1 MiB blocks (a 4-block context reloads from host in 0.04 s and recomputes in 0.17 s), grace
-0.5 s, job timeout 10 s.
+testing), on the simulated engine. The rig: manager_helpers.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Tenants as namespaces, memory after DELETE and the cap, DELETE is final (issue 25), on the
-simulated engine. The rig (tests/unit/manager_helpers.py, sim_engine.make_rig): 4-token blocks, a 40-block pool,
-1 MiB blocks (a 4-block context reloads from host in 0.04 s and recomputes in 0.17 s), grace
-0.5 s, job timeout 10 s.
+simulated engine. The rig: manager_helpers.py.
 """
 
 from __future__ import annotations
