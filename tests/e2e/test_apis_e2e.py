@@ -13,17 +13,15 @@ forced arguments stay short. Every test uses tool and trajectory names of its ow
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, long_text, start_server
+from tests.e2e.conftest import Server, long_text, own_server
 
 pytestmark = pytest.mark.e2e
 
@@ -39,21 +37,12 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def api_server() -> Iterator[Server]:
-    work = Path(tempfile.mkdtemp(prefix="agentkv-apis-e2e-"))
-    connector = {
-        "disk_dir": str(work / "disk"),
-        "host_capacity_gib": 0.5,
-        "disk_capacity_gib": 1,
-        "grace_s": 0.3,
-        "disk_after_s": 3,
-        "job_timeout_s": 20,
-    }
     outputs = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
-    with start_server(
-        work,
-        connector,
+    with own_server(
+        "apis",
         vllm_args=("--structured-outputs-config", outputs),
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+        job_timeout_s=20,
     ) as srv:
         yield srv
 
