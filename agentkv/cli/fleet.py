@@ -8,7 +8,6 @@ tensor parallel replicas). It says what it chose. Logs and run dirs go to a per-
 
 from __future__ import annotations
 
-import json
 import shlex
 import threading
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agentkv.cli.common import fail
+from agentkv.cli.common import fail, json_object
 
 if TYPE_CHECKING:
     from agentkv.fleet import FleetSpec, RunningFleet
@@ -135,7 +134,7 @@ def up(
         state_dir,
     )
 
-    config = _connector_config(connector_config)
+    config = json_object(connector_config, "--connector-config")
     try:
         model_path = model or str(modelgen.ensure_model(preset))
         plan = plan_fleet(
@@ -171,17 +170,6 @@ def up(
         typer.echo("stopping")
     except AgentKVError as exc:
         fail(str(exc))
-
-
-def _connector_config(text: str) -> dict[str, object]:
-    """--connector-config as a JSON object; a one-line error otherwise."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        fail(f"--connector-config is not JSON: {exc}")
-    if not isinstance(config, dict):
-        fail("--connector-config must be a JSON object")
-    return config
 
 
 def _print_router_command(spec: FleetSpec, port: int) -> None:

@@ -1,4 +1,4 @@
-"""The phase benchmarks' shared CLI parts (agentkv/cli/bench_common.py), without a server."""
+"""The CLI parts commands share (agentkv/cli/bench_common.py, common.json_object), without a server."""
 
 from __future__ import annotations
 
@@ -57,3 +57,18 @@ def test_a_failed_run_is_one_line_and_exit_2(
         bench_common.show_report(run, tmp_path, True, ())
     assert exc.value.exit_code == 2
     assert f"error: {error}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("x", "--connector-config is not JSON"), ("[1]", "--connector-config must be a JSON object")],
+)
+def test_a_json_object_option_is_an_object_or_one_line_error(
+    text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agentkv.cli.common import json_object
+
+    assert json_object('{"grace_s": 1}', "--connector-config") == {"grace_s": 1}
+    with pytest.raises(typer.Exit) as exc:
+        json_object(text, "--connector-config")
+    assert exc.value.exit_code == 2 and message in capsys.readouterr().err
