@@ -261,7 +261,7 @@ def test_an_escaped_hint_key_names_the_trajectory(api_server: Server) -> None:
     )
     assert r.status_code == 200, r.text
     assert r.json()["kv_transfer_params"]["agentkv"]["trajectory_id"] == tid
-    assert api_server.trajectory_code(tid) == 200
+    assert api_server.trajectory_code(tid) == 404  # the wrapper's exit DELETEs the trajectory
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -279,7 +279,8 @@ def test_the_agent_loop_examples_run_and_reuse_their_prefix(
     api_server: Server, example: str, path: str, turns: int
 ) -> None:
     """The three examples in examples/ (one shared skeleton, agent_loop_common.py) run against
-    the server as a user would run them, and every turn after the first reuses its prefix."""
+    the server as a user would run them, every turn after the first reuses its prefix, and the
+    loop's end deletes the trajectory."""
     tid = f"apis-example-{_uid()}"
     args = ["--base-url", api_server.base_url + path, "--trajectory-id", tid]
     done = subprocess.run(
@@ -292,4 +293,4 @@ def test_the_agent_loop_examples_run_and_reuse_their_prefix(
     hits = re.findall(r"^turn \d+: .*from vLLM +(\d+) +from tier +(\d+)", done.stdout, re.M)
     assert len(hits) == turns, done.stdout
     assert all(int(device) + int(tier) > 0 for device, tier in hits[1:]), done.stdout
-    assert api_server.trajectory_code(tid) == 200
+    assert api_server.trajectory_code(tid) == 404  # the wrapper's exit DELETEs the trajectory
