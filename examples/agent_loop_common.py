@@ -5,6 +5,8 @@ each turn prints, and the command line. Each example keeps only its API's own ca
 Primitives:
     SYSTEM, TASK      the system prompt (long, so the prefix cache matters) and the first message.
     SCRIPT            (tool the model is made to call, seconds the tool takes, its output).
+    target_schema     a tool's JSON schema: one ``target`` argument from a fixed list (an enum
+                      keeps the forced arguments of a random-weight model short).
     agentkv_stats     the ``kv_transfer_params.agentkv`` stats of a reply (empty without them).
     print_turn        one line a turn: prompt tokens, tokens from vLLM's cache, from a tier.
     print_auto_pause  what the server's auto-pause made of the reply (branch state and tool).
@@ -30,6 +32,14 @@ SCRIPT = [
     ("run_tests", 1.5, "FAILED tests/test_parser.py::test_empty - [''] != []"),
     ("run_tests", 1.5, "12 passed in 1.79s"),
 ]
+
+
+def target_schema(choices: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"target": {"type": "string", "enum": choices}},
+        "required": ["target"],
+    }
 
 
 def agentkv_stats(reply: Any) -> dict[str, Any]:

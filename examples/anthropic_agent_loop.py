@@ -25,7 +25,15 @@ import time
 from typing import Any
 
 import httpx
-from agent_loop_common import SCRIPT, SYSTEM, TASK, main, print_auto_pause, print_turn
+from agent_loop_common import (
+    SCRIPT,
+    SYSTEM,
+    TASK,
+    main,
+    print_auto_pause,
+    print_turn,
+    target_schema,
+)
 
 try:
     from anthropic import Anthropic, AnthropicError
@@ -39,11 +47,7 @@ def _tool(name: str, description: str, choices: list[str]) -> dict[str, Any]:
     return {
         "name": name,
         "description": description,
-        "input_schema": {
-            "type": "object",
-            "properties": {"target": {"type": "string", "enum": choices}},
-            "required": ["target"],
-        },
+        "input_schema": target_schema(choices),
     }
 
 

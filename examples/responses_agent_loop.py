@@ -24,7 +24,15 @@ import sys
 import time
 from typing import Any
 
-from agent_loop_common import SCRIPT, SYSTEM, TASK, main, print_auto_pause, print_turn
+from agent_loop_common import (
+    SCRIPT,
+    SYSTEM,
+    TASK,
+    main,
+    print_auto_pause,
+    print_turn,
+    target_schema,
+)
 
 try:
     from openai import OpenAI, OpenAIError
@@ -39,11 +47,7 @@ def _tool(name: str, description: str, choices: list[str]) -> dict[str, Any]:
         "type": "function",
         "name": name,
         "description": description,
-        "parameters": {
-            "type": "object",
-            "properties": {"target": {"type": "string", "enum": choices}},
-            "required": ["target"],
-        },
+        "parameters": target_schema(choices),
     }
 
 

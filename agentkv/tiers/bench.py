@@ -514,9 +514,26 @@ def _measure_device_host(
                     )
 
 
-def _file_bytes(block_bytes: int) -> int:
-    """A block file on disk: the header page plus the payload rounded up to whole pages."""
-    return ALIGN + -(-block_bytes // ALIGN) * ALIGN
+def _disk_store(
+    work: Path,
+    count: int,
+    block_bytes: int,
+    workers: int,
+    direct_io: bool,
+    gds: bool | None = None,
+) -> TieredStore:
+    """A disk-only store in ``work``/tier with room for ``count`` block files (a file: the
+    header page plus the payload rounded up to whole pages)."""
+    file_bytes = ALIGN + -(-block_bytes // ALIGN) * ALIGN
+    return TieredStore(
+        0,
+        work / "tier",
+        count * file_bytes,
+        block_bytes,
+        workers=workers,
+        direct_io=direct_io,
+        gds=gds,
+    )
 
 
 def _measure_host(
@@ -561,14 +578,7 @@ def _measure_disk(
     seq_write, seq_read = sequential_file_baseline(work, total_bytes, direct_io, repeats)
     step(f"disk tier, {block_bytes >> 10} KiB blocks")
     count = max(1, total_bytes // block_bytes)
-    with TieredStore(
-        0,
-        work / "tier",
-        count * _file_bytes(block_bytes),
-        block_bytes,
-        workers=workers,
-        direct_io=direct_io,
-    ) as store:
+    with _disk_store(work, count, block_bytes, workers, direct_io) as store:
         wrote, read = _measure_store(store, block_bytes, total_bytes, "disk", repeats, "disk")
     report.measurements.append(
         _measurement("disk write", block_bytes, wrote, "sequential write", seq_write)
@@ -606,15 +616,7 @@ def _measure_device_disk(
     for gds in gds_modes:
         label = " (gds)" if gds else ""
         step(f"disk tier from {device} tensors{label}, {block_bytes >> 10} KiB blocks")
-        with TieredStore(
-            0,
-            work / "tier",
-            count * _file_bytes(block_bytes),
-            block_bytes,
-            workers=workers,
-            direct_io=direct_io,
-            gds=gds,
-        ) as store:
+        with _disk_store(work, count, block_bytes, workers, direct_io, gds) as store:
             wrote, read = _measure_device(
                 store,
                 torch,
