@@ -318,29 +318,16 @@ def size_node(
             beyond,
         )
         if usable is not None and pool_bytes is not None:
-            n = max_trajectories(usable, whole)
-            private = whole - shared_bytes
-            n_shared = (
-                max_trajectories_shared(usable, shared_bytes, private) if shared_tokens else n
-            )
-            static = None
-            s_max = static_max_tokens or geom.max_position_embeddings
-            if s_max is not None and tokens + output_tokens <= s_max:
-                static = static_reservation(geom, usable // replicas, s_max, tokens + output_tokens)
-            seqs = n if num_sequences is None else num_sequences
-            row = ContextSizing(
-                tokens=tokens,
-                bytes=whole,
-                bytes_per_device=row.bytes_per_device,
-                max_trajectories=n,
-                max_trajectories_shared=n_shared,
-                static_max_requests=None if static is None else static.max_requests * replicas,
-                static_allocation_efficiency=None
-                if static is None
-                else static.allocation_efficiency,
-                tail_waste_bytes=tail_waste_bytes(seqs, block_size, per_token),
-                fragmentation_ratio=fragmentation_ratio(seqs, block_size, per_token, pool_bytes),
-                beyond_max_position=beyond,
+            row = _with_pool(
+                row,
+                geom,
+                pool_bytes,
+                usable,
+                shared_bytes if shared_tokens else None,
+                output_tokens,
+                replicas,
+                static_max_tokens,
+                (block_size, num_sequences, per_token),
             )
         rows.append(row)
     return NodeSizing(
@@ -354,6 +341,47 @@ def size_node(
         paged=paged,
         contexts=rows,
         warnings=warnings,
+    )
+
+
+def _with_pool(
+    row: ContextSizing,
+    geom: ModelGeometry,
+    pool_bytes: int,
+    usable: int,
+    shared_bytes: int | None,
+    output_tokens: int,
+    replicas: int,
+    static_max_tokens: int | None,
+    paging: tuple[int, int | None, int],
+) -> ContextSizing:
+    """``row`` with what a pool of ``usable`` bytes holds at its context: trajectories (also with
+    ``shared_bytes`` held once; None: no shared prefix), static reservations per replica, tail
+    waste of ``paging`` = (block size, sequences or None for the max, bytes per token)."""
+    block_size, num_sequences, per_token = paging
+    tokens, whole, beyond = row.tokens, row.bytes, row.beyond_max_position
+    n = max_trajectories(usable, whole)
+    n_shared = (
+        n
+        if shared_bytes is None
+        else max_trajectories_shared(usable, shared_bytes, whole - shared_bytes)
+    )
+    static = None
+    s_max = static_max_tokens or geom.max_position_embeddings
+    if s_max is not None and tokens + output_tokens <= s_max:
+        static = static_reservation(geom, usable // replicas, s_max, tokens + output_tokens)
+    seqs = n if num_sequences is None else num_sequences
+    return ContextSizing(
+        tokens=tokens,
+        bytes=whole,
+        bytes_per_device=row.bytes_per_device,
+        max_trajectories=n,
+        max_trajectories_shared=n_shared,
+        static_max_requests=None if static is None else static.max_requests * replicas,
+        static_allocation_efficiency=None if static is None else static.allocation_efficiency,
+        tail_waste_bytes=tail_waste_bytes(seqs, block_size, per_token),
+        fragmentation_ratio=fragmentation_ratio(seqs, block_size, per_token, pool_bytes),
+        beyond_max_position=beyond,
     )
 
 

@@ -765,30 +765,8 @@ def diagnose(
             report.s_reusable = (min(d, len(ids) - 1) // block_size) * block_size
             if d < len(p_r.token_ids) and d < len(ids):
                 cause = classify(p_req, req, p_r, rendered, d)
-                c_new = rendered.offsets[d][0]
-                zone, k, off = zone_of(rendered, c_new)
-                c = _lcp_str(p_r.text, rendered.text)
-                a_start, a_end = p_r.offsets[d]
-                b_start, b_end = rendered.offsets[d]
-                report.divergence = Divergence(
-                    token_index=d,
-                    zone=zone,
-                    message_index=k,
-                    char_offset=c_new,
-                    message_char_offset=off,
-                    prev_token=p_r.token_ids[d],
-                    new_token=ids[d],
-                    prev_context=_context(
-                        p_r.text, a_start, max(a_end, min(c + 1, len(p_r.text))), context_chars
-                    ),
-                    new_context=_context(
-                        rendered.text,
-                        b_start,
-                        max(b_end, min(c + 1, len(rendered.text))),
-                        context_chars,
-                    ),
-                    tokens_lost=max(0, reusable - result.matched_tokens),
-                )
+                lost = max(0, reusable - result.matched_tokens)
+                report.divergence = _divergence(p_r, rendered, d, context_chars, lost)
                 report.cause = cause
             elif result.matched_tokens < reusable:
                 report.cause = _cause(
@@ -802,3 +780,31 @@ def diagnose(
         prev = (req, rendered)
     errors.sort(key=lambda e: e.line_no)
     return DiagnoseReport(tokenizer.name, block_size, capacity_tokens, turns, errors)
+
+
+def _divergence(
+    prev: RenderedPrompt, new: RenderedPrompt, d: int, context_chars: int, tokens_lost: int
+) -> Divergence:
+    """Where ``new`` leaves ``prev`` at token ``d``: its zone and message, the two tokens and
+    ``context_chars`` of text around each side."""
+    c_new = new.offsets[d][0]
+    zone, k, off = zone_of(new, c_new)
+    c = _lcp_str(prev.text, new.text)
+    a_start, a_end = prev.offsets[d]
+    b_start, b_end = new.offsets[d]
+    return Divergence(
+        token_index=d,
+        zone=zone,
+        message_index=k,
+        char_offset=c_new,
+        message_char_offset=off,
+        prev_token=prev.token_ids[d],
+        new_token=new.token_ids[d],
+        prev_context=_context(
+            prev.text, a_start, max(a_end, min(c + 1, len(prev.text))), context_chars
+        ),
+        new_context=_context(
+            new.text, b_start, max(b_end, min(c + 1, len(new.text))), context_chars
+        ),
+        tokens_lost=tokens_lost,
+    )

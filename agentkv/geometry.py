@@ -113,52 +113,9 @@ class ModelGeometry:
 
         model_type = str(cfg.get("model_type") or raw.get("model_type") or "unknown")
         num_layers = _req_int(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
-        hidden = _req_int(cfg, "hidden_size", "n_embd", "d_model")
-        heads = _req_int(cfg, "num_attention_heads", "n_head", "num_heads")
-        kv_heads = _opt_int(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads")
-        if kv_heads is None:
-            kv_heads = 1 if cfg.get("multi_query") else heads
-        head_dim = _opt_int(cfg, "head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise UnsupportedModelError(
-                    f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and "
-                    "the config has no head_dim"
-                )
-            head_dim = hidden // heads
-        if heads % kv_heads:
-            raise UnsupportedModelError(
-                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-            )
-
-        mla_latent: int | None = None
-        if cfg.get("kv_lora_rank") is not None:
-            mla_latent = _req_int(cfg, "kv_lora_rank") + _req_int(cfg, "qk_rope_head_dim")
-            attention = "mla"
-        elif kv_heads == 1 and heads > 1:
-            attention = "mqa"
-        elif kv_heads == heads:
-            attention = "mha"
-        else:
-            attention = "gqa"
-
-        config_dtype = _config_dtype(cfg, raw)
-        if kv_dtype is None or kv_dtype == "auto":
-            if config_dtype is None:
-                raise UnsupportedModelError(
-                    "config has no torch_dtype (or dtype); pass the KV dtype explicitly "
-                    "(--kv-dtype bf16|fp16|fp8|int8)"
-                )
-            kv_name = config_dtype
-        else:
-            kv_name = kv_dtype.lower()
-        kv_bytes = _dtype_bytes(kv_name)
-        if config_dtype is None:
-            weight_bytes = 2.0
-            warnings.append("config has no torch_dtype: weights assumed 16-bit")
-        else:
-            weight_bytes = _dtype_bytes(config_dtype)
-        weight_bytes = _quantized_weight_bytes(cfg, raw, weight_bytes)
+        hidden, heads, kv_heads, head_dim = _heads(cfg)
+        attention, mla_latent = _attention(cfg, heads, kv_heads)
+        kv_name, kv_bytes, weight_bytes = _dtypes(cfg, raw, kv_dtype, warnings)
 
         kinds, windows = _layer_pattern(cfg, model_type, num_layers)
         state_elems = None
@@ -587,3 +544,61 @@ def _mamba_parameters(cfg: Mapping[str, Any], hidden: int) -> int | None:
         + d_inner  # A_log, D
         + d_inner * hidden  # out_proj
     )
+
+
+def _heads(cfg: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """hidden size, attention heads, KV heads (MQA: 1) and head dim; UnsupportedModelError for
+    heads that do not divide."""
+    hidden = _req_int(cfg, "hidden_size", "n_embd", "d_model")
+    heads = _req_int(cfg, "num_attention_heads", "n_head", "num_heads")
+    kv_heads = _opt_int(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads")
+    if kv_heads is None:
+        kv_heads = 1 if cfg.get("multi_query") else heads
+    head_dim = _opt_int(cfg, "head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise UnsupportedModelError(
+                f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and "
+                "the config has no head_dim"
+            )
+        head_dim = hidden // heads
+    if heads % kv_heads:
+        raise UnsupportedModelError(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+    return hidden, heads, kv_heads, head_dim
+
+
+def _attention(cfg: Mapping[str, Any], heads: int, kv_heads: int) -> tuple[str, int | None]:
+    """The attention kind (mla, mqa, mha, gqa) and MLA's latent width per token."""
+    if cfg.get("kv_lora_rank") is not None:
+        return "mla", _req_int(cfg, "kv_lora_rank") + _req_int(cfg, "qk_rope_head_dim")
+    if kv_heads == 1 and heads > 1:
+        return "mqa", None
+    if kv_heads == heads:
+        return "mha", None
+    return "gqa", None
+
+
+def _dtypes(
+    cfg: Mapping[str, Any], raw: Mapping[str, Any], kv_dtype: str | None, warnings: list[str]
+) -> tuple[str, float, float]:
+    """The KV dtype's name and width (``kv_dtype``, else the config's) and the weights' bytes per
+    parameter (quantization included; 16-bit with a warning when the config names no dtype)."""
+    config_dtype = _config_dtype(cfg, raw)
+    if kv_dtype is None or kv_dtype == "auto":
+        if config_dtype is None:
+            raise UnsupportedModelError(
+                "config has no torch_dtype (or dtype); pass the KV dtype explicitly "
+                "(--kv-dtype bf16|fp16|fp8|int8)"
+            )
+        kv_name = config_dtype
+    else:
+        kv_name = kv_dtype.lower()
+    kv_bytes = _dtype_bytes(kv_name)
+    if config_dtype is None:
+        weight_bytes = 2.0
+        warnings.append("config has no torch_dtype: weights assumed 16-bit")
+    else:
+        weight_bytes = _dtype_bytes(config_dtype)
+    return kv_name, kv_bytes, _quantized_weight_bytes(cfg, raw, weight_bytes)

@@ -57,12 +57,7 @@ class OTelExport:
         span_exporter: Any = None,
         metric_reader: Any = None,
     ) -> None:
-        from opentelemetry.metrics import CallbackOptions, Observation
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         from agentkv import __version__
 
@@ -78,64 +73,82 @@ class OTelExport:
         self.tracer_provider: Any = None
         self._tracer: Any = None
         if _enabled(env, "METRICS"):
-            reader = metric_reader
-            if reader is None:
-                if grpc:
-                    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-                        OTLPMetricExporter,
-                    )
-                else:
-                    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (  # type: ignore[assignment]
-                        OTLPMetricExporter,
-                    )
-                reader = PeriodicExportingMetricReader(OTLPMetricExporter())
-            self.meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
-            meter = self.meter_provider.get_meter("agentkv", __version__)
-
-            def gauge_callback(spec: MetricSpec) -> Callable[[CallbackOptions], list[Observation]]:
-                def cb(_: CallbackOptions) -> list[Observation]:
-                    try:
-                        return [
-                            Observation(value, dict(labels))
-                            for s, labels, value in gauges()
-                            if s is spec
-                        ]
-                    except Exception:  # an export must never disturb the engine
-                        log.debug("agentkv: gauge read failed", exc_info=True)
-                        return []
-
-                return cb
-
-            for spec in METRICS:
-                if spec.kind == "counter":
-                    inst = meter.create_counter(spec.otel_name, spec.unit, spec.help)
-                elif spec.kind == "histogram":
-                    inst = meter.create_histogram(
-                        spec.otel_name,
-                        spec.unit,
-                        spec.help,
-                        explicit_bucket_boundaries_advisory=list(spec.buckets),
-                    )
-                else:
-                    inst = meter.create_observable_gauge(
-                        spec.otel_name, [gauge_callback(spec)], spec.unit, spec.help
-                    )
-                self._instruments[spec.name] = inst
+            self._start_metrics(resource, grpc, gauges, metric_reader)
         if _enabled(env, "TRACES"):
-            exporter = span_exporter
-            if exporter is None:
-                if grpc:
-                    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-                        OTLPSpanExporter,
-                    )
-                else:
-                    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[assignment]
-                        OTLPSpanExporter,
-                    )
-                exporter = OTLPSpanExporter()
-            self.tracer_provider = TracerProvider(resource=resource)
-            self.tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-            self._tracer = self.tracer_provider.get_tracer("agentkv", __version__)
+            self._start_traces(resource, grpc, span_exporter)
+
+    def _start_metrics(self, resource: Any, grpc: bool, gauges: GaugeReader, reader: Any) -> None:
+        """A meter provider exporting over OTLP (or to ``reader``) with one instrument per
+        METRICS entry; gauges are read through ``gauges`` at each export."""
+        from opentelemetry.metrics import CallbackOptions, Observation
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        from agentkv import __version__
+
+        if reader is None:
+            if grpc:
+                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+                    OTLPMetricExporter,
+                )
+            else:
+                from opentelemetry.exporter.otlp.proto.http.metric_exporter import (  # type: ignore[assignment]
+                    OTLPMetricExporter,
+                )
+            reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+        self.meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        meter = self.meter_provider.get_meter("agentkv", __version__)
+
+        def gauge_callback(spec: MetricSpec) -> Callable[[CallbackOptions], list[Observation]]:
+            def cb(_: CallbackOptions) -> list[Observation]:
+                try:
+                    return [
+                        Observation(value, dict(labels))
+                        for s, labels, value in gauges()
+                        if s is spec
+                    ]
+                except Exception:  # an export must never disturb the engine
+                    log.debug("agentkv: gauge read failed", exc_info=True)
+                    return []
+
+            return cb
+
+        for spec in METRICS:
+            if spec.kind == "counter":
+                inst = meter.create_counter(spec.otel_name, spec.unit, spec.help)
+            elif spec.kind == "histogram":
+                inst = meter.create_histogram(
+                    spec.otel_name,
+                    spec.unit,
+                    spec.help,
+                    explicit_bucket_boundaries_advisory=list(spec.buckets),
+                )
+            else:
+                inst = meter.create_observable_gauge(
+                    spec.otel_name, [gauge_callback(spec)], spec.unit, spec.help
+                )
+            self._instruments[spec.name] = inst
+
+    def _start_traces(self, resource: Any, grpc: bool, exporter: Any) -> None:
+        """A tracer provider exporting spans over OTLP (or to ``exporter``) in batches."""
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        from agentkv import __version__
+
+        if exporter is None:
+            if grpc:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+            else:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[assignment]
+                    OTLPSpanExporter,
+                )
+            exporter = OTLPSpanExporter()
+        self.tracer_provider = TracerProvider(resource=resource)
+        self.tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+        self._tracer = self.tracer_provider.get_tracer("agentkv", __version__)
 
     @classmethod
     def from_env(

@@ -25,6 +25,15 @@ import time
 from typing import Any
 
 import httpx
+from agent_loop_common import (
+    SCRIPT,
+    SYSTEM,
+    TASK,
+    main,
+    print_auto_pause,
+    print_turn,
+    target_schema,
+)
 
 try:
     from anthropic import Anthropic, AnthropicError
@@ -33,22 +42,12 @@ except ImportError:  # pragma: no cover - the example needs the client
 
 from harness_sdk.anthropic import wrap
 
-SYSTEM = (
-    "You are a careful coding agent working in a Python repository. Read before you edit and "
-    "run the tests after every change. "
-    + " ".join(f"guideline-{i}: prefer small, reviewed, reversible steps." for i in range(40))
-)
-
 
 def _tool(name: str, description: str, choices: list[str]) -> dict[str, Any]:
     return {
         "name": name,
         "description": description,
-        "input_schema": {
-            "type": "object",
-            "properties": {"target": {"type": "string", "enum": choices}},
-            "required": ["target"],
-        },
+        "input_schema": target_schema(choices),
     }
 
 
@@ -56,23 +55,12 @@ TOOLS = [
     _tool("read_file", "Read a file", ["parser.py"]),
     _tool("run_tests", "Run pytest", ["tests"]),
 ]
-SCRIPT = [
-    ("read_file", 0.2, "parser.py: def parse(s): return s.split(',')"),
-    ("run_tests", 1.5, "FAILED tests/test_parser.py::test_empty - [''] != []"),
-    ("run_tests", 1.5, "12 passed in 1.79s"),
-]
 
 
-def report(turn: int, msg: Any) -> None:
-    stats = ((msg.model_extra or {}).get("kv_transfer_params") or {}).get("agentkv") or {}
+def prompt_tokens(msg: Any) -> int:
     u = msg.usage  # Anthropic splits the prompt: uncached + written to cache + read from it
-    prompt = (
+    return int(
         u.input_tokens + (u.cache_creation_input_tokens or 0) + (u.cache_read_input_tokens or 0)
-    )
-    print(
-        f"turn {turn}: prompt {prompt:>5}  "
-        f"from vLLM {stats.get('device_hit_tokens', 0):>5}  "
-        f"from tier {stats.get('tier_hit_tokens', 0):>5} ({stats.get('tier') or '-'})"
     )
 
 
@@ -87,9 +75,7 @@ def run(args: argparse.Namespace) -> None:
     args.model = args.model or first_model(args.base_url, args.api_key)
     # vLLM checks Authorization: Bearer, which the anthropic client sends for auth_token
     raw = Anthropic(base_url=args.base_url, auth_token=args.api_key or "EMPTY")
-    messages: list[dict[str, Any]] = [
-        {"role": "user", "content": "The test tests/test_parser.py::test_empty fails. Fix it."}
-    ]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
     with wrap(raw, args.trajectory_id) as client:
         print(f"trajectory {client.trajectory_id} on {args.model}")
         for turn, (name, seconds, output) in enumerate(SCRIPT, start=1):
@@ -101,7 +87,7 @@ def run(args: argparse.Namespace) -> None:
                 tool_choice={"type": "tool", "name": name},
                 max_tokens=32,
             )
-            report(turn, msg)
+            print_turn(turn, prompt_tokens(msg), msg)
             calls = [b for b in msg.content if b.type == "tool_use"]
             messages.append(
                 {
@@ -112,9 +98,7 @@ def run(args: argparse.Namespace) -> None:
                     ],
                 }
             )
-            state = client.server_state() or {}
-            branch = (state.get("branches") or {}).get("main") or {}
-            print(f"  auto-paused on {branch.get('tool')}: {branch.get('state')}")
+            print_auto_pause(client)
             time.sleep(seconds)  # the tool runs; the engine learns this wait
             messages.append(
                 {
@@ -127,18 +111,5 @@ def run(args: argparse.Namespace) -> None:
             )
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--model", default=None, help="default: the server's first model")
-    p.add_argument("--trajectory-id", default=None, help="default: a random one")
-    args = p.parse_args()
-    try:
-        run(args)
-    except AnthropicError as exc:
-        sys.exit(f"request failed: {exc}")
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, run, AnthropicError, base_url="http://127.0.0.1:8000")

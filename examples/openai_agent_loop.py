@@ -25,18 +25,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agent_loop_common import SYSTEM, TASK, main, print_turn
+
 try:
     from openai import OpenAI, OpenAIError
 except ImportError:  # pragma: no cover - the example needs the client
     sys.exit("this example needs the openai package: pip install 'vllm-agentkv[openai]'")
 
 from harness_sdk.openai import wrap
-
-SYSTEM = (
-    "You are a careful coding agent working in a Python repository. Read before you edit, run "
-    "the tests after every change and explain failures precisely. "
-    + " ".join(f"guideline-{i}: prefer small, reviewed, reversible steps." for i in range(40))
-)
 
 
 def _tool(name: str, description: str) -> dict[str, Any]:
@@ -75,15 +71,9 @@ SCRIPT: list[tuple[str, float, Callable[[], str]]] = [
 
 
 def report(turn: int, r: Any) -> None:
-    usage = r.usage
-    details = getattr(usage, "prompt_tokens_details", None)
+    details = getattr(r.usage, "prompt_tokens_details", None)
     cached = (getattr(details, "cached_tokens", None) or 0) if details else 0
-    stats = ((r.model_extra or {}).get("kv_transfer_params") or {}).get("agentkv") or {}
-    print(
-        f"turn {turn}: prompt {usage.prompt_tokens:>5}  cached {cached:>5}  "
-        f"from vLLM {stats.get('device_hit_tokens', 0):>5}  "
-        f"from tier {stats.get('tier_hit_tokens', 0):>5} ({stats.get('tier') or '-'})"
-    )
+    print_turn(turn, r.usage.prompt_tokens, r, cached)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -91,7 +81,7 @@ def run(args: argparse.Namespace) -> None:
     model = args.model or raw.models.list().data[0].id
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "The test tests/test_parser.py::test_empty fails. Fix it."},
+        {"role": "user", "content": TASK},
     ]
     with wrap(raw, args.trajectory_id) as client:
         print(f"trajectory {client.trajectory_id} on {model}")
@@ -139,18 +129,5 @@ def run(args: argparse.Namespace) -> None:
             print("server view:", json.dumps(state["branches"]["main"]["decision"])[:200])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--model", default=None, help="default: the server's first model")
-    p.add_argument("--trajectory-id", default=None, help="default: a random one")
-    args = p.parse_args()
-    try:
-        run(args)
-    except OpenAIError as exc:
-        sys.exit(f"request failed: {exc}")
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, run, OpenAIError)

@@ -24,6 +24,16 @@ import sys
 import time
 from typing import Any
 
+from agent_loop_common import (
+    SCRIPT,
+    SYSTEM,
+    TASK,
+    main,
+    print_auto_pause,
+    print_turn,
+    target_schema,
+)
+
 try:
     from openai import OpenAI, OpenAIError
 except ImportError:  # pragma: no cover - the example needs the client
@@ -31,23 +41,13 @@ except ImportError:  # pragma: no cover - the example needs the client
 
 from harness_sdk.openai import wrap
 
-INSTRUCTIONS = (
-    "You are a careful coding agent working in a Python repository. Read before you edit and "
-    "run the tests after every change. "
-    + " ".join(f"guideline-{i}: prefer small, reviewed, reversible steps." for i in range(40))
-)
-
 
 def _tool(name: str, description: str, choices: list[str]) -> dict[str, Any]:
     return {
         "type": "function",
         "name": name,
         "description": description,
-        "parameters": {
-            "type": "object",
-            "properties": {"target": {"type": "string", "enum": choices}},
-            "required": ["target"],
-        },
+        "parameters": target_schema(choices),
     }
 
 
@@ -55,34 +55,18 @@ TOOLS = [
     _tool("read_file", "Read a file", ["parser.py"]),
     _tool("run_tests", "Run pytest", ["tests"]),
 ]
-SCRIPT = [
-    ("read_file", 0.2, "parser.py: def parse(s): return s.split(',')"),
-    ("run_tests", 1.5, "FAILED tests/test_parser.py::test_empty - [''] != []"),
-    ("run_tests", 1.5, "12 passed in 1.79s"),
-]
-
-
-def report(turn: int, r: Any) -> None:
-    stats = ((r.model_extra or {}).get("kv_transfer_params") or {}).get("agentkv") or {}
-    print(
-        f"turn {turn}: prompt {r.usage.input_tokens:>5}  "
-        f"from vLLM {stats.get('device_hit_tokens', 0):>5}  "
-        f"from tier {stats.get('tier_hit_tokens', 0):>5} ({stats.get('tier') or '-'})"
-    )
 
 
 def run(args: argparse.Namespace) -> None:
     raw = OpenAI(base_url=args.base_url, api_key=args.api_key or "EMPTY")
     model = args.model or raw.models.list().data[0].id
-    items: list[dict[str, Any]] = [
-        {"role": "user", "content": "The test tests/test_parser.py::test_empty fails. Fix it."}
-    ]
+    items: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
     with wrap(raw, args.trajectory_id) as client:
         print(f"trajectory {client.trajectory_id} on {model}")
         for turn, (name, seconds, output) in enumerate(SCRIPT, start=1):
             r = client.responses.create(
                 model=model,
-                instructions=INSTRUCTIONS,
+                instructions=SYSTEM,
                 input=items,
                 tools=TOOLS,
                 tool_choice={"type": "function", "name": name},
@@ -90,11 +74,9 @@ def run(args: argparse.Namespace) -> None:
                 temperature=0,
                 store=False,
             )
-            report(turn, r)
+            print_turn(turn, r.usage.input_tokens, r)
             calls = [o for o in r.output if o.type == "function_call"]
-            state = client.server_state() or {}
-            branch = (state.get("branches") or {}).get("main") or {}
-            print(f"  auto-paused on {branch.get('tool')}: {branch.get('state')}")
+            print_auto_pause(client)
             time.sleep(seconds)  # the tool runs; the engine learns this wait
             for call in calls:
                 items.append(
@@ -110,18 +92,5 @@ def run(args: argparse.Namespace) -> None:
                 )
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--model", default=None, help="default: the server's first model")
-    p.add_argument("--trajectory-id", default=None, help="default: a random one")
-    args = p.parse_args()
-    try:
-        run(args)
-    except OpenAIError as exc:
-        sys.exit(f"request failed: {exc}")
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, run, OpenAIError)

@@ -10,13 +10,13 @@ load inside the command, so ``agentkv --help`` stays fast.
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
+from agentkv.cli import bench_agents_options as options
+from agentkv.cli.bench_common import bench_command
 from agentkv.cli.common import fail, with_progress
 
 if TYPE_CHECKING:
@@ -24,94 +24,23 @@ if TYPE_CHECKING:
 
 
 def agents(
-    preset: str | None = typer.Option(
-        None, "--preset", help="Embedded model: small (default; recompute is expensive) or tiny."
-    ),
-    trajectories: int | None = typer.Option(
-        None, "--trajectories", "-n", min=1, help="Concurrent trajectories (default 6)."
-    ),
-    turns: int | None = typer.Option(
-        None, "--turns", "-t", min=1, help="Turns per trajectory (default 5)."
-    ),
-    time_scale: float | None = typer.Option(
-        None,
-        "--time-scale",
-        min=0.0,
-        help="Multiplies every tool wait (compile ~3 s, test suite ~30 s, human approval ~180 s "
-        "medians) and the start stagger. Default 0.1. With --trace: multiplies the trace's "
-        "arrival times and tool waits (default 1).",
-    ),
-    trace: Path | None = typer.Option(
-        None,
-        "--trace",
-        exists=True,
-        dir_okay=False,
-        readable=True,
-        help="Replay this recorded workload instead of the generated one: TraceLab session CSV "
-        "(session_id,arrival_time,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms), "
-        "its canonical form (id,input_len,...,prefix_len) or round-trace JSONL (.gz read too); "
-        "the format is detected. A closed loop per session (send a round, read the whole reply, "
-        "wait tool_wait_after_ms, send the next), prompts as token ids whose prefix is the "
-        "session's history. Runs vanilla vLLM, agentkv and an oracle (vanilla with enough "
-        "blocks that nothing is evicted) and takes each resume stall apart.",
-    ),
-    token_scale: float = typer.Option(
-        1.0,
-        "--token-scale",
-        min=0.0001,
-        help="With --trace: multiplies every prefix, input and output length (fit the machine).",
-    ),
-    sessions: int | None = typer.Option(
-        None, "--sessions", min=1, help="With --trace: replay only the first N sessions."
-    ),
-    seed: int = typer.Option(0, "--seed", help="Workload seed: same seed, same workload."),
-    fork_prob: float | None = typer.Option(
-        None, "--fork-prob", min=0.0, max=1.0, help="Chance that a turn forks into 2 branches."
-    ),
-    num_blocks: str | None = typer.Option(
-        None,
-        "--num-blocks",
-        help="Device KV blocks (128 tokens each), the same for every configuration but the "
-        "oracle; small enough that paused trajectories do not all fit (default 128). With "
-        "--trace: default a quarter of the oracle's, at least two of the longest context. A "
-        "comma-separated list (e.g. 96,48,24: roomy, tight, very tight) sweeps the pool size: "
-        "each size is a full run of every configuration, reported side by side in sweep.md.",
-    ),
-    configs: str | None = typer.Option(
-        None,
-        "--configs",
-        help="Configurations to run, comma-separated, in this order: vanilla, agentkv, "
-        "retain-always and offload-always (the agentkv connector taking that one action at "
-        "every pause: fixed policies), oracle (vanilla vLLM with a pool that never evicts, run "
-        "once). Default vanilla,agentkv (with --trace vanilla,agentkv,oracle). Given, or with "
-        "several --num-blocks, the run is a sweep: sweep.md gives every metric per configuration "
-        "and pool size and agentkv's regret against the best fixed policy.",
-    ),
-    host_capacity_gib: float = typer.Option(
-        2.0, "--host-capacity-gib", min=0.1, help="agentkv host tier size."
-    ),
-    out: Path | None = typer.Option(
-        None,
-        "--out",
-        help="Folder for report.json, report.md, PNGs, logs (default bench/results/agents, "
-        "with --trace bench/results/trace).",
-    ),
-    quick: bool = typer.Option(
-        False,
-        "--quick",
-        help="CI smoke run: tiny model, 3 trajectories x 3 turns, sub-second waits, no "
-        "overhead benchmark. Checks completion and a well-formed report, not the targets. "
-        "With --trace: the tiny model (the trace's sizes as given).",
-    ),
-    skip_overhead: bool = typer.Option(
-        False, "--skip-overhead", help="Skip the no-pause overhead run (`vllm bench serve`)."
-    ),
-    overhead: bool = typer.Option(
-        False, "--overhead", help="Run the overhead benchmark even with --quick."
-    ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print the summary and targets as JSON on stdout."
-    ),
+    preset: options.Preset = None,
+    trajectories: options.Trajectories = None,
+    turns: options.Turns = None,
+    time_scale: options.TimeScale = None,
+    trace: options.Trace = None,
+    token_scale: options.TokenScale = 1.0,
+    sessions: options.Sessions = None,
+    seed: options.Seed = 0,
+    fork_prob: options.ForkProb = None,
+    num_blocks: options.NumBlocks = None,
+    configs: options.Configs = None,
+    host_capacity_gib: options.HostCapacityGib = 2.0,
+    out: options.Out = None,
+    quick: options.Quick = False,
+    skip_overhead: options.SkipOverhead = False,
+    overhead: options.Overhead = False,
+    as_json: options.AsJson = False,
 ) -> None:
     """Run the same seeded agent workload against vanilla vLLM (prefix caching) and vLLM with
     agentkv (same model, same KV blocks), one after the other, and compare them.
@@ -128,9 +57,6 @@ def agents(
     (KV load per tier, prefill, queueing) next to a raw memcpy of the same bytes. Example:
     agentkv bench agents --trace multi_session_large.csv --token-scale 0.5 --num-blocks 160
     """
-    from rich.console import Console
-
-    argv_tail = sys.argv[sys.argv.index("agents") + 1 :] if "agents" in sys.argv else []
     if trace is not None:
         clash = [
             flag
@@ -156,10 +82,46 @@ def agents(
             host_capacity_gib=host_capacity_gib,
             out=out or Path("bench/results/trace"),
             as_json=as_json,
-            command="agentkv bench agents " + shlex.join(argv_tail),
+            command=bench_command("agents"),
         )
         return
-    out = out or Path("bench/results/agents")
+    _synthetic(
+        preset=preset,
+        trajectories=trajectories,
+        turns=turns,
+        time_scale=time_scale,
+        seed=seed,
+        fork_prob=fork_prob,
+        num_blocks=num_blocks,
+        configs=configs,
+        host_capacity_gib=host_capacity_gib,
+        out=out or Path("bench/results/agents"),
+        quick=quick,
+        skip_overhead=skip_overhead,
+        overhead=overhead,
+        as_json=as_json,
+    )
+
+
+def _synthetic(
+    *,
+    preset: str | None,
+    trajectories: int | None,
+    turns: int | None,
+    time_scale: float | None,
+    seed: int,
+    fork_prob: float | None,
+    num_blocks: str | None,
+    configs: str | None,
+    host_capacity_gib: float,
+    out: Path,
+    quick: bool,
+    skip_overhead: bool,
+    overhead: bool,
+    as_json: bool,
+) -> None:
+    """The generated workload: one run of every configuration, or a sweep (pool sizes or an
+    explicit --configs list)."""
     from agentkv.errors import AgentKVError
     from agentkv_bench.matrix import BenchConfig
 
@@ -188,9 +150,7 @@ def agents(
         max_model_len=0,
         out=out,
         overhead=None if skip_overhead or (quick and not overhead) else OverheadSpec(),
-        command="agentkv bench agents " + shlex.join(sys.argv[sys.argv.index("agents") + 1 :])
-        if "agents" in sys.argv
-        else "agentkv bench agents",
+        command=bench_command("agents"),
     )
     if config_list is not None:
         opts.configs = tuple(c.value for c in config_list)
@@ -214,6 +174,11 @@ def agents(
         report = with_progress(lambda on_progress: run_bench(opts, on_progress))
     except AgentKVError as exc:
         fail(str(exc))
+    _show_report(report, out, as_json)
+
+
+def _show_report(report: dict[str, Any], out: Path, as_json: bool) -> None:
+    """The summary and targets as JSON, or report.md and where the report and plots are."""
     summary = {
         "out": str(out),
         "summaries": {k: v["summary"] for k, v in report["configs"].items()},
@@ -230,6 +195,7 @@ def agents(
     if as_json:
         typer.echo(json.dumps(summary))
         return
+    from rich.console import Console
     from rich.markdown import Markdown
 
     Console().print(Markdown((out / "report.md").read_text()))

@@ -6,14 +6,13 @@ Only typer is imported at module level; the benchmark loads inside the command.
 
 from __future__ import annotations
 
-import json
-import shlex
-import sys
 from pathlib import Path
 
 import typer
 
-from agentkv.cli.common import fail, with_progress
+from agentkv.cli import bench_common as bench
+from agentkv.cli.bench_common import bench_command
+from agentkv.cli.common import fail
 
 
 def overhead(
@@ -26,13 +25,11 @@ def overhead(
     rounds: int = typer.Option(
         6, "--rounds", min=1, help="ABBA rounds: each starts a vanilla and an agentkv server once."
     ),
-    requests: int = typer.Option(
-        30, "--requests", min=2, help="Sequential plain requests per phase (after --warmup)."
-    ),
+    requests: bench.Requests = 30,
     warmup: int = typer.Option(3, "--warmup", min=0, help="Untimed requests after each start."),
-    prompt_tokens: int = typer.Option(200, "--prompt-tokens", min=1),
-    output_tokens: int = typer.Option(16, "--output-tokens", min=1),
-    preset: str = typer.Option("tiny", "--preset", help="Embedded model: tiny or small."),
+    prompt_tokens: bench.PromptTokens = 200,
+    output_tokens: bench.OutputTokens = 16,
+    preset: bench.Preset = "tiny",
     profile_s: float = typer.Option(
         0.0,
         "--profile-s",
@@ -41,7 +38,7 @@ def overhead(
         "engine core (and worker) this many seconds under the same plain traffic "
         "(pyspy-<config>.speedscope.json in --out; open in speedscope.app).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the prompts and the bootstrap."),
+    seed: bench.Seed = 0,
     out: Path = typer.Option(
         Path("bench/results/overhead"), "--out", help="Folder for report.json, report.md, logs."
     ),
@@ -58,12 +55,8 @@ def overhead(
     """
     if not phased:
         fail("only the phased method is offered: side by side, two CPU servers disturb each other")
-    from rich.console import Console
-
-    from agentkv.errors import AgentKVError
     from agentkv_bench.phased import PhasedOptions, run_phased
 
-    argv = sys.argv
     opts = PhasedOptions(
         rounds=rounds,
         requests=requests,
@@ -74,22 +67,10 @@ def overhead(
         seed=seed,
         profile_s=profile_s,
         out=out,
-        command="agentkv bench overhead " + shlex.join(argv[argv.index("overhead") + 1 :])
-        if "overhead" in argv
-        else "agentkv bench overhead",
+        command=bench_command("overhead"),
     )
-    try:
-        report = with_progress(lambda on_progress: run_phased(opts, on_progress))
-    except (AgentKVError, RuntimeError) as exc:
-        fail(str(exc))
-    if as_json:
-        keys = ("ratio", "verdict", "target", "per_round_ratio", "vanilla", "agentkv", "profiles")
-        typer.echo(json.dumps({"out": str(out), **{k: report[k] for k in keys}}))
-        return
-    from rich.markdown import Markdown
-
-    Console().print(Markdown((out / "report.md").read_text()))
-    Console(stderr=True).print(f"report: {out / 'report.json'}, {out / 'report.md'}")
+    keys = ("ratio", "verdict", "target", "per_round_ratio", "vanilla", "agentkv", "profiles")
+    bench.show_report(lambda on_progress: run_phased(opts, on_progress), out, as_json, keys)
 
 
 def register(app: typer.Typer) -> None:

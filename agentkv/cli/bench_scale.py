@@ -6,23 +6,19 @@ Only typer is imported at module level; the benchmark loads inside the command.
 
 from __future__ import annotations
 
-import json
-import shlex
-import sys
 from pathlib import Path
 
 import typer
 
-from agentkv.cli.common import fail, with_progress
+from agentkv.cli import bench_common as bench
+from agentkv.cli.bench_common import bench_command
 
 
 def scale(
     idle: int = typer.Option(
         2000, "--idle", min=1, help="Idle trajectories to create (one short chat turn each)."
     ),
-    requests: int = typer.Option(
-        30, "--requests", min=2, help="Sequential plain requests per phase (p50/p90 over them)."
-    ),
+    requests: bench.Requests = 30,
     rounds: int = typer.Option(
         3,
         "--rounds",
@@ -30,16 +26,12 @@ def scale(
         help="Create / measure / delete / measure cycles; each held phase is compared with its "
         "neighbours in time without trajectories, and the median over rounds is reported.",
     ),
-    prompt_tokens: int = typer.Option(
-        200, "--prompt-tokens", min=1, help="Prompt length of each plain request."
-    ),
-    output_tokens: int = typer.Option(
-        16, "--output-tokens", min=1, help="Greedy output tokens of each plain request."
-    ),
+    prompt_tokens: bench.PromptTokens = 200,
+    output_tokens: bench.OutputTokens = 16,
     concurrency: int = typer.Option(
         8, "--concurrency", min=1, help="Idle trajectories created (and deleted) at a time."
     ),
-    preset: str = typer.Option("tiny", "--preset", help="Embedded model: tiny or small."),
+    preset: bench.Preset = "tiny",
     host_capacity_gib: float = typer.Option(
         2.0,
         "--host-capacity-gib",
@@ -47,7 +39,7 @@ def scale(
         help="Host tier size; each idle trajectory keeps one 128-token block there "
         "(256 KiB with the tiny model).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the prompts."),
+    seed: bench.Seed = 0,
     out: Path = typer.Option(
         Path("bench/results/scale"), "--out", help="Folder for report.json, report.md, the log."
     ),
@@ -71,12 +63,8 @@ def scale(
     median over rounds; target: within 5% for p50 latency and CPU per step), deleted/none and
     the absolute numbers, as report.json and report.md in --out.
     """
-    from rich.console import Console
-
-    from agentkv.errors import AgentKVError
     from agentkv_bench.scale import ScaleOptions, run_scale
 
-    argv = sys.argv
     opts = ScaleOptions(
         idle=idle,
         requests=requests,
@@ -88,31 +76,10 @@ def scale(
         host_capacity_gib=host_capacity_gib,
         seed=seed,
         out=out,
-        command="agentkv bench scale " + shlex.join(argv[argv.index("scale") + 1 :])
-        if "scale" in argv
-        else "agentkv bench scale",
+        command=bench_command("scale"),
     )
-    try:
-        report = with_progress(lambda on_progress: run_scale(opts, on_progress))
-    except (AgentKVError, RuntimeError) as exc:
-        fail(str(exc))
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "out": str(out),
-                    "summary": report["summary"],
-                    "ratios": report["ratios"],
-                    "targets": report["targets"],
-                    "idle_rounds": report["idle_rounds"],
-                }
-            )
-        )
-        return
-    from rich.markdown import Markdown
-
-    Console().print(Markdown((out / "report.md").read_text()))
-    Console(stderr=True).print(f"report: {out / 'report.json'}, {out / 'report.md'}")
+    keys = ("summary", "ratios", "targets", "idle_rounds")
+    bench.show_report(lambda on_progress: run_scale(opts, on_progress), out, as_json, keys)
 
 
 def register(app: typer.Typer) -> None:

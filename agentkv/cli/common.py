@@ -1,9 +1,10 @@
-"""Helpers shared by CLI commands: one-line errors with exit code 2, a progress bar for long runs."""
+"""Helpers shared by CLI commands: one-line errors with exit code 2, a progress bar for long runs,
+a JSON-object option."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 
@@ -38,3 +39,16 @@ def with_progress(run: Callable[[ProgressFn], T]) -> T:
             progress.update(task, description=phase, completed=done, total=total or None)
 
         return run(on_progress)
+
+
+def json_object(text: str, flag: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object; a one-line error naming ``flag`` otherwise."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        fail(f"{flag} is not JSON ({exc}): {text!r}")
+    if not isinstance(value, dict):
+        fail(f"{flag} must be a JSON object, got {text!r}")
+    return value

@@ -234,29 +234,7 @@ def register(app: typer.Typer) -> None:
         """Replay a recorded trajectory through a simulated prefix cache and explain each break:
         S_prompt, S_match and H_prefix per turn, the first divergent token with its zone, and the
         cause with the fix to make."""
-        from agentkv.diagnostics import diagnose, load_tokenizer, read_trajectory
-
-        try:
-            traj = read_trajectory(trajectory)
-            if not traj.requests:
-                first = (
-                    f" (line {traj.errors[0].line_no}: {traj.errors[0].message})"
-                    if traj.errors
-                    else ""
-                )
-                fail(f"no valid request in {trajectory}{first}")
-            if capacity_tokens is not None and capacity_tokens < block_size:
-                fail(f"--capacity-tokens must hold at least one block ({block_size} tokens)")
-            if model is None:
-                from agentkv.modelgen import ensure_model
-
-                model_dir: Path | str = ensure_model("tiny")
-            else:
-                model_dir = model
-            tok = load_tokenizer(model_dir)
-            report = diagnose(traj, tok, block_size, capacity_tokens, context)
-        except AgentKVError as exc:
-            fail(str(exc))
+        report = _diagnose(trajectory, model, block_size, capacity_tokens, context)
         if html_file is not None:
             try:
                 html_file.write_text(render_html(report), encoding="utf-8")
@@ -275,3 +253,31 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"warning: line {e.line_no} skipped: {e.message}", err=True)
         if fail_below is not None and report.h_prefix < fail_below:
             raise typer.Exit(1)
+
+
+def _diagnose(
+    trajectory: Path, model: Path | None, block_size: int, capacity_tokens: int | None, context: int
+) -> Any:
+    """Read the trajectory and replay it with the model's tokenizer; a one-line error for an
+    empty trajectory, a capacity below one block or an unreadable model."""
+    from agentkv.diagnostics import diagnose, load_tokenizer, read_trajectory
+
+    try:
+        traj = read_trajectory(trajectory)
+        if not traj.requests:
+            first = (
+                f" (line {traj.errors[0].line_no}: {traj.errors[0].message})" if traj.errors else ""
+            )
+            fail(f"no valid request in {trajectory}{first}")
+        if capacity_tokens is not None and capacity_tokens < block_size:
+            fail(f"--capacity-tokens must hold at least one block ({block_size} tokens)")
+        if model is None:
+            from agentkv.modelgen import ensure_model
+
+            model_dir: Path | str = ensure_model("tiny")
+        else:
+            model_dir = model
+        tok = load_tokenizer(model_dir)
+        return diagnose(traj, tok, block_size, capacity_tokens, context)
+    except AgentKVError as exc:
+        fail(str(exc))

@@ -8,18 +8,17 @@ tensor parallel replicas). It says what it chose. Logs and run dirs go to a per-
 
 from __future__ import annotations
 
-import json
 import shlex
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agentkv.cli.common import fail
+from agentkv.cli.common import fail, json_object
 
 if TYPE_CHECKING:
-    from agentkv.fleet import RunningFleet
+    from agentkv.fleet import FleetSpec, RunningFleet
 
 fleet_app = typer.Typer(
     help="Several agentkv replicas behind vllm-router (kv_aware, session affinity, remote tier).",
@@ -29,66 +28,104 @@ fleet_app = typer.Typer(
 WATCH_S = 2.0
 
 
-@fleet_app.command("up")
-def up(
-    model: str | None = typer.Argument(
-        None, help="Model folder or name. Default: the embedded tiny model (built on first use)."
+# The options of ``up`` (typer Annotated aliases; the defaults are in the signature).
+NO_ROUTER_ARGS: list[str] = []  # never mutated: typer copies list options
+Model = Annotated[
+    str | None,
+    typer.Argument(
+        help="Model folder or name. Default: the embedded tiny model (built on first use)."
     ),
-    replicas: int | None = typer.Option(
-        None,
+]
+Replicas = Annotated[
+    int | None,
+    typer.Option(
         "--replicas",
         min=1,
         help="vLLM + agentkv servers to start. Default: 2 on CPU, one per GPU group on CUDA.",
     ),
-    port: int = typer.Option(8000, "--port", help="The router's port: clients talk to this one."),
-    remote: str = typer.Option(
-        "embedded",
+]
+Port = Annotated[int, typer.Option("--port", help="The router's port: clients talk to this one.")]
+Remote = Annotated[
+    str,
+    typer.Option(
         "--remote",
         help="Shared remote tier: a valkey:// / redis:// URL, 'embedded' (start a private "
         "valkey-server) or 'none'.",
     ),
-    policy: str = typer.Option(
-        "kv_aware", "--policy", help="vllm-router policy: kv_aware, cache_aware, round_robin, ..."
+]
+Policy = Annotated[
+    str,
+    typer.Option("--policy", help="vllm-router policy: kv_aware, cache_aware, round_robin, ..."),
+]
+AffinityTtlS = Annotated[
+    int,
+    typer.Option(
+        "--affinity-ttl-s", help="Session affinity idle TTL (x-session-id); 0 turns it off."
     ),
-    affinity_ttl_s: int = typer.Option(
-        600, "--affinity-ttl-s", help="Session affinity idle TTL (x-session-id); 0 turns it off."
-    ),
-    kv_space_gib: int | None = typer.Option(
-        None,
+]
+KvSpaceGib = Annotated[
+    int | None,
+    typer.Option(
         "--kv-space-gib",
         help="KV cache per replica in GiB (CPU backend). Default: a share of the free memory.",
     ),
-    gpus_per_replica: int = typer.Option(
-        1, "--gpus-per-replica", min=1, help="CUDA: devices per replica (tensor parallel)."
-    ),
-    connector_config: str = typer.Option(
-        "{}", "--connector-config", help="JSON kv_connector_extra_config for every replica."
-    ),
-    work_dir: Path | None = typer.Option(
-        None,
+]
+GpusPerReplica = Annotated[
+    int,
+    typer.Option("--gpus-per-replica", min=1, help="CUDA: devices per replica (tensor parallel)."),
+]
+ConnectorConfig = Annotated[
+    str,
+    typer.Option("--connector-config", help="JSON kv_connector_extra_config for every replica."),
+]
+WorkDir = Annotated[
+    Path | None,
+    typer.Option(
         "--work-dir",
         help="Logs (replica-N.log, router.log) and run dirs. Default: "
         "$XDG_STATE_HOME/agentkv/fleet-PORT (~/.local/state/agentkv/fleet-PORT).",
     ),
-    restart: bool = typer.Option(
-        False,
+]
+Restart = Annotated[
+    bool,
+    typer.Option(
         "--restart",
         help="Start a replica again (same ports) when its server dies; its trajectories stay "
         "reachable through the remote tier meanwhile.",
     ),
-    router_arg: list[str] = typer.Option(
-        [], "--router-arg", help="One more vllm-router argument (repeat for several)."
-    ),
-    preset: str = typer.Option("tiny", "--preset", help="Embedded preset when MODEL is omitted."),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", help="Print the plan and the router command, start nothing."
-    ),
+]
+RouterArg = Annotated[
+    list[str],
+    typer.Option("--router-arg", help="One more vllm-router argument (repeat for several)."),
+]
+Preset = Annotated[str, typer.Option("--preset", help="Embedded preset when MODEL is omitted.")]
+DryRun = Annotated[
+    bool, typer.Option("--dry-run", help="Print the plan and the router command, start nothing.")
+]
+
+
+@fleet_app.command("up")
+def up(
+    model: Model = None,
+    replicas: Replicas = None,
+    port: Port = 8000,
+    remote: Remote = "embedded",
+    policy: Policy = "kv_aware",
+    affinity_ttl_s: AffinityTtlS = 600,
+    kv_space_gib: KvSpaceGib = None,
+    gpus_per_replica: GpusPerReplica = 1,
+    connector_config: ConnectorConfig = "{}",
+    work_dir: WorkDir = None,
+    restart: Restart = False,
+    router_arg: RouterArg = NO_ROUTER_ARGS,
+    preset: Preset = "tiny",
+    dry_run: DryRun = False,
 ) -> None:
     """Start Valkey (unless given), REPLICAS servers with KV events, and vllm-router wired to
     them; print the router URL; Ctrl-C stops everything this started."""
     from agentkv import modelgen
     from agentkv.errors import AgentKVError
-    from agentkv.fleet import FleetSpec, router_command, running_fleet
+    from agentkv.fleet import FleetSpec
     from agentkv.fleet_plan import (
         available_memory_gib,
         detect_gpus,
@@ -97,12 +134,7 @@ def up(
         state_dir,
     )
 
-    try:
-        config = json.loads(connector_config)
-    except json.JSONDecodeError as exc:
-        fail(f"--connector-config is not JSON: {exc}")
-    if not isinstance(config, dict):
-        fail("--connector-config must be a JSON object")
+    config = json_object(connector_config, "--connector-config")
     try:
         model_path = model or str(modelgen.ensure_model(preset))
         plan = plan_fleet(
@@ -130,25 +162,39 @@ def up(
         )
         typer.echo(plan.note)
         if dry_run:
-            pairs = [
-                (f"http://127.0.0.1:{8001 + i}", f"tcp://127.0.0.1:{5557 + i}")
-                for i in range(plan.replicas)
-            ]
-            typer.echo(shlex.join(router_command(spec, port, pairs)))
+            _print_router_command(spec, port)
             return
         typer.echo(f"starting {plan.replicas} replicas and vllm-router (logs in {logs}) ...")
-        with running_fleet(spec) as fleet:
-            typer.echo(f"router:   {fleet.router_url}")
-            for url, events in zip(fleet.replica_urls, fleet.events, strict=True):
-                typer.echo(f"replica:  {url}  (KV events {events})")
-            if fleet.remote_url:
-                typer.echo(f"remote:   {fleet.remote_url}")
-            typer.echo("Ctrl-C stops everything.")
-            _watch(fleet, restart)
+        _run(spec, restart)
     except KeyboardInterrupt:
         typer.echo("stopping")
     except AgentKVError as exc:
         fail(str(exc))
+
+
+def _print_router_command(spec: FleetSpec, port: int) -> None:
+    """--dry-run: the vllm-router command the fleet would run (replicas on 8001.., events 5557..)."""
+    from agentkv.fleet import router_command
+
+    pairs = [
+        (f"http://127.0.0.1:{8001 + i}", f"tcp://127.0.0.1:{5557 + i}")
+        for i in range(spec.replicas)
+    ]
+    typer.echo(shlex.join(router_command(spec, port, pairs)))
+
+
+def _run(spec: FleetSpec, restart: bool) -> None:
+    """Start the fleet, print where it answers, watch it until Ctrl-C; stop it on the way out."""
+    from agentkv.fleet import running_fleet
+
+    with running_fleet(spec) as fleet:
+        typer.echo(f"router:   {fleet.router_url}")
+        for url, events in zip(fleet.replica_urls, fleet.events, strict=True):
+            typer.echo(f"replica:  {url}  (KV events {events})")
+        if fleet.remote_url:
+            typer.echo(f"remote:   {fleet.remote_url}")
+        typer.echo("Ctrl-C stops everything.")
+        _watch(fleet, restart)
 
 
 def _watch(fleet: RunningFleet, restart: bool) -> None:

@@ -299,7 +299,7 @@ def calibrate_cmd(
     from rich.console import Console
 
     if load:
-        from agentkv.cli.simulate import calibrate_load
+        from agentkv.cli.simulate_validate import calibrate_load
 
         if server is None:
             fail("--load needs --server")

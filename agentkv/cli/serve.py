@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from agentkv.cli.common import fail
+from agentkv.cli.common import fail, json_object
 
 
 def serve(
@@ -48,12 +48,7 @@ def serve(
         # click hands the first token after `--` to MODEL when MODEL was omitted
         extra_args.insert(0, model)
         model = None
-    try:
-        extra = json.loads(connector_config)
-        if not isinstance(extra, dict):
-            raise ValueError("not an object")
-    except ValueError:
-        fail(f"--connector-config must be a JSON object, got {connector_config!r}")
+    extra = json_object(connector_config, "--connector-config")
     try:
         if model is None:
             from agentkv import modelgen
@@ -75,17 +70,8 @@ def serve(
         fail(str(exc))
     argv, env = build_server_command(opts)
     if dry_run:
-        typer.echo(
-            json.dumps(
-                {
-                    "argv": argv,
-                    "env": {
-                        k: env[k] for k in ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE") if k in env
-                    },
-                },
-                indent=2,
-            )
-        )
+        shown = {k: env[k] for k in ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE") if k in env}
+        typer.echo(json.dumps({"argv": argv, "env": shown}, indent=2))
         return
     typer.echo(
         f"agentkv: serving {model} on http://{host}:{port} (plugin: {env['VLLM_PLUGINS']})",

@@ -2,8 +2,9 @@
 
 Primitives:
     register       adds both commands to the root app
-    size           model config + memory -> bytes per token, pool, trajectories per context
-    plan           model config + target load -> GPUs and nodes (the inverse question)
+    size_cmd       model config + memory -> bytes per token, pool, trajectories per context
+    plan_cmd       model config + target load -> GPUs and nodes (the inverse question)
+The options are typer aliases in size_options.py.
 
 Byte options accept '526e9', '480GiB' or '60GB'. In ``size`` every byte option is a total over
 the ``--gpus`` devices (the reference's node-level figures); ``plan`` takes per-GPU figures
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
 
+from agentkv.cli import size_options as opts
 from agentkv.errors import AgentKVError, ConfigError
 
 _DEFAULT_RUNTIME_FRACTION = 0.10  # vLLM's default gpu_memory_utilization=0.9 leaves 10%
@@ -69,200 +72,73 @@ def _both_units(n: float | None) -> str:
 
 def register(app: typer.Typer) -> None:
     """Add ``size`` and ``plan`` to ``app``."""
+    app.command("size")(size_cmd)
+    app.command("plan")(plan_cmd)
 
-    @app.command("size")
-    def size(
-        config: Path = typer.Argument(..., help="Model folder or its HF config.json."),
-        context: str = typer.Option(
-            "8192,32768,131072",
-            "--context",
-            "-c",
-            help="Comma-separated context lengths in tokens, each sized separately.",
-        ),
-        kv_dtype: str | None = typer.Option(
-            None,
-            "--kv-dtype",
-            help="KV element dtype: bf16, fp16, fp8, int8, fp32 (default: the config's dtype).",
-        ),
-        tp: int = typer.Option(
-            1, "--tp", help="Tensor-parallel degree (KV heads per device = max(1, H_kv // TP))."
-        ),
-        gpu: str | None = typer.Option(
-            None,
-            "--gpu",
-            help="GPU preset: H100, H200, B200, A100-80GB, L40S, MI300X.",
-        ),
-        gpus: int | None = typer.Option(
-            None,
-            "--gpus",
-            help="Number of devices in the deployment (default: --tp).",
-        ),
-        hbm_bytes: str | None = typer.Option(
-            None,
-            "--hbm-bytes",
-            help="Device memory summed over all --gpus devices, e.g. 687.2GB (instead of --gpu).",
-        ),
-        weights_bytes: str | None = typer.Option(
-            None,
-            "--weights-bytes",
-            help="Weight bytes over all devices (default: parameters x weight dtype, one copy per TP group).",
-        ),
-        runtime_bytes: str | None = typer.Option(
-            None,
-            "--runtime-bytes",
-            help="Runtime reserve (activations, CUDA context) over all devices (default: 10% of device memory).",
-        ),
-        pool_bytes: str | None = typer.Option(
-            None,
-            "--pool-bytes",
-            help="KV pool over all devices, e.g. 526e9 or 480GiB (skips the memory arithmetic).",
-        ),
-        headroom: float = typer.Option(
-            0.0,
-            "--headroom",
-            help="Fraction of the pool kept free as allocator headroom, in [0, 1).",
-        ),
-        output_tokens: int = typer.Option(
-            0, "--output-tokens", help="Tokens each trajectory generates on top of its context."
-        ),
-        shared_tokens: int = typer.Option(
-            0,
-            "--shared-tokens",
-            help="Tokens of each context that are a common prefix held once (equation 7).",
-        ),
-        block_size: int = typer.Option(
-            16, "--block-size", help="Paged KV block size in tokens (tail waste (B-1)/2)."
-        ),
-        static_max_tokens: int | None = typer.Option(
-            None,
-            "--static-max-tokens",
-            help="Worst-case reservation per request for the static-allocation comparison (default: max_position_embeddings).",
-        ),
-        sequences: int | None = typer.Option(
-            None,
-            "--sequences",
-            help="Concurrent sequences for the tail-waste estimate (default: max trajectories per context).",
-        ),
-        as_json: bool = typer.Option(
-            False, "--json", help="Print machine-readable JSON only, on stdout."
-        ),
-    ) -> None:
-        """KV bytes per token and how many trajectories fit, per context length."""
-        try:
-            report = _size_report(
-                config=config,
-                context=context,
-                kv_dtype=kv_dtype,
-                tp=tp,
-                gpu=gpu,
-                gpus=gpus,
-                hbm_bytes=hbm_bytes,
-                weights_bytes=weights_bytes,
-                runtime_bytes=runtime_bytes,
-                pool_bytes=pool_bytes,
-                headroom=headroom,
-                output_tokens=output_tokens,
-                shared_tokens=shared_tokens,
-                block_size=block_size,
-                static_max_tokens=static_max_tokens,
-                sequences=sequences,
-            )
-        except AgentKVError as exc:
-            _fail(str(exc))
-        if as_json:
-            typer.echo(json.dumps(report, indent=2))
-            return
-        _print_size(report)
 
-    @app.command("plan")
-    def plan(
-        config: Path = typer.Argument(..., help="Model folder or its HF config.json."),
-        context: int = typer.Option(..., "--context", "-c", help="Context tokens per trajectory."),
-        trajectories: int | None = typer.Option(
-            None,
-            "--trajectories",
-            "-n",
-            help="Concurrent trajectories to hold (or give the tool-wait profile).",
-        ),
-        arrival_rate: float | None = typer.Option(
-            None,
-            "--arrival-rate",
-            help="Trajectory turns started per second (lambda, for Little's law).",
-        ),
-        gen_seconds: float = typer.Option(
-            0.0, "--gen-seconds", help="Seconds a turn spends generating (T_gen)."
-        ),
-        tool_seconds: float = typer.Option(
-            0.0, "--tool-seconds", help="Seconds a turn waits on its tool (T_tool)."
-        ),
-        kv_dtype: str | None = typer.Option(
-            None, "--kv-dtype", help="KV element dtype: bf16, fp16, fp8, int8, fp32."
-        ),
-        gpu: str | None = typer.Option(
-            None, "--gpu", help="GPU preset: H100, H200, B200, A100-80GB, L40S, MI300X."
-        ),
-        hbm_bytes_per_gpu: str | None = typer.Option(
-            None, "--hbm-bytes-per-gpu", help="Memory of one GPU (instead of --gpu)."
-        ),
-        runtime_bytes_per_gpu: str | None = typer.Option(
-            None,
-            "--runtime-bytes-per-gpu",
-            help="Runtime reserve on each GPU (default: 10% of its memory).",
-        ),
-        weights_bytes: str | None = typer.Option(
-            None,
-            "--weights-bytes",
-            help="Bytes of one copy of the weights (default: parameters x weight dtype).",
-        ),
-        tp: int | None = typer.Option(
-            None,
-            "--tp",
-            help="Tensor-parallel degree (default: try 1, 2, 4, 8 and pick the fewest GPUs).",
-        ),
-        pp: int = typer.Option(1, "--pp", help="Pipeline-parallel degree."),
-        gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs in one node."),
-        headroom: float = typer.Option(
-            0.0, "--headroom", help="Fraction of each pool kept free, in [0, 1)."
-        ),
-        output_tokens: int = typer.Option(
-            0, "--output-tokens", help="Tokens each trajectory generates on top of its context."
-        ),
-        shared_tokens: int = typer.Option(
-            0,
-            "--shared-tokens",
-            help="Tokens of the context shared by all trajectories of a replica.",
-        ),
-        as_json: bool = typer.Option(
-            False, "--json", help="Print machine-readable JSON only, on stdout."
-        ),
-    ) -> None:
-        """How many GPUs and nodes hold N trajectories (or a tool-wait load) at a context length."""
-        try:
-            report = _plan_report(
-                config=config,
-                context=context,
-                trajectories=trajectories,
-                arrival_rate=arrival_rate,
-                gen_seconds=gen_seconds,
-                tool_seconds=tool_seconds,
-                kv_dtype=kv_dtype,
-                gpu=gpu,
-                hbm_bytes_per_gpu=hbm_bytes_per_gpu,
-                runtime_bytes_per_gpu=runtime_bytes_per_gpu,
-                weights_bytes=weights_bytes,
-                tp=tp,
-                pp=pp,
-                gpus_per_node=gpus_per_node,
-                headroom=headroom,
-                output_tokens=output_tokens,
-                shared_tokens=shared_tokens,
-            )
-        except AgentKVError as exc:
-            _fail(str(exc))
-        if as_json:
-            typer.echo(json.dumps(report, indent=2))
-            return
-        _print_plan(report)
+def size_cmd(
+    config: opts.SizeConfig,
+    context: opts.SizeContext = "8192,32768,131072",
+    kv_dtype: opts.SizeKvDtype = None,
+    tp: opts.SizeTp = 1,
+    gpu: opts.SizeGpu = None,
+    gpus: opts.SizeGpus = None,
+    hbm_bytes: opts.SizeHbmBytes = None,
+    weights_bytes: opts.SizeWeightsBytes = None,
+    runtime_bytes: opts.SizeRuntimeBytes = None,
+    pool_bytes: opts.SizePoolBytes = None,
+    headroom: opts.SizeHeadroom = 0.0,
+    output_tokens: opts.SizeOutputTokens = 0,
+    shared_tokens: opts.SizeSharedTokens = 0,
+    block_size: opts.SizeBlockSize = 16,
+    static_max_tokens: opts.SizeStaticMaxTokens = None,
+    sequences: opts.SizeSequences = None,
+    as_json: opts.SizeAsJson = False,
+) -> None:
+    """KV bytes per token and how many trajectories fit, per context length."""
+    _emit(_size_report, _print_size, **locals())  # every parameter, by name
+
+
+def plan_cmd(
+    config: opts.PlanConfig,
+    context: opts.PlanContext,
+    trajectories: opts.PlanTrajectories = None,
+    arrival_rate: opts.PlanArrivalRate = None,
+    gen_seconds: opts.PlanGenSeconds = 0.0,
+    tool_seconds: opts.PlanToolSeconds = 0.0,
+    kv_dtype: opts.PlanKvDtype = None,
+    gpu: opts.PlanGpu = None,
+    hbm_bytes_per_gpu: opts.PlanHbmBytesPerGpu = None,
+    runtime_bytes_per_gpu: opts.PlanRuntimeBytesPerGpu = None,
+    weights_bytes: opts.PlanWeightsBytes = None,
+    tp: opts.PlanTp = None,
+    pp: opts.PlanPp = 1,
+    gpus_per_node: opts.PlanGpusPerNode = 8,
+    headroom: opts.PlanHeadroom = 0.0,
+    output_tokens: opts.PlanOutputTokens = 0,
+    shared_tokens: opts.PlanSharedTokens = 0,
+    as_json: opts.PlanAsJson = False,
+) -> None:
+    """How many GPUs and nodes hold N trajectories (or a tool-wait load) at a context length."""
+    _emit(_plan_report, _print_plan, **locals())  # every parameter, by name
+
+
+def _emit(
+    build: Callable[..., dict[str, Any]],
+    show: Callable[[dict[str, Any]], None],
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Build the report from the command's options; print it as JSON or as tables. A bad
+    option (AgentKVError) prints one line and exits 2."""
+    try:
+        report = build(**options)
+    except AgentKVError as exc:
+        _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    show(report)
 
 
 # ---- size ---------------------------------------------------------------------------------
@@ -287,9 +163,8 @@ def _size_report(
     static_max_tokens: int | None,
     sequences: int | None,
 ) -> dict[str, Any]:
-    from agentkv.capacity import kv_pool_bytes, size_node, weights_bytes_per_device
+    from agentkv.capacity import size_node
     from agentkv.geometry import ModelGeometry
-    from agentkv.hardware import get_preset
 
     contexts = _contexts(context)
     geom = ModelGeometry.from_hf_config(config, kv_dtype=kv_dtype)
@@ -303,6 +178,43 @@ def _size_report(
         raise ConfigError(f"--block-size must be >= 1, got {block_size}")
     if sequences is not None and sequences < 0:
         raise ConfigError(f"--sequences must not be negative, got {sequences}")
+
+    pool, memory = _size_pool(
+        geom, num_devices, tp, gpu, hbm_bytes, weights_bytes, runtime_bytes, pool_bytes
+    )
+
+    sizing = size_node(
+        geom,
+        contexts,
+        pool_bytes=pool,
+        num_devices=num_devices,
+        tp=tp,
+        headroom=headroom,
+        output_tokens=output_tokens,
+        shared_tokens=shared_tokens,
+        block_size=block_size,
+        static_max_tokens=static_max_tokens,
+        num_sequences=sequences,
+    )
+    return _size_json(
+        config, geom, sizing, tp, num_devices, memory, headroom, output_tokens, shared_tokens
+    )
+
+
+def _size_pool(
+    geom: Any,
+    num_devices: int,
+    tp: int,
+    gpu: str | None,
+    hbm_bytes: str | None,
+    weights_bytes: str | None,
+    runtime_bytes: str | None,
+    pool_bytes: str | None,
+) -> tuple[int | None, dict[str, Any]]:
+    """The KV pool over all devices (None: unknown) and where it came from: --pool-bytes, or
+    device memory (--gpu or --hbm-bytes) minus weights and the runtime reserve."""
+    from agentkv.capacity import kv_pool_bytes, weights_bytes_per_device
+    from agentkv.hardware import get_preset
 
     memory: dict[str, Any] = {"source": None}
     pool = _bytes_opt(pool_bytes, "--pool-bytes")
@@ -337,19 +249,21 @@ def _size_report(
             memory.update(hbm_bytes=device_total, weights_bytes=weights, runtime_bytes=runtime)
             pool = kv_pool_bytes(device_total, weights, runtime)
 
-    sizing = size_node(
-        geom,
-        contexts,
-        pool_bytes=pool,
-        num_devices=num_devices,
-        tp=tp,
-        headroom=headroom,
-        output_tokens=output_tokens,
-        shared_tokens=shared_tokens,
-        block_size=block_size,
-        static_max_tokens=static_max_tokens,
-        num_sequences=sequences,
-    )
+    return pool, memory
+
+
+def _size_json(
+    config: Path,
+    geom: Any,
+    sizing: Any,
+    tp: int,
+    num_devices: int,
+    memory: dict[str, Any],
+    headroom: float,
+    output_tokens: int,
+    shared_tokens: int,
+) -> dict[str, Any]:
+    """The report ``size --json`` prints (and the table is drawn from)."""
     paged = sizing.paged
     return {
         "model": {
@@ -489,7 +403,6 @@ def _plan_report(
     output_tokens: int,
     shared_tokens: int,
 ) -> dict[str, Any]:
-    from agentkv.capacity import PlanOption, littles_law_concurrency, plan_devices
     from agentkv.geometry import ModelGeometry
     from agentkv.hardware import get_preset
 
@@ -520,52 +433,22 @@ def _plan_report(
         runtime = math.floor(device * _DEFAULT_RUNTIME_FRACTION)
     weights = _bytes_opt(weights_bytes, "--weights-bytes")
 
-    wait = None
-    targets: dict[str, int] = {}
-    if arrival_rate is not None:
-        wait = littles_law_concurrency(arrival_rate, gen_seconds, tool_seconds)
-        targets["without_offload"] = max(1, math.ceil(wait.resident_without_offload))
-        targets["with_offload"] = max(1, math.ceil(wait.resident_with_offload))
-    else:
-        assert trajectories is not None
-        if trajectories <= 0:
-            raise ConfigError(f"--trajectories must be positive, got {trajectories}")
-        targets["without_offload"] = trajectories
-
+    targets, littles_law = _plan_targets(trajectories, arrival_rate, gen_seconds, tool_seconds)
     degrees = [tp] if tp is not None else [d for d in (1, 2, 4, 8) if d <= gpus_per_node]
-    answers: dict[str, Any] = {}
-    for label, target in targets.items():
-        options: list[PlanOption] = []
-        last_error: ConfigError | None = None
-        for degree in degrees:
-            try:
-                geom.kv_heads_per_device(degree)
-                options.append(
-                    plan_devices(
-                        geom,
-                        trajectories=target,
-                        context_tokens=context,
-                        device_bytes=device,
-                        tp=degree,
-                        pp=pp,
-                        runtime_bytes_per_device=runtime,
-                        weights_bytes_per_replica=weights,
-                        headroom=headroom,
-                        output_tokens=output_tokens,
-                        shared_tokens=shared_tokens,
-                        devices_per_node=gpus_per_node,
-                    )
-                )
-            except ConfigError as exc:
-                last_error = exc
-        if not options:
-            raise last_error or ConfigError("no tensor-parallel degree fits")
-        best = min(options, key=lambda o: (o.devices, o.tp))
-        answers[label] = {
-            "target_trajectories": target,
-            "best": _option_json(best),
-            "options": [_option_json(o) for o in options],
-        }
+    plan = {
+        "context_tokens": context,
+        "device_bytes": device,
+        "pp": pp,
+        "runtime_bytes_per_device": runtime,
+        "weights_bytes_per_replica": weights,
+        "headroom": headroom,
+        "output_tokens": output_tokens,
+        "shared_tokens": shared_tokens,
+        "devices_per_node": gpus_per_node,
+    }
+    answers = {
+        label: _plan_answer(geom, target, degrees, plan) for label, target in targets.items()
+    }
     return {
         "model_type": geom.model_type,
         "kv_dtype": geom.kv_dtype,
@@ -576,19 +459,63 @@ def _plan_report(
         "runtime_bytes_per_device": runtime,
         "bytes_per_trajectory": geom.kv_bytes(context + output_tokens)
         + geom.state_bytes_per_sequence(),
-        "littles_law": None
-        if wait is None
-        else {
-            "arrival_rate_per_s": arrival_rate,
-            "gen_seconds": gen_seconds,
-            "tool_seconds": tool_seconds,
-            "in_flight": wait.in_flight,
-            "paused": wait.paused,
-            "resident_without_offload": wait.resident_without_offload,
-            "resident_with_offload": wait.resident_with_offload,
-        },
+        "littles_law": littles_law,
         "plans": answers,
         "warnings": warnings,
+    }
+
+
+def _plan_targets(
+    trajectories: int | None, arrival_rate: float | None, gen_seconds: float, tool_seconds: float
+) -> tuple[dict[str, int], dict[str, Any] | None]:
+    """Resident trajectories to plan for: --trajectories, or by Little's law from the arrival
+    rate both without and with offload (then also the law's figures for the report)."""
+    from agentkv.capacity import littles_law_concurrency
+
+    if arrival_rate is None:
+        assert trajectories is not None
+        if trajectories <= 0:
+            raise ConfigError(f"--trajectories must be positive, got {trajectories}")
+        return {"without_offload": trajectories}, None
+    wait = littles_law_concurrency(arrival_rate, gen_seconds, tool_seconds)
+    targets = {
+        "without_offload": max(1, math.ceil(wait.resident_without_offload)),
+        "with_offload": max(1, math.ceil(wait.resident_with_offload)),
+    }
+    return targets, {
+        "arrival_rate_per_s": arrival_rate,
+        "gen_seconds": gen_seconds,
+        "tool_seconds": tool_seconds,
+        "in_flight": wait.in_flight,
+        "paused": wait.paused,
+        "resident_without_offload": wait.resident_without_offload,
+        "resident_with_offload": wait.resident_with_offload,
+    }
+
+
+def _plan_answer(
+    geom: Any, target: int, degrees: list[int], plan: dict[str, Any]
+) -> dict[str, Any]:
+    """The plan for ``target`` trajectories at each TP degree that fits, and the one with the
+    fewest GPUs; ``plan`` holds plan_devices' other keyword arguments. Raises the last
+    ConfigError when no degree fits."""
+    from agentkv.capacity import PlanOption, plan_devices
+
+    options: list[PlanOption] = []
+    last_error: ConfigError | None = None
+    for degree in degrees:
+        try:
+            geom.kv_heads_per_device(degree)
+            options.append(plan_devices(geom, trajectories=target, tp=degree, **plan))
+        except ConfigError as exc:
+            last_error = exc
+    if not options:
+        raise last_error or ConfigError("no tensor-parallel degree fits")
+    best = min(options, key=lambda o: (o.devices, o.tp))
+    return {
+        "target_trajectories": target,
+        "best": _option_json(best),
+        "options": [_option_json(o) for o in options],
     }
 
 

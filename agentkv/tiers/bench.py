@@ -514,6 +514,143 @@ def _measure_device_host(
                     )
 
 
+def _disk_store(
+    work: Path,
+    count: int,
+    block_bytes: int,
+    workers: int,
+    direct_io: bool,
+    gds: bool | None = None,
+) -> TieredStore:
+    """A disk-only store in ``work``/tier with room for ``count`` block files (a file: the
+    header page plus the payload rounded up to whole pages)."""
+    file_bytes = ALIGN + -(-block_bytes // ALIGN) * ALIGN
+    return TieredStore(
+        0,
+        work / "tier",
+        count * file_bytes,
+        block_bytes,
+        workers=workers,
+        direct_io=direct_io,
+        gds=gds,
+    )
+
+
+def _measure_host(
+    block_sizes: Sequence[int],
+    total_bytes: int,
+    workers: int,
+    repeats: int,
+    copy_gbps: float,
+    step: Callable[[str], None],
+    report: TierBenchReport,
+) -> None:
+    """Host store and load at each block size, next to a memory copy."""
+    for block_bytes in block_sizes:
+        step(f"host tier, {block_bytes >> 10} KiB blocks")
+        count = max(1, total_bytes // block_bytes)
+        with TieredStore(count * block_bytes, None, 0, block_bytes, workers=workers) as store:
+            stored, loaded = _measure_store(
+                store, block_bytes, total_bytes, "host", repeats, "host"
+            )
+        report.measurements.append(
+            _measurement("host store", block_bytes, stored, "memory copy", copy_gbps)
+        )
+        report.measurements.append(
+            _measurement("host load", block_bytes, loaded, "memory copy", copy_gbps)
+        )
+
+
+def _measure_disk(
+    work: Path,
+    block_bytes: int,
+    total_bytes: int,
+    direct_io: bool,
+    knobs: tuple[int, int, int],
+    step: Callable[[str], None],
+    report: TierBenchReport,
+) -> tuple[float, float]:
+    """Disk write and read at one block size next to sequential file I/O of the same size;
+    returns that baseline (write, read GB/s) for the device->disk rows."""
+    workers, repeats, _ = knobs
+    # The baseline is re-measured next to each tier run: shared disks drift within seconds.
+    step(f"sequential file baseline ({block_bytes >> 10} KiB run)")
+    seq_write, seq_read = sequential_file_baseline(work, total_bytes, direct_io, repeats)
+    step(f"disk tier, {block_bytes >> 10} KiB blocks")
+    count = max(1, total_bytes // block_bytes)
+    with _disk_store(work, count, block_bytes, workers, direct_io) as store:
+        wrote, read = _measure_store(store, block_bytes, total_bytes, "disk", repeats, "disk")
+    report.measurements.append(
+        _measurement("disk write", block_bytes, wrote, "sequential write", seq_write)
+    )
+    report.measurements.append(
+        _measurement("disk read", block_bytes, read, "sequential read", seq_read)
+    )
+    return seq_write, seq_read
+
+
+def _measure_device_disk(
+    torch: Any,
+    device: str,
+    disk: tuple[Path, bool, tuple[float, float]],
+    block_bytes: int,
+    total_bytes: int,
+    batches: Sequence[int],
+    knobs: tuple[int, int, int],
+    step: Callable[[str], None],
+    report: TierBenchReport,
+) -> None:
+    """Device tensors to disk and back at one block size (also through GDS when CUDA has it),
+    next to the sequential baseline ``disk`` carries (work dir, O_DIRECT, write/read GB/s)."""
+    work, direct_io, (seq_write, seq_read) = disk
+    workers, repeats, layers = knobs
+    count = max(1, total_bytes // block_bytes)
+    gds_modes: list[bool | None] = [False]
+    if device == "cuda":
+        from agentkv.tiers.gds import gds_available
+
+        report.gds = gds_available()
+        if report.gds:
+            gds_modes.append(True)
+    disk_batch = max([b for b in batches if b <= count] or [count])
+    for gds in gds_modes:
+        label = " (gds)" if gds else ""
+        step(f"disk tier from {device} tensors{label}, {block_bytes >> 10} KiB blocks")
+        with _disk_store(work, count, block_bytes, workers, direct_io, gds) as store:
+            wrote, read = _measure_device(
+                store,
+                torch,
+                device,
+                block_bytes,
+                total_bytes,
+                "disk",
+                repeats,
+                layers,
+                "dd",
+                disk_batch,
+            )
+        report.measurements.append(
+            _measurement(
+                f"device->disk store{label}",
+                block_bytes,
+                wrote,
+                "sequential write",
+                seq_write,
+                batch=disk_batch,
+            )
+        )
+        report.measurements.append(
+            _measurement(
+                f"disk->device load{label}",
+                block_bytes,
+                read,
+                "sequential read",
+                seq_read,
+                batch=disk_batch,
+            )
+        )
+
+
 def run_tier_bench(
     block_sizes: Sequence[int],
     total_bytes: int,
@@ -558,19 +695,7 @@ def run_tier_bench(
             step,
             report,
         )
-    for block_bytes in block_sizes:
-        step(f"host tier, {block_bytes >> 10} KiB blocks")
-        count = max(1, total_bytes // block_bytes)
-        with TieredStore(count * block_bytes, None, 0, block_bytes, workers=workers) as store:
-            stored, loaded = _measure_store(
-                store, block_bytes, total_bytes, "host", repeats, "host"
-            )
-        report.measurements.append(
-            _measurement("host store", block_bytes, stored, "memory copy", copy_gbps)
-        )
-        report.measurements.append(
-            _measurement("host load", block_bytes, loaded, "memory copy", copy_gbps)
-        )
+    _measure_host(block_sizes, total_bytes, workers, repeats, copy_gbps, step, report)
     if remote is not None:
         _measure_remote(remote, block_sizes, total_bytes, workers, repeats, step, report)
     if disk_dir is None:
@@ -581,82 +706,12 @@ def run_tier_bench(
         direct_io = probe_direct_io(work)
         report.direct_io = direct_io
         for block_bytes in block_sizes:
-            # The baseline is re-measured next to each tier run: shared disks drift within seconds.
-            step(f"sequential file baseline ({block_bytes >> 10} KiB run)")
-            seq_write, seq_read = sequential_file_baseline(work, total_bytes, direct_io, repeats)
-            step(f"disk tier, {block_bytes >> 10} KiB blocks")
-            count = max(1, total_bytes // block_bytes)
-            file_bytes = ALIGN + -(-block_bytes // ALIGN) * ALIGN
-            with TieredStore(
-                0,
-                work / "tier",
-                count * file_bytes,
-                block_bytes,
-                workers=workers,
-                direct_io=direct_io,
-            ) as store:
-                wrote, read = _measure_store(
-                    store, block_bytes, total_bytes, "disk", repeats, "disk"
-                )
-            report.measurements.append(
-                _measurement("disk write", block_bytes, wrote, "sequential write", seq_write)
-            )
-            report.measurements.append(
-                _measurement("disk read", block_bytes, read, "sequential read", seq_read)
-            )
-            if torch is None or device is None:
-                continue
-            gds_modes: list[bool | None] = [False]
-            if device == "cuda":
-                from agentkv.tiers.gds import gds_available
-
-                report.gds = gds_available()
-                if report.gds:
-                    gds_modes.append(True)
-            disk_batch = max([b for b in batches if b <= count] or [count])
-            for gds in gds_modes:
-                label = " (gds)" if gds else ""
-                step(f"disk tier from {device} tensors{label}, {block_bytes >> 10} KiB blocks")
-                with TieredStore(
-                    0,
-                    work / "tier",
-                    count * file_bytes,
-                    block_bytes,
-                    workers=workers,
-                    direct_io=direct_io,
-                    gds=gds,
-                ) as store:
-                    wrote, read = _measure_device(
-                        store,
-                        torch,
-                        device,
-                        block_bytes,
-                        total_bytes,
-                        "disk",
-                        repeats,
-                        layers,
-                        "dd",
-                        disk_batch,
-                    )
-                report.measurements.append(
-                    _measurement(
-                        f"device->disk store{label}",
-                        block_bytes,
-                        wrote,
-                        "sequential write",
-                        seq_write,
-                        batch=disk_batch,
-                    )
-                )
-                report.measurements.append(
-                    _measurement(
-                        f"disk->device load{label}",
-                        block_bytes,
-                        read,
-                        "sequential read",
-                        seq_read,
-                        batch=disk_batch,
-                    )
+            knobs = (workers, repeats, layers)
+            baseline = _measure_disk(work, block_bytes, total_bytes, direct_io, knobs, step, report)
+            if torch is not None and device is not None:
+                disk = (work, direct_io, baseline)
+                _measure_device_disk(
+                    torch, device, disk, block_bytes, total_bytes, batches, knobs, step, report
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)

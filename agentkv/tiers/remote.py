@@ -23,7 +23,11 @@ Primitives:
                             presence queries (EXISTS, pipelined); lookup_prefix returns the
                             longest leading run present. Live answers: no index is kept.
     RemoteBlocks.delete_many, ping, stats, close.
-    remote_key              the server key of a BlockKey; encode_value the format (remote_auth).
+
+Where the parts live: this module is the client (RemoteBlocks, RemoteStats; RemoteConfig is
+re-exported); remote_config.py parses and validates the URL; remote_codec.py holds the wire
+codec (remote_key, encode_value, the SET command, the RESP reply reader); remote_auth.py the
+header format, the key names and the tag.
 
 Key layout and value format: ``remote_auth`` (``{key_prefix}:kv2:{32 hex}`` named with the
 deployment secret; a 96-byte header with xxh3 checksums and an HMAC-SHA256 tag, then the
@@ -49,7 +53,7 @@ Invariants:
     - Blocks move with at most one copy in this process: writes send host segments from where
       they are (RESP framing around them, checksum computed in place), and reads bypass valkey-py's
       pure-Python reply parser (four copies of every value) with a small RESP reader that
-      receives each value once (_ReplyReader). With the C parser (libvalkey installed) the
+      receives each value once (ReplyReader). With the C parser (libvalkey installed) the
       ordinary pipeline is used. A connection left mid-reply is closed, never reused.
 """
 
@@ -57,353 +61,35 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
-import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
-import xxhash
-
-from agentkv.errors import ConfigError, CorruptBlockError, TierError
+from agentkv.errors import CorruptBlockError, TierError
 from agentkv.tier import Tier
-from agentkv.tiers.buffers import BlockBuffer, Segments, as_segments, gather_into, scatter_from
-from agentkv.tiers.device import DeviceSegments
+from agentkv.tiers.buffers import BlockBuffer, Segments
 from agentkv.tiers.keys import BlockKey
-from agentkv.tiers.remote_auth import (
-    HEADER_BYTES,
-    SECRET_ENV,
-    BadTagError,
-    RemoteAuth,
-    pack_header,
-    verify,
+from agentkv.tiers.remote_auth import HEADER_BYTES, SECRET_ENV, BadTagError, RemoteAuth, verify
+from agentkv.tiers.remote_codec import (
+    RemoteValue,
+    ReplyReader,
+    encode_value,
+    normalise,
+    segments_nbytes,
+    set_command,
 )
+from agentkv.tiers.remote_config import RemoteConfig
 from agentkv.tiers.results import BlockResult, BlockStatus
+
+__all__ = ["RemoteBlocks", "RemoteConfig", "RemoteStats", "RemoteValue"]
 
 log = logging.getLogger(__name__)
 
-
-SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}
-"""URL scheme -> TLS."""
-DEFAULT_PORT = 6379
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _WARN_INTERVAL_S = 30.0
-_MAX_TTL_S = 365 * 86400.0
-_MAX_BULK_BYTES = 1 << 30  # Redis and Valkey cap a string at 512 MiB; larger is a broken stream
 _UNAUTHENTICATED_WARNED: set[str] = set()
 _LOOKUP_CHUNK = 512  # keys per EXISTS pipeline in lookup_prefix: stops early on long chains
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteConfig:
-    """How to reach the remote tier. Build it with ``parse`` (validates every field)."""
-
-    host: str
-    port: int = DEFAULT_PORT
-    db: int = 0
-    tls: bool = False
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    password_env: str | None = None
-    """Name of an environment variable holding the password (read when the client is built)."""
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_check_hostname: bool = True
-    """Check that the server certificate names the host of the URL (an IP needs an IP SAN)."""
-    key_prefix: str = "agentkv"
-    auth_key: str | None = field(default=None, repr=False)
-    """The deployment secret that names and signs blocks (remote_auth); None: the
-    ``AGENTKV_REMOTE_KEY`` environment variable, else unauthenticated."""
-    ttl_s: float = 3600.0
-    connect_timeout_s: float = 2.0
-    op_timeout_s: float = 5.0
-    max_batch_bytes: int = 16 << 20
-    backoff_s: float = 2.0
-
-    # Options a URL query may carry (``?ttl_s=600&key_prefix=prod``).
-    _QUERY = (
-        "password_env",
-        "tls_ca",
-        "tls_cert",
-        "tls_key",
-        "tls_check_hostname",
-        "key_prefix",
-        "ttl_s",
-        "connect_timeout_s",
-        "op_timeout_s",
-        "max_batch_bytes",
-        "backoff_s",
-    )
-
-    @classmethod
-    def parse(cls, url: str, **options: Any) -> RemoteConfig:
-        """Return the config for ``url`` plus ``options`` (any field name; they override the URL).
-
-        URL grammar: ``scheme://[[user]:password@]host[:port][/db][?option=value&...]`` with scheme
-        valkey, redis (plain) or valkeys, rediss (TLS); port defaults to 6379, db to 0; query
-        options are the field names listed in ``_QUERY``. The password may come from the URL
-        (percent-encoded), ``password=`` or ``password_env=`` (an environment variable's name).
-        Raises ConfigError with the offending part for anything invalid, including a
-        ``password_env`` variable that is not set.
-        """
-        if not isinstance(url, str) or "://" not in url:
-            raise ConfigError(
-                f"remote URL {url if not isinstance(url, str) else _redact(url)!r} must look like "
-                "valkey://host:port/0 "
-                "(schemes: valkey, valkeys, redis, rediss)"
-            )
-        try:
-            parts = urllib.parse.urlsplit(url)
-            port = parts.port
-        except ValueError as exc:
-            raise ConfigError(f"remote URL {_redact(url)!r}: {exc}") from exc
-        scheme = parts.scheme.lower()
-        if scheme not in SCHEMES:
-            raise ConfigError(
-                f"remote URL scheme {scheme!r} is not supported "
-                "(use valkey://, valkeys://, redis:// or rediss://)"
-            )
-        if not parts.hostname:
-            raise ConfigError(f"remote URL {_redact(url)!r} has no host")
-        path = parts.path.strip("/")
-        if path and not path.isdigit():
-            raise ConfigError(f"remote URL database {path!r} must be a number (as in /0)")
-        if parts.fragment:
-            raise ConfigError("remote URL must not have a #fragment")
-        fields: dict[str, Any] = {
-            "host": parts.hostname,
-            "port": port if port is not None else DEFAULT_PORT,
-            "db": int(path) if path else 0,
-            "tls": SCHEMES[scheme],
-            "username": urllib.parse.unquote(parts.username) if parts.username else None,
-            "password": urllib.parse.unquote(parts.password) if parts.password else None,
-        }
-        for name, values in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items():
-            if name not in cls._QUERY:
-                raise ConfigError(
-                    f"remote URL option {name!r} is unknown (known: {', '.join(cls._QUERY)})"
-                )
-            if len(values) != 1:
-                raise ConfigError(f"remote URL option {name!r} is given more than once")
-            fields[name] = values[0]
-        known = {f for f in cls.__dataclass_fields__ if not f.startswith("_")}
-        for name, value in options.items():
-            if name not in known:
-                raise ConfigError(f"unknown remote tier option {name!r}")
-            if value is not None:
-                fields[name] = value
-        config = cls(**_coerce(fields))
-        config.validate()
-        return config
-
-    from_url = parse
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first invalid field."""
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"remote port {self.port} is out of range")
-        if self.db < 0:
-            raise ConfigError(f"remote database {self.db} must not be negative")
-        if not _PREFIX_RE.match(self.key_prefix):
-            raise ConfigError(
-                f"remote key_prefix {self.key_prefix!r} must be 1-64 characters of "
-                "letters, digits, '_', '.', ':' or '-'"
-            )
-        for name in ("ttl_s", "connect_timeout_s", "op_timeout_s"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"remote {name} must be positive and finite, got {value}")
-        if self.ttl_s > _MAX_TTL_S:
-            raise ConfigError(f"remote ttl_s {self.ttl_s} is above {_MAX_TTL_S:.0f} s (a year)")
-        if not (self.backoff_s >= 0 and math.isfinite(self.backoff_s)):
-            raise ConfigError(f"remote backoff_s must not be negative, got {self.backoff_s}")
-        if self.max_batch_bytes <= 0:
-            raise ConfigError(
-                f"remote max_batch_bytes must be positive, got {self.max_batch_bytes}"
-            )
-        if (self.tls_ca or self.tls_cert or self.tls_key) and not self.tls:
-            raise ConfigError("remote TLS files need a TLS URL (valkeys:// or rediss://)")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("remote tls_cert and tls_key go together (client certificate)")
-        for name in ("tls_ca", "tls_cert", "tls_key"):
-            path = getattr(self, name)
-            if path and not os.path.isfile(path):
-                raise ConfigError(f"remote {name} {path!r} is not a readable file")
-        self.resolved_password()
-
-    def resolved_password(self) -> str | None:
-        """The password: ``password``, else the ``password_env`` variable. ConfigError when unset."""
-        if self.password is not None:
-            return self.password
-        if self.password_env:
-            value = os.environ.get(self.password_env)
-            if value is None:
-                raise ConfigError(
-                    f"remote password variable {self.password_env} is not set in the environment"
-                )
-            return value
-        return None
-
-    def resolved_auth_key(self) -> str | None:
-        """The deployment secret: ``auth_key``, else the ``AGENTKV_REMOTE_KEY`` variable."""
-        return self.auth_key or os.environ.get(SECRET_ENV) or None
-
-    @property
-    def url(self) -> str:
-        """The server URL without credentials or options (safe to log)."""
-        scheme = "valkeys" if self.tls else "valkey"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{scheme}://{host}:{self.port}/{self.db}"
-
-
-def _coerce(fields: dict[str, Any]) -> dict[str, Any]:
-    """Convert query strings to field types; ConfigError names the field."""
-    converters: dict[str, Callable[[Any], Any]] = {
-        "port": int,
-        "db": int,
-        "ttl_s": float,
-        "connect_timeout_s": float,
-        "op_timeout_s": float,
-        "backoff_s": float,
-        "max_batch_bytes": int,
-    }
-    out = dict(fields)
-    flag = out.get("tls_check_hostname")
-    if isinstance(flag, str):
-        if flag.lower() not in ("1", "0", "true", "false", "yes", "no"):
-            raise ConfigError(f"remote tls_check_hostname {flag!r} must be true or false")
-        out["tls_check_hostname"] = flag.lower() in ("1", "true", "yes")
-    for name, convert in converters.items():
-        if name in out and isinstance(out[name], str):
-            try:
-                out[name] = convert(out[name])
-            except ValueError as exc:
-                raise ConfigError(f"remote {name} {out[name]!r} is not a number") from exc
-    return out
-
-
-def _redact(url: str) -> str:
-    return re.sub(r"//([^/@]*):[^/@]*@", r"//\1:***@", url)
-
-
-# ------------------------------------------------------------------------------- value format
-
-
-def remote_key(prefix: str, key: BlockKey, secret: str | None = None) -> str:
-    """Return the server key of ``key`` under ``prefix`` for a deployment ``secret``."""
-    return RemoteAuth(secret).name(prefix, key)
-
-
-def encode_value(auth: RemoteAuth, key: BlockKey, segments: Segments) -> bytearray:
-    """Return header + tag + payload for one block (one copy of the payload: the gather)."""
-    nbytes = segments.nbytes if isinstance(segments, DeviceSegments) else _host_nbytes(segments)
-    value = bytearray(HEADER_BYTES + nbytes)
-    payload = np.frombuffer(value, np.uint8)[HEADER_BYTES:]
-    gather_into(payload, segments)
-    value[:HEADER_BYTES] = pack_header(
-        auth, key, nbytes, xxhash.xxh3_64_intdigest(payload.data), [payload.data]
-    )
-    return value
-
-
-_COALESCE_BYTES = 64 << 10  # segments smaller than this are joined before sending: fewer syscalls
-
-
-def _set_command(
-    auth: RemoteAuth, name: str, key: BlockKey, segments: Segments, ttl_ms: int
-) -> tuple[list[bytes | memoryview], int]:
-    """Return ``SET name value PX ttl`` as RESP chunks, and the payload size.
-
-    Host segments are sent from where they are (the checksum reads them once; no gather, no
-    allocation per block); device segments are gathered to host first (encode_value).
-    """
-    if isinstance(segments, DeviceSegments):
-        value = encode_value(auth, key, segments)
-        nbytes = len(value) - HEADER_BYTES
-        header = b""
-        payload: list[bytes | memoryview] = [memoryview(value)]
-    else:
-        digest = xxhash.xxh3_64()
-        for segment in segments:
-            digest.update(segment.data)
-        nbytes = _host_nbytes(segments)
-        header = pack_header(
-            auth, key, nbytes, digest.intdigest(), (segment.data for segment in segments)
-        )
-        payload = []
-        small: list[bytes] = []
-        for segment in segments:
-            if segment.size < _COALESCE_BYTES:
-                small.append(segment.tobytes())
-                continue
-            if small:
-                payload.append(b"".join(small))
-                small = []
-            payload.append(segment.data)
-        if small:
-            payload.append(b"".join(small))
-    encoded = name.encode()
-    ttl = str(ttl_ms).encode()
-    head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
-        len(encoded),
-        encoded,
-        HEADER_BYTES + nbytes,
-        header,
-    )
-    tail = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl)
-    return [head, *payload, tail], nbytes
-
-
-def _host_nbytes(segments: Sequence[Any]) -> int:
-    return sum(int(segment.size) for segment in segments)
-
-
-def _part_nbytes(part: Any) -> int:
-    if isinstance(part, np.ndarray):
-        return int(part.nbytes)
-    numel = getattr(part, "numel", None)
-    if callable(numel) and hasattr(part, "element_size"):  # a torch tensor
-        return int(numel()) * int(part.element_size())
-    return memoryview(part).nbytes
-
-
-def normalise(buffer: BlockBuffer | Segments, *, writable: bool) -> Segments:
-    """Return ``buffer`` as Segments (no copy); Segments pass through. Raises ValueError."""
-    if isinstance(buffer, DeviceSegments):
-        return buffer
-    parts = (
-        list(buffer)
-        if isinstance(buffer, Sequence) and not isinstance(buffer, bytes | bytearray | memoryview)
-        else [buffer]
-    )
-    return as_segments(buffer, sum(_part_nbytes(p) for p in parts), writable=writable)
-
-
-# ------------------------------------------------------------------------------------ client
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteValue:
-    """One block read by ``fetch_many``: ok with a verified payload, a miss, or an error."""
-
-    key: BlockKey
-    status: BlockStatus
-    payload: memoryview | None = None
-    error: TierError | None = None
-
-    def copy_into(self, segments: Segments) -> None:
-        """Scatter the payload into ``segments`` (their total must equal the payload length)."""
-        assert self.payload is not None
-        scatter_from(np.frombuffer(self.payload, np.uint8), segments)
-
-    def result(self) -> BlockResult:
-        return BlockResult(self.key, self.status, Tier.REMOTE, self.error)
 
 
 @dataclass(slots=True)
@@ -424,78 +110,6 @@ class RemoteStats:
     unavailable: int = 0
 
 
-class _ReplyReader:
-    """RESP2 replies of simple commands (GET, SET, PEXPIRE: bulk and simple strings, integers,
-    errors) straight from the socket.
-
-    valkey-py's pure-Python parser copies a bulk string four times (socket -> bytes -> BytesIO ->
-    bytes -> slice), which caps GET near 0.3 GB/s; here a value is received once, with
-    ``recv_into`` into a buffer of its exact size. Raises ValueError for anything else
-    (arrays, a malformed reply), OSError/TimeoutError from the socket; the caller then drops the
-    connection.
-    """
-
-    _READ = 1 << 16
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self._buf = bytearray()
-        self._pos = 0
-
-    def pending(self) -> int:
-        return len(self._buf) - self._pos
-
-    def _fill(self) -> None:
-        chunk = self._sock.recv(self._READ)
-        if not chunk:
-            raise OSError("the server closed the connection")
-        if self._pos:
-            del self._buf[: self._pos]
-            self._pos = 0
-        self._buf += chunk
-
-    def _line(self) -> bytes:
-        while True:
-            end = self._buf.find(b"\r\n", self._pos)
-            if end >= 0:
-                line = bytes(self._buf[self._pos : end])
-                self._pos = end + 2
-                return line
-            self._fill()
-
-    def read(self) -> Any:
-        line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"$":
-            length = int(rest)
-            if length < 0:
-                return None
-            if length > _MAX_BULK_BYTES:
-                raise ValueError(f"bulk string of {length} bytes")
-            out = bytearray(length + 2)
-            view = memoryview(out)
-            have = min(self.pending(), length + 2)
-            view[:have] = self._buf[self._pos : self._pos + have]
-            self._pos += have
-            while have < length + 2:
-                count = self._sock.recv_into(view[have:])
-                if not count:
-                    raise OSError("the server closed the connection")
-                have += count
-            if out[length:] != b"\r\n":
-                raise ValueError("bulk string without its terminator")
-            return view[:length]
-        if kind == b":":
-            return int(rest)
-        if kind == b"+":
-            return rest
-        if kind == b"-":
-            import valkey
-
-            return valkey.exceptions.ResponseError(rest.decode(errors="replace"))
-        raise ValueError(f"unexpected reply type {kind!r}")
-
-
 class _Unavailable(Exception):
     """Internal: the server could not be reached (connection error, timeout, backoff)."""
 
@@ -505,7 +119,7 @@ class RemoteBlocks:
 
     direct = True
     """Under valkey-py's pure-Python parser, send SETs from the caller's memory and read replies
-    with _ReplyReader (False: an ordinary pipeline for everything; for tests)."""
+    with ReplyReader (False: an ordinary pipeline for everything; for tests)."""
 
     def __init__(
         self, config: RemoteConfig | str, *, clock: Callable[[], float] = time.monotonic
@@ -583,7 +197,7 @@ class RemoteBlocks:
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         segments = [normalise(block, writable=False) for block in blocks]
         results: list[BlockResult | None] = [None] * len(keys)
-        for batch in self._batches([_nbytes(s) for s in segments]):
+        for batch in self._batches([segments_nbytes(s) for s in segments]):
             try:
                 self._put_batch(keys, segments, batch, skip_present, results)
             except _Unavailable as exc:
@@ -621,7 +235,7 @@ class RemoteBlocks:
         segments = [normalise(block, writable=True) for block in blocks]
         results: list[BlockResult | None] = [None] * len(keys)
         values: list[RemoteValue | None] = [None] * len(keys)
-        for batch in self._batches([_nbytes(s) for s in segments]):
+        for batch in self._batches([segments_nbytes(s) for s in segments]):
             self._fetch_or_fail(keys, batch, values)
             for i in batch:
                 value = values[i]
@@ -634,7 +248,7 @@ class RemoteBlocks:
         """Copy a fetched value into ``segments`` when ok and sizes agree; return its result."""
         if value.status is not BlockStatus.OK or value.payload is None:
             return value.result()
-        expected = _nbytes(segments)
+        expected = segments_nbytes(segments)
         if len(value.payload) != expected:
             self._count("errors")
             return BlockResult(
@@ -767,7 +381,7 @@ class RemoteBlocks:
         plain: Callable[[Any], object],
     ) -> list[Any]:
         """Run one round trip of ``count`` commands that ``pack(connection)`` encodes as RESP
-        chunks, reading the replies with _ReplyReader, when the client uses its pure-Python
+        chunks, reading the replies with ReplyReader, when the client uses its pure-Python
         parser; otherwise (C parser, or ``direct`` off) queue them with ``plain(pipeline)`` on
         an ordinary pipeline. Same contract as ``_pipeline``."""
 
@@ -787,7 +401,7 @@ class RemoteBlocks:
                         if attempt:
                             raise
                         continue  # a dead pooled socket: once more on a fresh connection
-                    reader = _ReplyReader(sock)
+                    reader = ReplyReader(sock)
                     replies = [reader.read() for _ in range(count)]
                     if reader.pending():
                         raise self._errors.InvalidResponse("unexpected data after the replies")
@@ -859,7 +473,7 @@ class RemoteBlocks:
         def pack(_conn: Any) -> list[bytes | memoryview]:
             chunks: list[bytes | memoryview] = []
             for i in todo:
-                command, sizes[i] = _set_command(
+                command, sizes[i] = set_command(
                     self._auth, self._name(keys[i]), keys[i], segments[i], self._ttl_ms
                 )
                 chunks += command
@@ -976,9 +590,3 @@ class RemoteBlocks:
         if suppressed:
             message += f" ({suppressed} similar warnings suppressed)"
         log.warning(message)
-
-
-def _nbytes(segments: Segments) -> int:
-    if isinstance(segments, DeviceSegments):
-        return int(segments.nbytes)
-    return _host_nbytes(segments)

@@ -36,31 +36,61 @@ def _cdf(ax: Any, xs: list[float], label: str, color: str) -> None:
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     """Write the three PNGs into ``out``; return their paths."""
+    plt = _pyplot()
+    out.mkdir(parents=True, exist_ok=True)
+    configs = report["configs"]
+    return [
+        _ttft_cdf(plt, configs, "turns", "gray", out / "ttft_cdf.png"),
+        _kv_occupancy(plt, configs, out / "kv_occupancy.png"),
+        _hit_rate_by_turn(plt, configs, out / "hit_rate_by_turn.png"),
+    ]
+
+
+def write_trace_plots(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write the trace replay's three PNGs into ``out``; return their paths."""
+    plt = _pyplot()
+    out.mkdir(parents=True, exist_ok=True)
+    configs = report["configs"]
+    return [
+        _ttft_cdf(plt, configs, "rounds", "black", out / "trace_ttft_cdf.png"),
+        _stall(plt, report, configs, out / "trace_stall.png"),
+        _trace_kv_occupancy(plt, configs, out / "trace_kv_occupancy.png"),
+    ]
+
+
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
-    configs = report["configs"]
-    paths: list[Path] = []
+    return plt
 
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def _ttft_cdf(plt: Any, configs: dict[str, Any], unit: str, default_color: str, path: Path) -> Path:
+    """TTFT CDFs of the resume ``unit`` (turns or rounds) and of all of them, side by side."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, kind, title in ((axes[0], "resume", "resume turns"), (axes[1], None, "all turns")):
+    for ax, kind, title in ((axes[0], "resume", f"resume {unit}"), (axes[1], None, f"all {unit}")):
         for name, cfg in configs.items():
-            xs = [t["ttft_s"] for t in cfg["turns"] if kind is None or t["kind"] == kind]
-            _cdf(ax, xs, name, COLORS.get(name, "gray"))
+            xs = [t["ttft_s"] for t in cfg[unit] if kind is None or t["kind"] == kind]
+            _cdf(ax, xs, name, COLORS.get(name, default_color))
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s, log)")
         ax.set_title(f"TTFT CDF, {title}")
         ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("fraction of turns")
+    axes[0].set_ylabel(f"fraction of {unit}")
     axes[0].legend()
-    fig.tight_layout()
-    paths.append(out / "ttft_cdf.png")
-    fig.savefig(paths[-1], dpi=80)
-    plt.close(fig)
+    return _save(plt, fig, path)
 
+
+def _kv_occupancy(plt: Any, configs: dict[str, Any], path: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     for name, cfg in configs.items():
         samples = cfg["samples"]
@@ -104,11 +134,10 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     ax2.set_xlabel("time since start (s)")
     ax2.legend(loc="upper left", fontsize=7)
     ax2.grid(True, alpha=0.3)
-    fig.tight_layout()
-    paths.append(out / "kv_occupancy.png")
-    fig.savefig(paths[-1], dpi=80)
-    plt.close(fig)
+    return _save(plt, fig, path)
 
+
+def _hit_rate_by_turn(plt: Any, configs: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, cfg in configs.items():
         by_turn = cfg["summary"]["hit_rate_by_turn"]
@@ -126,40 +155,10 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     ax.set_title("hit rate per turn")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / "hit_rate_by_turn.png")
-    fig.savefig(paths[-1], dpi=80)
-    plt.close(fig)
-    return paths
+    return _save(plt, fig, path)
 
 
-def write_trace_plots(report: dict[str, Any], out: Path) -> list[Path]:
-    """Write the trace replay's three PNGs into ``out``; return their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    configs = report["configs"]
-    paths: list[Path] = []
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, kind, title in ((axes[0], "resume", "resume rounds"), (axes[1], None, "all rounds")):
-        for name, cfg in configs.items():
-            xs = [r["ttft_s"] for r in cfg["rounds"] if kind is None or r["kind"] == kind]
-            _cdf(ax, xs, name, COLORS.get(name, "black"))
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (s, log)")
-        ax.set_title(f"TTFT CDF, {title}")
-        ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("fraction of rounds")
-    axes[0].legend()
-    fig.tight_layout()
-    paths.append(out / "trace_ttft_cdf.png")
-    fig.savefig(paths[-1], dpi=80)
-    plt.close(fig)
-
+def _stall(plt: Any, report: dict[str, Any], configs: dict[str, Any], path: Path) -> Path:
     by_config = report["stall_decomposition"]["by_config"]
     names = [n for n in configs if (by_config.get(n) or {}).get("resume_rounds")]
     tiers = sorted({t for n in names for t in by_config[n]["load_mean_s_by_tier"]})
@@ -184,11 +183,10 @@ def write_trace_plots(report: dict[str, Any], out: Path) -> list[Path]:
     ax.set_title("resume stall, taken apart")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "trace_stall.png")
-    fig.savefig(paths[-1], dpi=80)
-    plt.close(fig)
+    return _save(plt, fig, path)
 
+
+def _trace_kv_occupancy(plt: Any, configs: dict[str, Any], path: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     for name, cfg in configs.items():
         samples = cfg["samples"]
@@ -210,8 +208,4 @@ def write_trace_plots(report: dict[str, Any], out: Path) -> list[Path]:
     ax2.set_ylabel("sessions waiting")
     ax2.set_xlabel("time since start (s)")
     ax2.grid(True, alpha=0.3)
-    fig.tight_layout()
-    paths.append(out / "trace_kv_occupancy.png")
-    fig.savefig(paths[-1], dpi=80)
-    plt.close(fig)
-    return paths
+    return _save(plt, fig, path)

@@ -6,8 +6,9 @@ capped block count (so a few trajectories create memory pressure), an API key, a
 temp folder, and dev mode for /reset_prefix_cache. Its OpenTelemetry export goes to a real
 OTLP/HTTP receiver process (``otlp_receiver.py``) through the standard OTEL_* variables.
 
-``start_server`` is the one start path; ``tests/e2e/test_tp2_e2e.py`` uses it for its own
-tensor-parallel server.
+``start_server`` is the one start path; ``own_server`` (with ``own_connector``) starts a test
+module's own server through it (weights, restart, TP=2, APIs). ``two_turns`` and
+``tokens_and_logprobs`` are the turns and the exactness check those modules share.
 
 Policy knobs the tests rely on (``disk_after_s`` 3): a declared ``expected_wait_s`` <= 2 is
 offloaded to host, >= 5 to disk. Every pause names a tool of its own: the server learns waits per
@@ -232,6 +233,84 @@ def long_text(seed: int, words: int) -> str:
     return " ".join(f"tok{seed}x{i}" for i in range(words))
 
 
+def _otlp_receiver(work: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start the OTLP/HTTP receiver process (it writes ``work``/otlp.jsonl) and point the
+    server's OTEL_* variables in ``env`` at it."""
+    otlp_port, otlp_out = _free_port(), work / "otlp.jsonl"
+    receiver = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("otlp_receiver.py")),
+            "--port",
+            str(otlp_port),
+            "--out",
+            str(otlp_out),
+        ],
+        start_new_session=True,
+    )
+    env.update(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+            "OTEL_SERVICE_NAME": "agentkv-e2e",
+            "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }
+    )
+    return receiver, otlp_out
+
+
+def _serve_command(
+    port: int, connector: dict[str, Any], vllm_args: tuple[str, ...], model: Path | None = None
+) -> list[str]:
+    """``agentkv serve`` with the tiny model (or ``model``, a folder), an API key and a capped
+    block count."""
+    return [
+        sys.executable,
+        "-m",
+        "agentkv.cli",
+        "serve",
+        *([str(model)] if model is not None else []),
+        "--port",
+        str(port),
+        "--kv-space-gib",
+        "1",
+        "--connector-config",
+        json.dumps(connector),
+        "--",
+        "--enforce-eager",
+        "--max-model-len",
+        "8192",
+        "--num-gpu-blocks-override",
+        str(NUM_BLOCKS),
+        "--api-key",
+        API_KEY,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "pythonic",
+        "--served-model-name",
+        "tiny",
+        *vllm_args,
+    ]
+
+
+def _wait_healthy(
+    proc: subprocess.Popen[bytes], base: str, log_path: Path, start_timeout: float
+) -> None:
+    """Wait for /health; RuntimeError with the log's tail when the server exits or is late."""
+    deadline = time.monotonic() + start_timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server did not start in time:\n{log_path.read_text()[-4000:]}")
+        time.sleep(1)
+
+
 @contextlib.contextmanager
 def start_server(
     work: Path,
@@ -262,74 +341,15 @@ def start_server(
         }
     )
     full_env.update(env or {})
-    receiver: subprocess.Popen[bytes] | None = None
-    otlp_out: Path | None = None
-    if otlp:
-        otlp_port, otlp_out = _free_port(), work / "otlp.jsonl"
-        receiver = subprocess.Popen(
-            [
-                sys.executable,
-                str(Path(__file__).with_name("otlp_receiver.py")),
-                "--port",
-                str(otlp_port),
-                "--out",
-                str(otlp_out),
-            ],
-            start_new_session=True,
-        )
-        full_env.update(
-            {
-                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
-                "OTEL_SERVICE_NAME": "agentkv-e2e",
-                "OTEL_METRIC_EXPORT_INTERVAL": "1000",
-                "OTEL_BSP_SCHEDULE_DELAY": "200",
-            }
-        )
-    cmd = [
-        sys.executable,
-        "-m",
-        "agentkv.cli",
-        "serve",
-        *([str(model)] if model is not None else []),
-        "--port",
-        str(port),
-        "--kv-space-gib",
-        "1",
-        "--connector-config",
-        json.dumps(connector),
-        "--",
-        "--enforce-eager",
-        "--max-model-len",
-        "8192",
-        "--num-gpu-blocks-override",
-        str(NUM_BLOCKS),
-        "--api-key",
-        API_KEY,
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "pythonic",
-        "--served-model-name",
-        "tiny",
-        *vllm_args,
-    ]
+    receiver, otlp_out = _otlp_receiver(work, full_env) if otlp else (None, None)
+    cmd = _serve_command(port, connector, vllm_args, model)
     log = log_path.open("wb")
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + start_timeout
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start in time:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
+        _wait_healthy(proc, base, log_path, start_timeout)
         yield Server(
             base,
             "tiny",
@@ -349,6 +369,53 @@ def start_server(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def own_connector(work: Path, **overrides: Any) -> dict[str, Any]:
+    """The connector of a test module's own server: a disk tier in ``work`` (1 GiB), a 0.5 GiB
+    host tier, grace 0.3 s, declared waits <= 2 s to host and >= 5 s to disk (``disk_after_s``
+    3); ``overrides`` add or replace keys."""
+    return {
+        "disk_dir": str(work / "disk"),
+        "host_capacity_gib": 0.5,
+        "disk_capacity_gib": 1,
+        "grace_s": 0.3,
+        "disk_after_s": 3,
+        **overrides,
+    }
+
+
+@contextlib.contextmanager
+def own_server(
+    name: str,
+    *,
+    vllm_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    **overrides: Any,
+) -> Iterator[Server]:
+    """A server of a test module's own (``own_connector`` plus ``overrides``) in a new temp
+    folder named after ``name``; for a module whose tests change the server (weights, TP,
+    vLLM options) or would disturb the shared one."""
+    work = Path(tempfile.mkdtemp(prefix=f"agentkv-e2e-{name}-"))
+    with start_server(work, own_connector(work, **overrides), vllm_args=vllm_args, env=env) as srv:
+        yield srv
+
+
+def two_turns(
+    seed: int, system_words: int = 400, observation_words: int = 60
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """A coding agent's first turn (a long system prompt) and its second (one observation more)."""
+    first = [
+        {"role": "system", "content": "You are a coding agent. " + long_text(seed, system_words)},
+        {"role": "user", "content": "Fix the failing test."},
+    ]
+    observation = "Observation: " + long_text(seed + 1, observation_words)
+    return first, [*first, {"role": "user", "content": observation}]
+
+
+def tokens_and_logprobs(out: dict[str, Any]) -> list[tuple[str, float]]:
+    """A chat completion's (token, logprob) pairs: equal only for bit-identical KV."""
+    return [(c["token"], c["logprob"]) for c in out["choices"][0]["logprobs"]["content"]]
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
 """Auto-pause on the OpenAI Responses API and the Anthropic Messages API, against the real
 server, through the real ``openai`` and ``anthropic`` client packages; the error a malformed
-request gets back; an escaped hint key.
+request gets back; an escaped hint key; the agent-loop examples.
 
-One server for the module (``start_server``, like the shared fixture) with two additions the
+The three agent-loop examples (examples/*_agent_loop.py) run against it as a user runs them.
+
+One server for the module (``own_server`` in conftest.py) with two additions the
 shared one lacks: ``VLLM_ENABLE_RESPONSES_API_STORE=1`` (``previous_response_id`` chains) and
 ``--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'``:
 with the random-weight model a forced tool on ``/v1/messages`` otherwise fails inside vLLM
@@ -13,7 +15,9 @@ forced arguments stay short. Every test uses tool and trajectory names of its ow
 from __future__ import annotations
 
 import json
-import tempfile
+import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, long_text, start_server
+from tests.e2e.conftest import Server, long_text, own_server
 
 pytestmark = pytest.mark.e2e
 
@@ -39,21 +43,12 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def api_server() -> Iterator[Server]:
-    work = Path(tempfile.mkdtemp(prefix="agentkv-apis-e2e-"))
-    connector = {
-        "disk_dir": str(work / "disk"),
-        "host_capacity_gib": 0.5,
-        "disk_capacity_gib": 1,
-        "grace_s": 0.3,
-        "disk_after_s": 3,
-        "job_timeout_s": 20,
-    }
     outputs = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
-    with start_server(
-        work,
-        connector,
+    with own_server(
+        "apis",
         vllm_args=("--structured-outputs-config", outputs),
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+        job_timeout_s=20,
     ) as srv:
         yield srv
 
@@ -266,4 +261,36 @@ def test_an_escaped_hint_key_names_the_trajectory(api_server: Server) -> None:
     )
     assert r.status_code == 200, r.text
     assert r.json()["kv_transfer_params"]["agentkv"]["trajectory_id"] == tid
-    assert api_server.trajectory_code(tid) == 200
+    assert api_server.trajectory_code(tid) == 404  # the wrapper's exit DELETEs the trajectory
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("example", "path", "turns"),
+    [
+        ("openai_agent_loop.py", "/v1", 5),
+        ("responses_agent_loop.py", "/v1", 3),
+        ("anthropic_agent_loop.py", "", 3),
+    ],
+)
+def test_the_agent_loop_examples_run_and_reuse_their_prefix(
+    api_server: Server, example: str, path: str, turns: int
+) -> None:
+    """The three examples in examples/ (one shared skeleton, agent_loop_common.py) run against
+    the server as a user would run them, every turn after the first reuses its prefix, and the
+    loop's end deletes the trajectory."""
+    tid = f"apis-example-{_uid()}"
+    args = ["--base-url", api_server.base_url + path, "--trajectory-id", tid]
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / example), *args, "--api-key", str(api_server.api_key)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    hits = re.findall(r"^turn \d+: .*from vLLM +(\d+) +from tier +(\d+)", done.stdout, re.M)
+    assert len(hits) == turns, done.stdout
+    assert all(int(device) + int(tier) > 0 for device, tier in hits[1:]), done.stdout
+    assert api_server.trajectory_code(tid) == 404  # the wrapper's exit DELETEs the trajectory

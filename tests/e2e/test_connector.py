@@ -7,22 +7,20 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Server, full_blocks, lcp, long_text
+from tests.e2e.conftest import (
+    Server,
+    full_blocks,
+    lcp,
+    long_text,
+    tokens_and_logprobs,
+    two_turns,
+)
 
 pytestmark = pytest.mark.e2e
 
 
-def _tokens_and_logprobs(out: dict[str, Any]) -> list[tuple[str, float]]:
-    return [(c["token"], c["logprob"]) for c in out["choices"][0]["logprobs"]["content"]]
-
-
 def _turns(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    first = [
-        {"role": "system", "content": "You are a coding agent. " + long_text(seed, 500)},
-        {"role": "user", "content": "Fix the failing test."},
-    ]
-    second = [*first, {"role": "user", "content": "Observation: " + long_text(seed + 1, 120)}]
-    return first, second
+    return two_turns(seed, system_words=500, observation_words=120)
 
 
 @pytest.mark.parametrize(("tier", "wait"), [("host", 2.0), ("disk", 3600.0)])
@@ -60,7 +58,7 @@ def test_turn_from_tier_matches_device_cache_exactly(
         got["usage"]["prompt_tokens_details"]["cached_tokens"]
         == ref["usage"]["prompt_tokens_details"]["cached_tokens"]
     )
-    assert _tokens_and_logprobs(got) == _tokens_and_logprobs(
+    assert tokens_and_logprobs(got) == tokens_and_logprobs(
         ref
     )  # bit-identical KV -> identical output
     server.end(tid)
@@ -92,8 +90,8 @@ def test_corrupt_tier_falls_back_to_recompute(server: Server) -> None:
         after.get(k, 0) - before.get(k, 0) for k in ("tier_corrupt_blocks", "tier_misses")
     )
     assert detected >= 1, (before, after)  # the checksum caught it: not a silent miss
-    assert [t for t, _ in _tokens_and_logprobs(got)] == [t for t, _ in _tokens_and_logprobs(ref)]
-    for (_, a), (_, b) in zip(_tokens_and_logprobs(got), _tokens_and_logprobs(ref), strict=True):
+    assert [t for t, _ in tokens_and_logprobs(got)] == [t for t, _ in tokens_and_logprobs(ref)]
+    for (_, a), (_, b) in zip(tokens_and_logprobs(got), tokens_and_logprobs(ref), strict=True):
         assert abs(a - b) < 5e-2
     server.end(tid)
 

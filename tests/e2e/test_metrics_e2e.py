@@ -9,33 +9,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentkv.metrics import METRICS
-from tests.e2e.conftest import Server, long_text
+from tests.e2e.conftest import Server, lcp, long_text
 
 pytestmark = pytest.mark.e2e
 
 
-def _tokenize(server: Server, messages: list[dict[str, str]], gen: bool = True) -> list[int]:
-    r = server.client.post(
-        "/tokenize",
-        json={"model": server.model, "messages": messages, "add_generation_prompt": gen},
-    )
-    r.raise_for_status()
-    return list(r.json()["tokens"])
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _zoned(server: Server, tid: str, messages: list[dict[str, str]]) -> dict[str, Any]:
     """agentkv params declaring the system zone and the rest, in tokens of this prompt."""
-    system_end = len(_tokenize(server, messages[:1], gen=False))
-    total = len(_tokenize(server, messages))
+    system_end = len(server.tokenize(messages[:1], gen=False))
+    total = len(server.tokenize(messages))
     return {
         "agentkv": {
             "trajectory_id": tid,
@@ -74,7 +56,7 @@ def test_changed_system_zone_reports_divergence_token_and_zone(server: Server) -
     assert stats2["turn"] == 2
     # Appending keeps the prefix: nothing diverges inside what turn 1 sent.
     assert stats2["first_divergence_token"] is None or stats2["first_divergence_token"] >= len(
-        _tokenize(server, turn1, gen=False)
+        server.tokenize(turn1, gen=False)
     )
 
     # Turn 3 edits one word in the middle of the system prompt (say, a timestamp).
@@ -83,8 +65,8 @@ def test_changed_system_zone_reports_divergence_token_and_zone(server: Server) -
         {"role": "system", "content": "You are a coding agent. " + " ".join(words)},
         *turn2[1:],
     ]
-    expected = _lcp(_tokenize(server, turn2), _tokenize(server, turn3))
-    system_end = len(_tokenize(server, turn3[:1], gen=False))
+    expected = lcp(server.tokenize(turn2), server.tokenize(turn3))
+    system_end = len(server.tokenize(turn3[:1], gen=False))
     assert 0 < expected < system_end
     before = _value(
         _families(server),

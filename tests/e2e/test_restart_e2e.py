@@ -18,32 +18,18 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Server, full_blocks, lcp, long_text, start_server, wait_until
+from tests.e2e.conftest import (
+    Server,
+    full_blocks,
+    lcp,
+    own_connector,
+    start_server,
+    tokens_and_logprobs,
+    two_turns,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
-
-
-def _connector(work: Path) -> dict[str, Any]:
-    return {
-        "disk_dir": str(work / "disk"),
-        "host_capacity_gib": 0.5,
-        "disk_capacity_gib": 1,
-        "grace_s": 0.3,
-        "disk_after_s": 3,  # declared waits >= 5 s go to disk
-    }
-
-
-def _turns(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    first = [
-        {"role": "system", "content": "You are a coding agent. " + long_text(seed, 400)},
-        {"role": "user", "content": "Fix the failing test."},
-    ]
-    second = [*first, {"role": "user", "content": "Observation: " + long_text(seed + 1, 60)}]
-    return first, second
-
-
-def _output(out: dict[str, Any]) -> list[tuple[str, float]]:
-    return [(c["token"], c["logprob"]) for c in out["choices"][0]["logprobs"]["content"]]
 
 
 def _in_manifest(work: Path, tid: str) -> bool:
@@ -74,16 +60,18 @@ def _resumes_exactly(server: Server, tid: str, turns: tuple[Any, Any], salt: str
     stats = got["kv_transfer_params"]["agentkv"]
     assert stats["device_hit_tokens"] == 0, stats  # a new process: vLLM's cache is empty
     assert stats["tier_hit_tokens"] == ref_cached and stats["tier"] == "disk", stats
-    assert _output(got) == _output(ref)  # bit-identical KV -> identical tokens and logprobs
+    assert tokens_and_logprobs(got) == tokens_and_logprobs(
+        ref
+    )  # bit-identical KV -> identical tokens and logprobs
     return dict(stats)
 
 
 def test_a_clean_restart_resumes_a_disk_offloaded_trajectory_bit_exactly() -> None:
     work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-restart-"))
-    turns = _turns(700)
-    with start_server(work, _connector(work)) as before:
+    turns = two_turns(700)
+    with start_server(work, own_connector(work)) as before:
         _offload_to_disk(before, work, "survivor", turns[0])
-    with start_server(work, _connector(work)) as after:
+    with start_server(work, own_connector(work)) as after:
         view = after.trajectory("survivor")["branches"]["main"]
         assert view["state"] == "offloaded" and view["tier"] == "disk", view
         assert after.counters()["trajectories_restored"] == 1
@@ -92,8 +80,8 @@ def test_a_clean_restart_resumes_a_disk_offloaded_trajectory_bit_exactly() -> No
 
 def test_kill_9_during_an_offload_then_restart_serves_only_what_is_whole() -> None:
     work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-crash-"))
-    done, cut = _turns(800), _turns(900)
-    with start_server(work, _connector(work)) as before:
+    done, cut = two_turns(800), two_turns(900)
+    with start_server(work, own_connector(work)) as before:
         _offload_to_disk(before, work, "done", done[0])
         before.chat(cut[0], trajectory="cut")
         decision = before.pause("cut", "cut-tool", 3600.0)
@@ -103,14 +91,14 @@ def test_kill_9_during_an_offload_then_restart_serves_only_what_is_whole() -> No
     # What a write cut by the crash could leave: a temp file next to the blocks.
     fanout = next(p for p in (work / "disk" / "rank0").iterdir() if p.is_dir())
     (fanout / ".tmp-cut-write").write_bytes(b"\0" * 4096)
-    with start_server(work, _connector(work)) as after:
+    with start_server(work, own_connector(work)) as after:
         assert not [p for p in (work / "disk").rglob(".tmp-*")], "a cut write was kept"
         _resumes_exactly(after, "done", done, "ref-crash-done")
         first, second = cut
         after.chat(first, salt="ref-crash-cut")
         ref = after.chat(second, salt="ref-crash-cut")
         got = after.chat(second, trajectory="cut")
-        assert [t for t, _ in _output(got)] == [t for t, _ in _output(ref)]
+        assert [t for t, _ in tokens_and_logprobs(got)] == [t for t, _ in tokens_and_logprobs(ref)]
         stats = got["kv_transfer_params"]["agentkv"]
         if stats["tier_hit_tokens"]:  # its store finished and was listed before the kill
-            assert _output(got) == _output(ref), stats
+            assert tokens_and_logprobs(got) == tokens_and_logprobs(ref), stats

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, full_blocks, lcp, long_text, wait_until
+from tests.e2e.conftest import Server, full_blocks, lcp, long_text, tokens_and_logprobs, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -31,10 +31,6 @@ def _ctx(seed: int, words: int = 400) -> list[dict[str, str]]:
 
 def _next(msgs: list[dict[str, str]], seed: int) -> list[dict[str, str]]:
     return [*msgs, {"role": "user", "content": "Observation: " + long_text(seed, 60)}]
-
-
-def _tokens_and_logprobs(out: dict[str, Any]) -> list[tuple[str, float]]:
-    return [(c["token"], c["logprob"]) for c in out["choices"][0]["logprobs"]["content"]]
 
 
 def _branch(server: Server, tid: str, branch: str = "main") -> dict[str, Any]:
@@ -111,11 +107,11 @@ def test_abort_during_disk_load_holds_nothing_and_retry_is_exact(server: Server)
     changed = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
     why = {"retry": stats, "after_abort": view["branches"]["main"], "counters": changed}
     # Never half-loaded blocks: the reply is the one vLLM's own cache gives.
-    assert [t for t, _ in _tokens_and_logprobs(got)] == [t for t, _ in _tokens_and_logprobs(ref)]
+    assert [t for t, _ in tokens_and_logprobs(got)] == [t for t, _ in tokens_and_logprobs(ref)]
     # And the abort cost nothing: the tier copy survived it and serves the retry, bit-identical.
     assert stats["device_hit_tokens"] + stats["tier_hit_tokens"] == ref_cached, why
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == ref_cached
-    assert _tokens_and_logprobs(got) == _tokens_and_logprobs(ref)
+    assert tokens_and_logprobs(got) == tokens_and_logprobs(ref)
     server.end(tid)
 
 

@@ -9,14 +9,20 @@ the store jobs of trajectories whose id starts with "silent-": such a job times 
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Server, full_blocks, lcp, long_text, start_server, wait_until
+from tests.e2e.conftest import (
+    Server,
+    full_blocks,
+    lcp,
+    own_server,
+    tokens_and_logprobs,
+    two_turns,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.tp2]
 
@@ -25,36 +31,15 @@ JOB_TIMEOUT_S = 3
 
 @pytest.fixture(scope="module")
 def tp2_server() -> Iterator[Server]:
-    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-tp2-"))
-    connector = {
-        "disk_dir": str(work / "disk"),
-        "host_capacity_gib": 0.5,
-        "disk_capacity_gib": 2,
-        "grace_s": 0.3,
-        "disk_after_s": 3,
-        "job_timeout_s": JOB_TIMEOUT_S,
-        "debug_silent_rank_trajectory_prefix": "silent-",
-    }
-    with start_server(
-        work,
-        connector,
+    with own_server(
+        "tp2",
         vllm_args=("--tensor-parallel-size", "2"),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        disk_capacity_gib=2,
+        job_timeout_s=JOB_TIMEOUT_S,
+        debug_silent_rank_trajectory_prefix="silent-",
     ) as srv:
         yield srv
-
-
-def _turns(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    first = [
-        {"role": "system", "content": "You are a coding agent. " + long_text(seed, 400)},
-        {"role": "user", "content": "Fix the failing test."},
-    ]
-    second = [*first, {"role": "user", "content": "Observation: " + long_text(seed + 1, 60)}]
-    return first, second
-
-
-def _tokens_and_logprobs(out: dict[str, Any]) -> list[tuple[str, float]]:
-    return [(c["token"], c["logprob"]) for c in out["choices"][0]["logprobs"]["content"]]
 
 
 def _reference(
@@ -73,7 +58,7 @@ def test_tp2_turn_from_tier_matches_device_cache_exactly(
     tp2_server: Server, tier: str, wait: float
 ) -> None:
     server = tp2_server
-    first, second = _turns(100 if tier == "host" else 200)
+    first, second = two_turns(100 if tier == "host" else 200)
     tid = f"tp2-{tier}"
     server.chat(first, trajectory=tid)
     decision = server.pause(tid, f"{tid}-tool", wait)
@@ -90,13 +75,13 @@ def test_tp2_turn_from_tier_matches_device_cache_exactly(
     assert stats["device_hit_tokens"] == 0, stats
     assert stats["tier_hit_tokens"] == ref_cached and stats["tier"] == tier, stats
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == ref_cached
-    assert _tokens_and_logprobs(got) == _tokens_and_logprobs(ref)
+    assert tokens_and_logprobs(got) == tokens_and_logprobs(ref)
     server.end(tid)
 
 
 def test_tp2_store_a_rank_never_confirms_times_out(tp2_server: Server) -> None:
     server = tp2_server
-    first, second = _turns(300)
+    first, second = two_turns(300)
     tid = "silent-1"
     before = server.status()
     server.chat(first, trajectory=tid)
@@ -122,7 +107,7 @@ def test_tp2_store_a_rank_never_confirms_times_out(tp2_server: Server) -> None:
     got = server.chat(second, trajectory=tid)
     stats = got["kv_transfer_params"]["agentkv"]
     assert stats["tier_hit_tokens"] == 0 and stats["device_hit_tokens"] == 0, stats  # recomputed
-    assert [t for t, _ in _tokens_and_logprobs(got)] == [t for t, _ in _tokens_and_logprobs(ref)]
-    for (_, a), (_, b) in zip(_tokens_and_logprobs(got), _tokens_and_logprobs(ref), strict=True):
+    assert [t for t, _ in tokens_and_logprobs(got)] == [t for t, _ in tokens_and_logprobs(ref)]
+    for (_, a), (_, b) in zip(tokens_and_logprobs(got), tokens_and_logprobs(ref), strict=True):
         assert abs(a - b) < 5e-2
     server.end(tid)

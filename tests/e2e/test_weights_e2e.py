@@ -19,36 +19,22 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Server, long_text, start_server, wait_until
+from tests.e2e.conftest import (
+    Server,
+    long_text,
+    own_server,
+    tokens_and_logprobs,
+    two_turns,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def rl_server() -> Iterator[Server]:
-    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-weights-"))
-    connector = {
-        "disk_dir": str(work / "disk"),
-        "host_capacity_gib": 0.5,
-        "disk_capacity_gib": 1,
-        "grace_s": 0.3,
-        "disk_after_s": 3,
-    }
-    with start_server(work, connector) as srv:
+    with own_server("weights") as srv:
         yield srv
-
-
-def _turns(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    first = [
-        {"role": "system", "content": "You are a coding agent. " + long_text(seed, 400)},
-        {"role": "user", "content": "Fix the failing test."},
-    ]
-    second = [*first, {"role": "user", "content": "Observation: " + long_text(seed + 1, 60)}]
-    return first, second
-
-
-def _output(out: dict[str, Any]) -> list[tuple[str, float]]:
-    return [(c["token"], c["logprob"]) for c in out["choices"][0]["logprobs"]["content"]]
 
 
 def _offloaded_to_host(server: Server, tid: str, messages: list[dict[str, str]]) -> None:
@@ -65,7 +51,7 @@ def _post(server: Server, path: str, **kw: Any) -> dict[str, Any]:
 
 def test_reset_external_drops_tier_copies_and_a_plain_reset_keeps_them(rl_server: Server) -> None:
     server = rl_server
-    first, second = _turns(10)
+    first, second = two_turns(10)
     tid = "reset-kept"
     _offloaded_to_host(server, tid, first)
     server.reset_prefix_cache()  # plain: vLLM forgets, the tier copies stay
@@ -115,7 +101,7 @@ def test_weight_update_makes_older_tier_copies_unloadable(rl_server: Server) -> 
     from agentkv import modelgen
 
     server = rl_server
-    first, second = _turns(20)
+    first, second = two_turns(20)
     tid = "rl-rollout"
     old_ref = server.chat(second, salt="ref-old-weights")  # the old weights' answer
     _offloaded_to_host(server, tid, first)
@@ -143,8 +129,10 @@ def test_weight_update_makes_older_tier_copies_unloadable(rl_server: Server) -> 
     stats = got["kv_transfer_params"]["agentkv"]
     assert stats["tier_hit_tokens"] == 0, stats  # nothing computed by the old weights loads
     new_ref = server.chat(second, salt="ref-new-weights")  # the new weights, from scratch
-    assert _output(got) == _output(new_ref)
-    assert _output(new_ref) != _output(old_ref), "the weights did not change"
+    assert tokens_and_logprobs(got) == tokens_and_logprobs(new_ref)
+    assert tokens_and_logprobs(new_ref) != tokens_and_logprobs(old_ref), (
+        "the weights did not change"
+    )
     server.end(tid)
 
 
@@ -155,7 +143,7 @@ def test_vllm_pause_clearing_caches_succeeds_while_agentkv_holds_device_blocks(
     while any block is held; a retained trajectory's pins are released first, so the RL loop's
     pause succeeds, and the retained KV (old weights) is gone."""
     server = rl_server
-    first, _ = _turns(30)
+    first, _ = two_turns(30)
     tid = "retained-at-pause"
     server.chat(first, trajectory=tid)
     assert server.pause(tid, "retain-at-pause", 0.0005)["decision"]["action"] == "retain"

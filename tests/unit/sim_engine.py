@@ -1,20 +1,11 @@
 """A simulated engine for the TrajectoryManager: no vllm, no torch.
 
 Primitives:
-  chain_hashes(tokens, bs)   vLLM-style block hashes: chained content ids, so identical prefixes
-                             give identical hashes (the hash *is* the content id of a full block)
-  salt_root(salt)            the chain's root for a cache_salt (vLLM hashes it into block 0)
-  key_of(hash)               the tier key of a block hash (blake2b of b"fp" + hash)
-  SimPool                    the device block pool (ports.BlockPinner): reference counts, a prefix
-                             cache by hash, a free queue (least recently freed first), the KV
-                             content each TP rank holds in each block (a content id, or garbage)
-  SimWorkers                 tp_size ranks executing StepPlans as the plugin's worker does, each
-                             on a fake_store.FakeTierStore (the real store's results: no
-                             overwrite of an existing copy, full tiers fail, damaged disk copies
-                             are corrupt errors); jobs complete only when a test says so; a
-                             silent rank never reports; async loads are cancelled at the
-                             worker's own deadline
-  FakeClock                  ports.Clock the test advances
+  chain_hashes, salt_root, key_of, SimPool, FakeClock
+                             the device: content ids, tier keys, the paged pool (sim_pool.py;
+                             re-exported here)
+  SimWorkers                 the TP ranks executing StepPlans on fake stores (sim_workers.py;
+                             re-exported here)
   SimEngine                  the request driver that mimics vLLM's scheduler around the manager:
                              lookup -> alloc -> (async load | layerwise load) -> compute -> finish,
                              abort (also while WAITING_FOR_REMOTE_KVS: blocks freed only when the
@@ -26,6 +17,7 @@ Primitives:
                              the free count, preemptions) as the adapter does, and checks the
                              loan rule: a blocked queue gets its blocks back in that step.
   pinned_content_breaches    pinned blocks that do not hold their keys' true KV
+  Rig, make_rig              a manager wired to all of the above on a FakeClock
 
 Ground truth: block content is the hash of the tokens it holds (salt included); a tier copy
 under key k is true iff ``key_of(content) == k``. ``SimEngine.violations`` collects every breach
@@ -37,446 +29,30 @@ adds the manager-side invariants.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from agentkv.admission import Admission
-from agentkv.manager import (
-    LoadJob,
-    MoveJob,
-    RequestParams,
-    StepPlan,
-    StoreJob,
-    TrajectoryManager,
-    WorkerReport,
-)
-from agentkv.tiers.results import BlockStatus
-from tests.unit.fake_store import FakeTierStore, Result
+from agentkv.manager import LoadJob, RequestParams, StepPlan, TrajectoryManager
+from tests.unit.sim_pool import GARBAGE, FakeClock, SimPool, chain_hashes, key_of, salt_root
+from tests.unit.sim_workers import SimWorkers
 
-GARBAGE = b"garbage"
-TierName = Literal["host", "disk"]
-
-
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    data = parent + b"".join(int(t).to_bytes(4, "little") for t in tokens)
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
-def chain_hashes(tokens: Sequence[int], bs: int, parent: bytes = b"root") -> list[bytes]:
-    out: list[bytes] = []
-    h = parent
-    for i in range(len(tokens) // bs):
-        h = block_hash(h, tokens[i * bs : (i + 1) * bs])
-        out.append(h)
-    return out
-
-
-def salt_root(salt: str | None) -> bytes:
-    """The parent of a request's first block hash: vLLM hashes cache_salt into the first
-    block's extra keys, so the chain of every later block carries it too."""
-    return b"root" if salt is None else b"root|salt=" + salt.encode()
-
-
-def key_of(h: bytes) -> bytes:
-    return hashlib.blake2b(b"fp" + h, digest_size=16).digest()
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
-
-
-# ====================================================================== device pool
-
-
-class SimPool:
-    """vLLM's BlockPool, reduced: ref counts, hash metadata, a free queue, per-rank content."""
-
-    def __init__(self, num_blocks: int, tp_size: int = 1) -> None:
-        self.n = num_blocks
-        self.tp = tp_size
-        self.ref = [0] * num_blocks
-        self.pins = [0] * num_blocks  # references taken through the BlockPinner port
-        self.hash: list[bytes | None] = [None] * num_blocks  # vLLM metadata (prefix cache)
-        self.content: list[list[bytes | None]] = [[None] * num_blocks for _ in range(tp_size)]
-        self.cached: dict[bytes, dict[int, None]] = {}
-        self.free_q: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.grow_events = 0  # blocks that went from unreferenced to referenced
-        self.usage_error: Exception | None = None  # raise once from usage() (fault injection)
-
-    # ---------------------------------------------------------------- BlockPinner port
-    def pin(self, block_ids: Sequence[int]) -> None:
-        for b in block_ids:
-            self._ref(b)
-            self.pins[b] += 1
-
-    def unpin(self, block_ids: Sequence[int]) -> None:
-        for b in block_ids:
-            assert self.pins[b] > 0, f"unpin of block {b} below zero"
-            self.pins[b] -= 1
-            self._unref(b)
-
-    def holds(self, block_id: int, block_hash: bytes) -> bool:
-        return self.hash[block_id] == block_hash
-
-    def usage(self) -> float:
-        if self.usage_error is not None:
-            err, self.usage_error = self.usage_error, None
-            raise err
-        return (self.n - len(self.free_q)) / self.n
-
-    def total_blocks(self) -> int:
-        return self.n
-
-    # ---------------------------------------------------------------- vLLM side
-    def _ref(self, b: int) -> None:
-        if self.ref[b] == 0:
-            self.free_q.pop(b, None)
-            self.grow_events += 1
-        self.ref[b] += 1
-
-    def _unref(self, b: int) -> None:
-        assert self.ref[b] > 0, f"free of block {b} below zero"
-        self.ref[b] -= 1
-        if self.ref[b] == 0:
-            self.free_q[b] = None
-
-    def free(self, blocks: Sequence[int]) -> None:
-        """A request releases its blocks (tail first, as vLLM does)."""
-        for b in reversed(blocks):
-            self._unref(b)
-
-    def computed_prefix(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
-        out: list[int] = []
-        for h in hashes[:max_blocks]:
-            blocks = self.cached.get(h)
-            if not blocks:
-                break
-            out.append(next(iter(blocks)))
-        return out
-
-    def num_free(self) -> int:
-        return len(self.free_q)
-
-    def allocate(self, hit: Sequence[int], n_new: int) -> list[int] | None:
-        """Touch the hit blocks, then take ``n_new`` blocks from the free queue's head (evicting
-        their cached hash). None (and nothing changed) when the pool is short."""
-        free_hit = sum(1 for b in hit if self.ref[b] == 0)
-        if self.num_free() - free_hit < n_new:
-            return None
-        for b in hit:
-            self._ref(b)
-        new: list[int] = []
-        for _ in range(n_new):
-            b = next(iter(self.free_q))
-            self._evict(b)
-            self._ref(b)
-            new.append(b)
-        return new
-
-    def _evict(self, b: int) -> None:
-        h = self.hash[b]
-        if h is not None:
-            blocks = self.cached.get(h)
-            if blocks is not None:
-                blocks.pop(b, None)
-                if not blocks:
-                    del self.cached[h]
-            self.hash[b] = None
-
-    def cache(self, b: int, h: bytes) -> None:
-        if self.hash[b] == h:
-            return
-        self._evict(b)
-        self.hash[b] = h
-        self.cached.setdefault(h, {})[b] = None
-
-    def write(self, b: int, content: bytes | None, rank: int | None = None) -> None:
-        for r in range(self.tp) if rank is None else (rank,):
-            self.content[r][b] = content
-
-
-# ====================================================================== workers
-
-
-JobOutcome = Literal["ok", "io_error", "start_error"]
-
-
-@dataclass
-class Pending:
-    rank: int
-    kind: Literal["store", "load", "move"]
-    job: Any
-    snapshot: list[bytes | None] = field(default_factory=list)  # store: content at start
-    started: float = 0.0  # async load: when the worker started it (its own deadline)
-
-
-@dataclass
-class LoadEvent:
-    req_id: str
-    job_id: int
-    rank: int
-    failed_blocks: list[int]
-
-
-class SimWorkers:
-    """tp_size ranks, each with its own store (fake_store.FakeTierStore: the real TieredStore's
-    results, a store that never evicts), plus the shared remote tier. Each job runs as the plugin's
-    worker (plugins/agentkv_vllm/worker_side.py) runs it: what it reports on success, on a
-    block's I/O error (``io_error``: the key is reported bad) and on a job that failed to start
-    (``start_error``); an async load past the worker's own deadline is cancelled and reported
-    failed (``expire_loads``, the worker's poll)."""
-
-    def __init__(self, pool: SimPool, tp_size: int, capacity: dict[str, int]) -> None:
-        self.pool = pool
-        self.tp = tp_size
-        self.capacity = capacity
-        self.stores = [FakeTierStore(capacity["host"], capacity["disk"]) for _ in range(tp_size)]
-        # tiers[rank]["host" | "disk"] -> {key: content}: the stores' copies, read-only views
-        self.tiers = self.stores
-        # the shared remote tier, per rank (keys are rank-salted in the real system): filled by
-        # the manager's upload jobs, read by its fetch jobs; a key it has keeps its copy
-        self.remote: list[dict[bytes, bytes | None]] = [{} for _ in range(tp_size)]
-        self.pending: list[Pending] = []
-        self.silent: set[int] = set()
-        self.reports: list[WorkerReport] = []
-        self.load_events: list[LoadEvent] = []
-        self.violations: list[str] = []
-        # Whether an upload may publish ``content`` under ``key``: the key must be its content's
-        # key under the generation the key was derived in. One generation: ``key_of``. A test
-        # that switches generations sets its own (test_invalidation_stateful.py): a copy of an
-        # older generation is still its key's KV, where ``key_of`` knows only the current one.
-        self.published_truth: Callable[[bytes, bytes], bool] = lambda key, content: (
-            key_of(content) == key
-        )
-
-    # ---------------------------------------------------------------- plans
-    def deliver(self, plan: StepPlan, now: float = 0.0) -> None:
-        """start_step on every rank: drops first, then stores, loads (layerwise ones run in this
-        step's forward) and moves."""
-        for rank in range(self.tp):
-            for drop in plan.drops:
-                self.stores[rank].drop(drop.keys, drop.tier)
-        for rank in range(self.tp):
-            for store in plan.stores:
-                snap = [self.pool.content[rank][t.block_id] for t in store.blocks]
-                self.pending.append(Pending(rank, "store", store, snap))
-            for load in plan.loads:
-                if load.layerwise:
-                    # Copied during this step's forward, on every rank (a stuck rank would stall
-                    # the forward itself); a silent rank just never reports it.
-                    self._run(Pending(rank, "load", load), "ok", report=rank not in self.silent)
-                else:
-                    self.pending.append(Pending(rank, "load", load, started=now))
-            for move in plan.moves:
-                self.pending.append(Pending(rank, "move", move))
-
-    def completable(self) -> list[Pending]:
-        return [p for p in self.pending if p.rank not in self.silent]
-
-    def complete(self, p: Pending, ok: bool | JobOutcome = True) -> None:
-        """One rank finishes ``p``: ``ok`` (True / "ok"), a block I/O error (False / "io_error")
-        or a job that failed to start ("start_error")."""
-        outcome: JobOutcome = ok if isinstance(ok, str) else ("ok" if ok else "io_error")
-        self.pending.remove(p)
-        self._run(p, outcome, report=True)
-
-    def expire_loads(self, now: float, timeout_s: float) -> None:
-        """The worker's poll: an async load not done by its deadline is cancelled (nothing more
-        is written into its blocks) and reported failed, on any rank (a rank whose transfers are
-        stuck still polls; only the forward would stall a whole rank)."""
-        for p in [p for p in self.pending if p.kind == "load"]:
-            if now >= p.started + timeout_s:
-                self.pending.remove(p)
-                self._cancel_load(p)
-
-    def _cancel_load(self, p: Pending) -> None:
-        load: LoadJob = p.job
-        self.reports.append(WorkerReport(jobs_done={load.job_id: 1}, jobs_failed={load.job_id}))
-        self.load_events.append(
-            LoadEvent(load.req_id, load.job_id, p.rank, [t.block_id for t in load.blocks])
-        )
-
-    def wake(self, rank: int, newest_first: bool = False) -> None:
-        """A silent rank finishes its stores and moves late, in either order; its loads are
-        cancelled (reported failed, nothing copied: the worker's deadline fence)."""
-        self.silent.discard(rank)
-        late = [p for p in self.pending if p.rank == rank]
-        for p in reversed(late) if newest_first else late:
-            self.pending.remove(p)
-            if p.kind == "load":
-                self._cancel_load(p)
-            else:
-                self._run(p, "ok", report=True)
-
-    def damage(self, rank: int, key: bytes) -> bool:
-        """Fault injection: rank's disk copy of ``key`` no longer verifies."""
-        return self.stores[rank].damage(key)
-
-    # ---------------------------------------------------------------- execution
-    def _bad(self, rep: WorkerReport, key: bytes, r: Result) -> None:
-        """worker_side._bad: the reason a rank could not serve or write ``key``."""
-        if not key:
-            return  # a fail-closed load: no tier was asked
-        if r.corrupt:
-            rep.bad_keys[key] = "corrupt"
-        elif r.status is BlockStatus.MISS:
-            rep.bad_keys.setdefault(key, "miss")
-        else:
-            rep.bad_keys.setdefault(key, "error")
-
-    def _full(self, rank: int, what: str, results: Sequence[Result]) -> None:
-        for r in results:
-            if r.full:  # the manager reserves every slot it writes: a full tier is its bug
-                self.violations.append(
-                    f"rank {rank} {what}: {r.tier} full ({self.capacity[r.tier or 'host']}) "
-                    f"writing {r.key.hex()[:8]}"
-                )
-
-    def _run(self, p: Pending, outcome: JobOutcome, report: bool) -> None:
-        rank = p.rank
-        rep = WorkerReport()
-        if outcome == "start_error":
-            rep.jobs_done[p.job.job_id] = 1
-            rep.jobs_failed.add(p.job.job_id)
-            if p.kind == "load":
-                load: LoadJob = p.job
-                failed = [t.block_id for t in load.blocks]
-                self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
-        elif p.kind == "store":
-            self._run_store(p, outcome == "ok", rep)
-        elif p.kind == "load":
-            self._run_load(p, outcome == "ok", rep)
-        elif p.job.kind == "upload":
-            self._run_upload(p, outcome == "ok", rep)
-        elif p.job.kind == "fetch":
-            self._run_fetch(p, outcome == "ok", rep)
-        else:
-            self._run_move(p, outcome == "ok", rep)
-        if report:
-            self.reports.append(rep)
-
-    def _done(self, rep: WorkerReport, job_id: int, ok: bool) -> None:
-        rep.jobs_done[job_id] = rep.jobs_done.get(job_id, 0) + 1
-        if not ok:
-            rep.jobs_failed.add(job_id)
-
-    def _run_store(self, p: Pending, io_ok: bool, rep: WorkerReport) -> None:
-        job: StoreJob = p.job
-        store = self.stores[p.rank]
-        keys = [t.key for t in job.blocks]
-        if io_ok:
-            # The copy reads the device blocks while the job runs: a block that changed since
-            # the job started is copied as garbage (checksums cannot tell).
-            contents = [
-                now if now == before else GARBAGE
-                for now, before in (
-                    (self.pool.content[p.rank][t.block_id], snap)
-                    for t, snap in zip(job.blocks, p.snapshot, strict=True)
-                )
-            ]
-            results = store.store(keys, contents, job.tier)
-            self._full(p.rank, f"store {job.job_id}", results)
-        else:
-            results = [Result(k, BlockStatus.ERROR, job.tier) for k in keys]
-        for key, r in zip(keys, results, strict=True):
-            if not r.ok:
-                self._bad(rep, key, r)
-        self._done(rep, job.job_id, all(r.ok for r in results))
-        rep.transfers[("offload", job.tier, str(job.job_id))] = (len(job.blocks), 0.001)
-
-    def _run_load(self, p: Pending, io_ok: bool, rep: WorkerReport) -> None:
-        load: LoadJob = p.job
-        rank = p.rank
-        keys = [t.key for t in load.blocks]
-        if io_ok:
-            results = self.stores[rank].load(keys)
-        else:
-            results = [Result(k, BlockStatus.ERROR) for k in keys]
-        failed: list[int] = []
-        for t, r in zip(load.blocks, results, strict=True):
-            if not r.ok:
-                self._bad(rep, t.key, r)
-                failed.append(t.block_id)
-                continue
-            if r.content is None or key_of(r.content) != t.key:
-                self.violations.append(
-                    f"load {load.job_id} rank {rank}: copy of {t.key.hex()[:8]} is not its "
-                    f"true content ({r.content!r:.20})"
-                )
-            self.pool.write(t.block_id, r.content, rank)
-        self._done(rep, load.job_id, not failed)
-        rep.transfers[("reload", "host", str(load.job_id))] = (len(load.blocks), 0.001)
-        self.load_events.append(LoadEvent(load.req_id, load.job_id, rank, failed))
-
-    def _run_upload(self, p: Pending, remote_ok: bool, rep: WorkerReport) -> None:
-        """A remote tier that is down fails the job; nothing local is lost or reported bad."""
-        up: MoveJob = p.job
-        if not remote_ok:
-            self._done(rep, up.job_id, False)
-            return
-        results = self.stores[p.rank].copy_to_remote(up.keys, self.remote[p.rank])
-        for key, r in zip(up.keys, results, strict=True):
-            if r.ok and (
-                r.content is None
-                or r.content == GARBAGE
-                or not self.published_truth(key, r.content)
-            ):
-                self.violations.append(
-                    f"upload {up.job_id} rank {p.rank}: {key.hex()[:8]} would publish wrong KV "
-                    f"to the shared remote tier ({r.content!r:.20})"
-                )
-        self._done(rep, up.job_id, all(r.ok for r in results))
-
-    def _run_fetch(self, p: Pending, remote_ok: bool, rep: WorkerReport) -> None:
-        """Best effort: keys the remote lacks (or a remote that is down, or no host room) are
-        this rank's misses; the job itself reports done and ok."""
-        fetch: MoveJob = p.job
-        remote = self.remote[p.rank]
-        missing: list[bytes] = []
-        for key in fetch.keys:
-            if not remote_ok or key not in remote:
-                missing.append(key)
-                continue
-            results = self.stores[p.rank].store([key], [remote[key]], "host")
-            self._full(p.rank, f"fetch {fetch.job_id}", results)
-            if not results[0].ok:
-                missing.append(key)
-        if missing:
-            rep.fetch_missing[fetch.job_id] = missing
-        self._done(rep, fetch.job_id, True)
-
-    def _run_move(self, p: Pending, io_ok: bool, rep: WorkerReport) -> None:
-        move: MoveJob = p.job
-        store = self.stores[p.rank]
-        if not io_ok:
-            results = [Result(k, BlockStatus.ERROR) for k in move.keys]
-        elif move.kind == "promote":
-            results = store.promote(move.keys)
-        else:  # 'demote': copy_to_disk, the host copy stays until the manager drops it
-            results = store.copy_to_disk(move.keys)
-        self._full(p.rank, f"{move.kind} {move.job_id}", results)
-        for key, r in zip(move.keys, results, strict=True):
-            if not r.ok:
-                self._bad(rep, key, r)
-        self._done(rep, move.job_id, all(r.ok for r in results))
-
-    def take_reports(self) -> WorkerReport | None:
-        if not self.reports:
-            return None
-        out = WorkerReport()
-        for rep in self.reports:
-            out = out.merge(rep)
-        self.reports = []
-        return out
+# The device and worker parts are imported from here by the tests (one import site).
+__all__ = [
+    "GARBAGE",
+    "FakeClock",
+    "Rig",
+    "SimEngine",
+    "SimPool",
+    "SimRequest",
+    "SimWorkers",
+    "chain_hashes",
+    "key_of",
+    "make_rig",
+    "pinned_content_breaches",
+    "salt_root",
+]
 
 
 # ====================================================================== requests

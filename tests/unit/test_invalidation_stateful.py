@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import initialize, precondition, rule
 
 import tests.unit.sim_engine as sim
+import tests.unit.sim_workers as sim_workers
+import tests.unit.stateful_invariants as invariants
 import tests.unit.test_manager_stateful as base
 from agentkv.manager.invalidation import invalidate_tiers
 
@@ -76,7 +78,9 @@ class InvalidationMachine(base.ManagerMachine):
         super().__init__()
         self.gens = _Generations()
         sim.key_of = self.gens.current  # loads and uploads: the current generation only
+        sim_workers.key_of = self.gens.current
         base.key_of = self.gens.any_generation  # index invariant: true for its generation
+        invariants.key_of = self.gens.any_generation
 
     @initialize(**_BASE_SETUP.hypothesis_stateful_initialize_rule.arguments)  # type: ignore[attr-defined]
     def setup(self, **kw: Any) -> None:
@@ -90,7 +94,9 @@ class InvalidationMachine(base.ManagerMachine):
             super().teardown()
         finally:
             sim.key_of = _ORIGINAL
+            sim_workers.key_of = _ORIGINAL
             base.key_of = _ORIGINAL
+            invariants.key_of = _ORIGINAL
 
     def _no_transfer_in_flight(self) -> bool:
         mgr = self.mgr

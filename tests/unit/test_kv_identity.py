@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from agentkv.kv_identity import LogicalKeys, weights_identity  # noqa: E402
 from agentkv.tiers.disk import BlockFiles  # noqa: E402
-from agentkv.tiers.remote import remote_key  # noqa: E402
+from agentkv.tiers.remote_codec import remote_key  # noqa: E402
 from agentkv_vllm.kv_identity import identity_from_config, kv_cache_format  # noqa: E402
 from agentkv_vllm.settings import ConnectorSettings  # noqa: E402
 from agentkv_vllm.worker_side import WorkerSide  # noqa: E402

@@ -6,20 +6,22 @@ secret comes from ``remote_key`` or ``AGENTKV_REMOTE_KEY`` and never shows in a 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-import valkey
 
 from agentkv.tiers import remote as remote_module
 from agentkv.tiers.keys import BlockKey
-from agentkv.tiers.remote import RemoteBlocks, RemoteConfig, encode_value
+from agentkv.tiers.remote import RemoteBlocks
 from agentkv.tiers.remote_auth import SECRET_ENV, RemoteAuth
+from agentkv.tiers.remote_codec import encode_value
 from agentkv.tiers.results import BlockStatus
+from tests.unit import remote_fixtures
 from tests.valkey_fixture import unique_prefix, valkey_server, valkey_url  # noqa: F401
 
+remote = remote_fixtures.remote
+raw = remote_fixtures.raw
 BLOCK = 8 * 1024
 
 
@@ -32,24 +34,13 @@ def _content(i: int) -> np.ndarray:
 
 
 @pytest.fixture
-def make(valkey_url: str) -> Iterator[Any]:  # noqa: F811
-    opened: list[RemoteBlocks] = []
+def make(remote: Any) -> Any:
+    """Clients by key prefix and deployment secret (None: unauthenticated)."""
 
     def build(prefix: str, secret: str | None) -> RemoteBlocks:
-        client = RemoteBlocks(RemoteConfig.parse(valkey_url, key_prefix=prefix, auth_key=secret))
-        opened.append(client)
-        return client
+        return remote(key_prefix=prefix, auth_key=secret)  # type: ignore[no-any-return]
 
-    yield build
-    for client in opened:
-        client.close()
-
-
-@pytest.fixture
-def raw(valkey_url: str) -> Iterator[Any]:  # noqa: F811
-    client = valkey.Valkey.from_url(valkey_url)
-    yield client
-    client.close()
+    return build
 
 
 def test_a_planted_block_is_a_miss_and_a_counter_never_loaded(make: Any, raw: Any) -> None:

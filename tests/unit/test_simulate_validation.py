@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agentkv.cli.simulate import bench_workload
+from agentkv.cli.simulate_workload import bench_workload
 from agentkv.simulate.costs import BENCH_SMALL_CPU, load_calibration
 from agentkv.simulate.fleet import FleetConfig, simulate
 from agentkv.simulate.metrics import COMPARED

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from agentkv.errors import CorruptBlockError, TierFullError
-from agentkv.tiers import disk, store
+from agentkv.tiers import disk, store_local
 from agentkv.tiers.disk import HEADER_BYTES
 from agentkv.tiers.keys import BlockKey, ModelFingerprint
 from agentkv.tiers.store import BlockStatus, TieredStore
@@ -187,14 +187,14 @@ def test_block_in_flight_is_pinned_and_handle_polls(make, monkeypatch: pytest.Mo
     a, b = keys(2)
     store_all(s, [a])
     release, started = threading.Event(), threading.Event()
-    real = store.scatter_from
+    real = store_local.scatter_from
 
     def slow(source, segments):  # type: ignore[no-untyped-def]
         started.set()
         assert release.wait(10)
         real(source, segments)
 
-    monkeypatch.setattr(store, "scatter_from", slow)
+    monkeypatch.setattr(store_local, "scatter_from", slow)
     out = np.zeros(BLOCK, np.uint8)
     handle = s.submit_load([a], [out])
     assert started.wait(10)

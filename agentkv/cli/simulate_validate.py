@@ -1,0 +1,131 @@
+"""The simulator's validation protocol on the command line (docs/simulate.md, "Validation
+protocol"): measure the engine under load, predict a row before it runs, compare.
+
+Primitives:
+    calibrate_load   ``agentkv calibrate --load``: measure the engine at a server under load and
+                     write its profile (``agentkv.simulate.engine_profile``).
+    validate_cmd     ``agentkv simulate validate``: write a row's prediction (``--predict``), or
+                     print predicted vs measured for every row with its commit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from agentkv.cli.common import fail
+from agentkv.cli.simulate_report import print_validation
+from agentkv.cli.simulate_workload import build_workload
+
+
+def calibrate_load(
+    server: str,
+    model: str | None,
+    max_batched_tokens: int,
+    output: Path | None,
+    as_json: bool,
+    quick: bool = False,
+) -> None:
+    """``agentkv calibrate --load``: measure the engine at ``server`` under load and write its
+    profile (``agentkv.simulate.engine_profile``)."""
+    from rich.console import Console
+
+    from agentkv.errors import AgentKVError
+    from agentkv.simulate.costs import BENCH_SMALL_CPU
+    from agentkv.simulate.engine_profile import build_profile, measure_under_load
+
+    err = Console(stderr=True)
+    target = output if output is not None else Path("engine_profile.json")
+    try:
+        with err.status("calibrating under load") as status:
+            samples = measure_under_load(
+                server,
+                model=model,
+                max_batched_tokens=max_batched_tokens,
+                progress=lambda line: status.update(f"measuring {line}"),
+                quick=quick,
+            )
+        profile = build_profile(samples, BENCH_SMALL_CPU)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(profile, indent=1), encoding="utf-8")
+    except (AgentKVError, OSError) as exc:
+        fail(str(exc))
+    for note in profile["notes"]:
+        err.print(f"[yellow]fit:[/] {note}", soft_wrap=True)
+    if as_json:
+        typer.echo(json.dumps({"profile": profile, "path": str(target)}))
+        return
+    costs = profile["costs"]
+    typer.echo(
+        f"engine profile of {profile['model']} written to {target}: linear "
+        f"{costs['prefill_flops_per_s']:.3g} FLOP/s, attention {costs['attention_flops_per_s']:.3g}"
+        f" FLOP/s, decode step {costs['step_overhead_s'] * 1e3:.1f} ms + "
+        f"{costs['decode_seq_s'] * 1e3:.2f} ms per sequence; admission {profile['samples']['admission']}"
+    )
+
+
+def validate_cmd(
+    predict_row: str | None = typer.Option(
+        None,
+        "--predict",
+        help="Write the prediction of row NAME to bench/results/predictions/NAME.json (commit "
+        "it before running the printed bench command). Without it: the table of every row.",
+    ),
+    trace: Path | None = typer.Option(
+        None, "--trace", exists=True, dir_okay=False, help="The row's trace (default: the bench)."
+    ),
+    token_scale: float = typer.Option(1.0, "--token-scale", min=0.0001),
+    time_scale: float = typer.Option(1.0, "--time-scale", min=0.0),
+    num_blocks: int = typer.Option(128, "--num-blocks", min=1, help="The row's pool."),
+    host_capacity_gib: float = typer.Option(2.0, "--host-capacity-gib", min=0.1),
+    calibration: Path | None = typer.Option(
+        None,
+        "--calibration",
+        exists=True,
+        dir_okay=False,
+        help="Engine profile (`agentkv calibrate --load`); a report of the same run is allowed "
+        "but the row is then not held out.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Predictions before runs (docs/simulate.md, "Validation protocol"): write a row's
+    prediction, or print predicted vs measured for every row with its commit."""
+    from agentkv.errors import AgentKVError
+    from agentkv.simulate import protocol
+    from agentkv.simulate.costs import BENCH_SMALL_CPU, load_calibration
+
+    if predict_row is None:
+        rows = protocol.table_rows()
+        if as_json:
+            typer.echo(json.dumps(rows))
+            return
+        print_validation(rows)
+        return
+    try:
+        costs = load_calibration(calibration) if calibration is not None else BENCH_SMALL_CPU
+        workload = build_workload(trace, None, None, time_scale, token_scale, 0)
+    except (AgentKVError, ValueError) as exc:
+        fail(str(exc))
+    spec = protocol.RowSpec(
+        predict_row,
+        str(trace) if trace is not None else None,
+        token_scale,
+        time_scale,
+        num_blocks,
+        host_capacity_gib,
+        str(calibration) if calibration is not None else None,
+    )
+    pred = protocol.predict(spec, workload, costs)
+    path = protocol.PREDICTIONS_DIR / f"{predict_row}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(pred, indent=1) + "\n", encoding="utf-8")
+    if as_json:
+        typer.echo(json.dumps({"path": str(path), **pred}))
+        return
+    typer.echo(
+        f"prediction written to {path} (held out: {pred['held_out']}); now\n"
+        f"  git add -f {path} && git commit -m 'prediction {predict_row}'\n"
+        f"then measure:\n  {pred['command']}\nthen: agentkv simulate validate"
+    )

@@ -1,0 +1,109 @@
+"""What a caller of the tiered store holds while a transfer runs (store.py submits them).
+
+Primitives:
+    TransferHandle   completion of one submitted transfer: ``done()`` polls without blocking;
+                     ``result()`` waits and returns one BlockResult per key, in order;
+                     ``cancel()`` (loads) fences: once it returns, nothing more is written into
+                     the caller's buffers; ``ok_prefix()`` counts the leading successes.
+    HostRead         read-only views of pinned host blocks from ``TieredStore.acquire_host``;
+                     the caller hands it back to ``release_host`` exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentkv.tiers.buffers import ByteArray
+from agentkv.tiers.keys import BlockKey
+from agentkv.tiers.results import BlockResult
+
+
+class TransferHandle:
+    """Completion of one submitted transfer; safe to poll from the engine loop."""
+
+    def __init__(self, keys: Sequence[BlockKey]) -> None:
+        self.keys = list(keys)
+        self._results: list[BlockResult | None] = [None] * len(self.keys)
+        self._remaining = len(self.keys)
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._cancelled = False
+        self._writers = 0
+        self._fence = threading.Condition()
+        if not self.keys:
+            self._finished.set()
+
+    def cancel(self) -> None:
+        """Stop writing into the caller's buffers: blocks not started yet complete as errors, and
+        this returns only after blocks being written right now are done. Idempotent."""
+        with self._fence:
+            self._cancelled = True
+            while self._writers:
+                self._fence.wait()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def _enter(self) -> bool:
+        with self._fence:
+            if self._cancelled:
+                return False
+            self._writers += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._fence:
+            self._writers -= 1
+            self._fence.notify_all()
+
+    def done(self) -> bool:
+        """Return True when every block has a result. Must not block."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or ``timeout`` seconds pass; returns done()."""
+        return self._finished.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> list[BlockResult]:
+        """Return one BlockResult per key, in submit order; blocks until done.
+
+        Raises TimeoutError when ``timeout`` passes first.
+        """
+        if not self._finished.wait(timeout):
+            raise TimeoutError("transfer not finished")
+        return [result for result in self._results if result is not None]
+
+    def ok_prefix(self) -> int:
+        """Return how many leading blocks succeeded (0 while not done). Must not block."""
+        if not self.done():
+            return 0
+        count = 0
+        for result in self._results:
+            if result is None or not result.ok:
+                break
+            count += 1
+        return count
+
+    def _set(self, index: int, result: BlockResult) -> None:
+        with self._lock:
+            if self._results[index] is None:
+                self._remaining -= 1
+            self._results[index] = result
+            if self._remaining == 0:
+                self._finished.set()
+
+
+@dataclass(frozen=True, slots=True)
+class HostRead:
+    """Views of pinned host blocks from ``acquire_host``; None where a key was not in host."""
+
+    views: list[ByteArray | None]
+    _blocks: list[Any]
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i, v in enumerate(self.views) if v is None]

@@ -1,0 +1,59 @@
+"""Shared helpers of the test_manager*.py files: two prompts and ready-made states of the rig.
+
+The rig (sim_engine.make_rig): 4-token blocks, a 40-block pool, 1 MiB blocks (a 4-block context
+reloads from host in 0.04 s and recomputes in 0.17 s), grace 0.5 s, job timeout 10 s.
+
+Primitives:
+    SYS, P1          two blocks every trajectory shares; a 17-token prompt (4 full blocks).
+    keys_of          the tier keys of a token list on the rig.
+    in_thread        run a call on another thread (the control channel) and return its result.
+    offloaded        one finished turn whose grace expired and host copy was written.
+    disk_offloaded   a finished turn paused long enough to go to disk.
+    branch           a trajectory's branch by client id and tenant.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from agentkv.manager import BranchState
+from agentkv.manager.state import Branch, scoped_id
+from tests.unit.sim_engine import Rig, key_of
+
+SYS = [7, 7, 7, 7, 9, 9, 9, 9]  # two blocks every trajectory shares
+P1 = [*SYS, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 17 tokens: 4 full blocks
+
+
+def keys_of(rig: Rig, tokens: list[int]) -> list[bytes]:
+    return [key_of(h) for h in rig.eng.hashes(tokens)]
+
+
+def in_thread(fn: Any, *args: Any) -> Any:
+    """Run ``fn`` on another thread (the control channel), return its result."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def offloaded(rig: Rig, traj: str = "t1", prompt: list[int] = P1) -> None:
+    """One finished turn of ``traj``, its grace expired, its host copy written."""
+    rig.turn(traj, prompt)
+    rig.clock.advance(1.0)
+    rig.settle()
+    assert rig.mgr.table[traj].branches["main"].state is BranchState.OFFLOADED
+
+
+def branch(rig: Rig, traj: str = "t1", name: str = "main", tenant: str | None = None) -> Branch:
+    return rig.mgr.table[scoped_id(traj, tenant)].branches[name]
+
+
+def disk_offloaded(rig: Rig, wait: float = 400.0) -> dict[str, Any]:
+    rig.turn("t1", P1)
+    code, body = rig.mgr.pause("t1", "main", "human", wait)
+    assert code == 200 and body["decision"]["action"] == "offload_disk", body
+    rig.settle()
+    assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "disk"
+    return body

@@ -1,0 +1,267 @@
+"""Tests that kill mutants which survived the manager's suite (docs/testing.md, mutation
+testing), on the simulated engine. The rig: manager_helpers.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv.manager import BranchState
+from tests.unit.manager_helpers import (
+    P1,
+    branch,
+    disk_offloaded,
+    in_thread,
+    keys_of,
+    offloaded,
+)
+from tests.unit.sim_engine import make_rig
+
+# ---------------------------------------------------------------- mutants that survived (docs/testing.md)
+
+
+def test_an_expired_lease_is_counted_and_measured_as_a_lease_expiry() -> None:
+    from agentkv import metrics as m
+    from agentkv.metrics import counter_value
+
+    rig = make_rig()
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "main", "fast", 0.001)[1]["state"] == "retained"
+    rig.clock.t = branch(rig).lease_until
+    rig.eng.step()
+    assert rig.mgr.counters["lease_expired_demotions"] == 1
+    snap = rig.mgr.metrics.snapshot()
+    assert counter_value(snap, m.DEMOTIONS.name, reason="lease_expired") == 1
+
+
+def test_a_prefetch_no_one_came_back_for_is_counted_wasted_on_delete() -> None:
+    from agentkv import metrics as m
+    from agentkv.metrics import counter_value
+
+    rig = make_rig(disk=32)
+    disk_offloaded(rig)
+    rig.clock.t = branch(rig).prefetch_due + 0.01  # type: ignore[operator]
+    rig.settle()
+    assert branch(rig).prefetch_done_at is not None
+    rig.mgr.delete("t1")
+    assert rig.mgr.prefetch_outcomes.counts()["wasted"] == 1
+    snap = rig.mgr.metrics.snapshot()
+    assert counter_value(snap, m.PREFETCH_OUTCOMES.name, outcome="wasted") == 1
+
+
+def test_a_disk_hit_turn_says_disk() -> None:
+    rig = make_rig(disk=32)
+    disk_offloaded(rig)
+    rig.flush()
+    rig.turn("t1", [*P1, 4], steps=16)
+    (turn1, turn2) = rig.mgr.get("t1")[1]["turns"]
+    assert turn2["tier"] == "disk" and turn2["tier_hit_tokens"] == 16
+    assert turn2["hit_ratio"] == round(16 / 18, 6) and turn1["hit_ratio"] == 0.0
+
+
+def test_a_remote_fetch_is_counted() -> None:
+    rig = make_rig(remote_enabled=True)
+    keys = keys_of(rig, P1)
+    for k, h in zip(keys, rig.eng.hashes(P1), strict=True):
+        rig.workers.remote[0][k] = h  # another replica uploaded this context
+    job = rig.mgr.fetch_remote("t9", [*keys, b"\xee" * 16])
+    assert job is not None and rig.mgr.job_pending(job)
+    assert rig.mgr.counters["remote_fetches"] == 1
+    rig.settle()
+    assert not rig.mgr.job_pending(job)
+    assert rig.mgr.counters["remote_fetched_blocks"] == 4
+    assert rig.mgr.counters["remote_missed_blocks"] == 1
+
+
+def test_has_work_while_a_job_is_in_flight_or_pins_wait() -> None:
+    rig = make_rig(grace=0.0)
+    rig.turn("t1", P1, jobs=False)  # the grace-0 offload: a store job
+    rig.eng.step()
+    assert rig.mgr.jobs and not rig.mgr.engine_work_pending()
+    assert rig.mgr.has_work()  # only the job in flight
+    rig.settle()
+    assert not rig.mgr.has_work()
+    rig.turn("t2", P1)
+    rig.mgr.pause("t2", "main", "fast", 0.001)  # retained: pinned
+    rig.settle()
+    in_thread(rig.mgr.delete, "t2")  # the unpins wait for the engine thread
+    assert not rig.mgr.jobs and rig.mgr.has_work()
+
+
+def test_worker_report_is_truthy_only_with_content() -> None:
+    from agentkv.manager import WorkerReport
+
+    assert not WorkerReport()
+    for rep in (
+        WorkerReport(jobs_done={1: 1}),
+        WorkerReport(jobs_failed={1}),
+        WorkerReport(bad_keys={b"k": "miss"}),
+        WorkerReport(hello={0: 1}),
+        WorkerReport(transfers={("offload", "host", "1"): (1, 0.1)}),
+    ):
+        assert rep
+
+
+def test_the_residency_index_refuses_a_second_write_of_a_key() -> None:
+    from agentkv.manager import ResidencyIndex
+
+    index = ResidencyIndex({"host": 4, "disk": 4})
+    index.begin_write(b"k", "host", "t1")
+    with pytest.raises(ValueError):
+        index.begin_write(b"k", "host", "t1")  # writing
+    assert index.end_write(b"k", "host", True)
+    with pytest.raises(ValueError):
+        index.begin_write(b"k", "host", "t1")  # held
+    index.begin_write(b"k", "disk", "t1")  # another tier is fine
+
+
+def test_a_retained_branch_that_runs_again_is_no_pressure_victim() -> None:
+    """A retained branch whose agent is back (a request runs) leaves the pressure candidates:
+    pressure must not demote a branch that is not retained any more."""
+    rig = make_rig(high_water=0.5)
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "main", "fast", 0.001)[1]["state"] == "retained"
+    req = rig.eng.new_request("t1", "main", [*P1, 4], max_new=2)
+    assert rig.eng.schedule(req)
+    assert branch(rig).state is BranchState.ACTIVE
+    assert rig.eng.spike(rig.pool.num_free() - 2)  # usage far above high water
+    rig.eng.step()
+    assert rig.mgr.counters["pressure_demotions"] == 0
+    assert branch(rig).state is BranchState.ACTIVE
+    rig.eng.release_spike()
+    rig.run(req)
+    assert req.status == "FINISHED" and not rig.eng.violations
+    assert branch(rig).state is BranchState.HELD  # its grace period, pinned again
+    assert rig.eng.spike(rig.pool.num_free() - 1)
+    rig.eng.step()
+    assert rig.mgr.counters["pressure_demotions"] == 0  # grace decides, not pressure
+    assert branch(rig).state is BranchState.HELD and branch(rig).pinned
+
+
+def test_store_jobs_in_flight_are_releasing_until_they_complete() -> None:
+    rig = make_rig(grace=0.0)
+    rig.turn("t1", P1, jobs=False)
+    rig.eng.step()
+    assert rig.mgr.status()["pool"]["releasing_blocks"] == 4
+    rig.settle()
+    assert rig.mgr.status()["pool"]["releasing_blocks"] == 0
+
+
+def test_an_abort_after_a_confirmed_load_keeps_the_loaded_blocks() -> None:
+    """The load reported ok: its blocks are trusted even if the request is then aborted."""
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4, 4], max_new=3)
+    rig.eng.schedule(req)
+    assert req.status == "WAITING_FOR_REMOTE_KVS"
+    rig.eng.step()
+    for p in rig.workers.completable():
+        rig.workers.complete(p)
+    rig.eng.deliver_reports()
+    assert req.status == "RUNNING"
+    assert rig.eng.compute(req)
+    rig.eng.abort(req)
+    assert rig.mgr.counters["aborted_loads"] == 0
+    assert len(branch(rig).pinned) >= 4  # the loaded context, not only the device hit (none)
+
+
+def test_every_failed_load_is_counted_and_serves_no_tier_tokens() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    for n in (1, 2):
+        rig.flush()
+        req = rig.eng.new_request("t1", "main", [*P1, 4], max_new=0)
+        rig.eng.schedule(req)
+        rig.eng.step()
+        for p in rig.workers.completable():
+            rig.workers.complete(p, "io_error")
+        rig.eng.deliver_reports()
+        rig.run(req)
+        assert rig.mgr.counters["load_failures"] == n
+        assert rig.mgr.get("t1")[1]["turns"][-1]["tier_hit_tokens"] == 0
+        offloaded(rig, prompt=[*P1, 4])
+
+
+def test_a_fail_closed_load_is_counted() -> None:
+    rig = make_rig()
+    rig.mgr.on_alloc("r-unknown", [1, 2, 3], 8)  # not ours, yet vLLM counted tokens
+    assert rig.mgr.counters["failed_closed_loads"] == 1
+
+
+def test_get_says_why_the_engine_moved_a_branch() -> None:
+    rig = make_rig()
+    offloaded(rig)  # grace expired with no pause decision
+    assert rig.mgr.get("t1")[1]["branches"]["main"]["demoted_by"] == "grace_expired"
+
+
+def test_the_paused_gauge_is_labelled_by_state() -> None:
+    from agentkv import metrics as m
+
+    rig = make_rig()
+    offloaded(rig)
+    rows = {(spec.name, tuple(sorted(labels.items()))): v for spec, labels, v in rig.mgr.gauges()}
+    assert rows[(m.PAUSED_TRAJECTORIES.name, (("state", "offloaded"),))] == 1
+    assert rows[(m.TRAJECTORIES.name, ())] == 1
+
+
+def test_a_second_pause_of_a_disk_branch_still_prefetches() -> None:
+    """A decision that changes no state (offload_host for a branch already offloaded) still arms
+    its prefetch timer."""
+    rig = make_rig(disk=32)
+    disk_offloaded(rig)
+    _code, body = rig.mgr.pause("t1", "main", "human", 400.0)
+    assert body["state"] == "offloaded"
+    due = branch(rig).prefetch_due
+    assert due is not None
+    rig.clock.t = due + 0.01
+    rig.settle()
+    assert rig.mgr.counters["prefetches"] == 1 and branch(rig).prefetch_done_at is not None
+
+
+def test_a_layerwise_load_is_counted_and_the_turn_stats_carry_the_hit_ratio() -> None:
+    rig = make_rig(layerwise=True)
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4], max_new=0)
+    rig.run(req)
+    assert rig.mgr.counters["layerwise_loads"] == 1
+    rig.turn("t1", [*P1, 4, 4])
+    stats = rig.mgr.on_finish(
+        "r-none", [], computed_tokens=0, token_ids=[], block_hashes=[], aborted=False
+    )
+    assert stats is None
+    t1 = rig.mgr.table["t1"]
+    req3 = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4], max_new=0)
+    rig.eng.schedule(req3)
+    rig.eng.step()
+    rig.eng.compute(req3)
+    out = rig.eng.finish(req3)
+    assert out is not None and out["prefix_hit_ratio"] == round(t1.prefix_hit_ratio, 6) > 0
+
+
+def test_pool_trend_forecasts_eviction_from_the_free_block_drain() -> None:
+    from agentkv.admission import Admission, PoolTrend
+
+    trend = PoolTrend(alpha=1.0)
+    trend.observe(0.0, 100)
+    trend.observe(1.0, 90)  # 10 blocks a second leave the free list
+    assert trend.seconds_to_eviction(Admission(free_blocks=90)) == pytest.approx(9.0)
+    assert trend.seconds_to_eviction(Admission(waiting=1, blocks_needed=95, free_blocks=90)) == 0
+    trend.observe(2.0, 95)  # growing again: no eviction ahead
+    assert trend.seconds_to_eviction(Admission(free_blocks=95)) == float("inf")
+
+
+def test_status_shows_the_admission_picture_and_forecast() -> None:
+    rig = make_rig(blocks=20)
+    assert rig.eng.spike(16)
+    assert not rig.eng.spike(8)
+    rig.eng.step()
+    pool = rig.mgr.status()["pool"]
+    assert pool["admission"] == {
+        "waiting": 1,
+        "blocks_needed": 8,
+        "free_blocks": 4,
+        "preempted": 0,
+    }
+    assert pool["eviction_forecast_s"] == 0.0

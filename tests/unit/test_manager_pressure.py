@@ -1,0 +1,117 @@
+"""The manager under device pressure and a blocked queue (the queue loan), on the simulated
+engine. The rig: manager_helpers.py.
+"""
+
+from __future__ import annotations
+
+from agentkv.manager import BranchState
+from tests.unit.manager_helpers import (
+    P1,
+    branch,
+    in_thread,
+    offloaded,
+)
+from tests.unit.sim_engine import Rig, make_rig
+
+# ============================================================================ (3) pressure
+
+
+def _three_retained(rig: Rig) -> list[str]:
+    ids = []
+    for i in range(3):
+        tid = f"t{i}"
+        rig.turn(tid, [10 + i] * 12 + [1])  # 3 blocks each, nothing shared
+        code, body = rig.mgr.pause(tid, "main", "fast", 0.001)
+        assert code == 200 and body["state"] == "retained", body
+        ids.append(tid)
+    return ids
+
+
+def test_one_spike_with_write_back_offloads_in_flight_demotes_exactly_one_branch() -> None:
+    rig = make_rig(blocks=20, high_water=0.75)
+    ids = _three_retained(rig)
+    assert rig.mgr.pinned_blocks() == 9
+    assert rig.eng.spike(8)  # 17 of 20 blocks used: 2 blocks over the high-water mark
+    for _ in range(5):  # several steps; the store jobs (holding their pins) never finish
+        rig.eng.step()
+        rig.eng.deliver_reports()
+    assert rig.mgr.counters["pressure_demotions"] == 1
+    states = sorted(branch(rig, t).state.value for t in ids)
+    assert states == ["offloading", "retained", "retained"]
+
+
+def test_control_thread_ticks_do_not_cascade_before_the_engine_unpins() -> None:
+    # No host room: a demotion only unpins, and unpins wait for the engine thread.
+    rig = make_rig(blocks=20, high_water=0.75, host=0)
+    ids = _three_retained(rig)
+    assert rig.eng.spike(8)
+    for _ in range(4):
+        in_thread(rig.mgr.tick)
+    assert rig.mgr.counters["pressure_demotions"] == 1
+    rig.eng.step()  # the engine applies the unpins: the spike is absorbed
+    rig.eng.step()
+    assert rig.mgr.counters["pressure_demotions"] == 1
+    assert sum(branch(rig, t).state is BranchState.RETAINED for t in ids) == 2
+
+
+def test_a_blocked_queue_demotes_retained_branches_in_the_same_step() -> None:
+    # Pool use stays under high water: only the scheduler's queue shows the shortage.
+    rig = make_rig(blocks=20, high_water=0.99)
+    ids = _three_retained(rig)
+    assert rig.eng.spike(8)  # 17 of 20 used, 3 free
+    assert not rig.eng.spike(6)  # a plain request the scheduler cannot admit: 3 blocks short
+    rig.eng.step()
+    assert rig.eng.last_admission is not None and rig.eng.last_admission.shortfall == 3
+    assert rig.mgr.counters["queue_demotions"] == 1  # one 3-block branch covers it
+    assert rig.mgr.counters["pressure_demotions"] == 0
+    states = sorted(branch(rig, t).state.value for t in ids)
+    assert states == ["offloading", "retained", "retained"]
+    demoted = next(t for t in ids if branch(rig, t).state is BranchState.OFFLOADING)
+    assert branch(rig, demoted).demoted_by == "queue_blocked"
+    rig.settle()  # the write-back completes and hands the blocks back
+    assert rig.eng.spike(6)  # the waiting request is admitted now
+    assert rig.eng.violations == []
+
+
+def test_a_blocked_queue_ends_grace_pins_early() -> None:
+    rig = make_rig(blocks=20, high_water=0.99, grace=30.0)
+    rig.turn("t0", [10] * 12 + [1])  # HELD for 30 s, 3 blocks pinned
+    assert branch(rig, "t0").state is BranchState.HELD
+    assert rig.eng.spike(16)  # 19 of 20 used
+    assert not rig.eng.spike(3)
+    rig.eng.step()
+    assert rig.mgr.counters["grace_shortened"] == 1
+    assert branch(rig, "t0").state is not BranchState.HELD
+    assert branch(rig, "t0").demoted_by == "queue_blocked"
+    assert rig.eng.violations == []
+
+
+def test_a_pause_while_the_queue_is_blocked_does_not_retain() -> None:
+    rig = make_rig(blocks=20, high_water=0.99)
+    rig.turn("t0", [10] * 12 + [1])
+    assert rig.eng.spike(16)
+    assert not rig.eng.spike(3)
+    rig.eng.step()
+    code, body = rig.mgr.pause("t0", "main", "fast", 0.001)  # retains on a free pool
+    assert code == 200 and body["decision"]["action"] != "retain"
+    assert "retain would delay waiting requests" in body["decision"]["rationale"]
+
+
+def test_writebacks_unread_counts_copies_that_left_without_a_load() -> None:
+    rig = make_rig()
+    offloaded(rig)  # a write-back of 4 blocks nobody reads
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
+    rig.mgr.delete("t1")
+    rig.settle()
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 4
+
+
+def test_a_write_back_a_load_read_is_not_counted_unread() -> None:
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()  # vLLM's cache lost the blocks: the turn loads them from host
+    rig.turn("t1", [*P1, 4, 4, 4])
+    assert rig.mgr.counters["loads"] >= 1
+    rig.mgr.delete("t1")
+    rig.settle()
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
