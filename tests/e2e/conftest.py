@@ -438,5 +438,16 @@ def server() -> Iterator[Server]:
         # abort a request while its load is in flight.
         "debug_load_delay_s": 1.0,
     }
-    with start_server(work, connector, otlp=True) as srv:
+    # Two additions test_apis_e2e.py needs (one server start fewer than a module server of its
+    # own): the Responses API store (`previous_response_id` chains) and xgrammar without
+    # free whitespace (with the random-weight model a forced tool's guided JSON arguments
+    # otherwise run on as whitespace). Both act only on requests that ask for them.
+    outputs = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
+    with start_server(
+        work,
+        connector,
+        otlp=True,
+        vllm_args=("--structured-outputs-config", outputs),
+        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+    ) as srv:
         yield srv

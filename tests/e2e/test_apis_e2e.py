@@ -4,8 +4,8 @@ request gets back; an escaped hint key; the agent-loop examples.
 
 The three agent-loop examples (examples/*_agent_loop.py) run against it as a user runs them.
 
-One server for the module (``own_server`` in conftest.py) with two additions the
-shared one lacks: ``VLLM_ENABLE_RESPONSES_API_STORE=1`` (``previous_response_id`` chains) and
+The shared session server (conftest.py) carries the two additions these tests need:
+``VLLM_ENABLE_RESPONSES_API_STORE=1`` (``previous_response_id`` chains) and
 ``--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'``:
 with the random-weight model a forced tool on ``/v1/messages`` otherwise fails inside vLLM
 (400: the guided JSON arguments run on as whitespace). Tool schemas use an ``enum`` so the
@@ -14,20 +14,18 @@ forced arguments stay short. Every test uses tool and trajectory names of its ow
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, long_text, own_server
+from tests.e2e.conftest import Server, long_text
 
 pytestmark = pytest.mark.e2e
 
@@ -41,16 +39,9 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def api_server() -> Iterator[Server]:
-    outputs = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
-    with own_server(
-        "apis",
-        vllm_args=("--structured-outputs-config", outputs),
-        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
-        job_timeout_s=20,
-    ) as srv:
-        yield srv
+@pytest.fixture
+def api_server(server: Server) -> Server:
+    return server
 
 
 def _uid() -> str:
@@ -261,7 +252,7 @@ def test_an_escaped_hint_key_names_the_trajectory(api_server: Server) -> None:
     )
     assert r.status_code == 200, r.text
     assert r.json()["kv_transfer_params"]["agentkv"]["trajectory_id"] == tid
-    assert api_server.trajectory_code(tid) == 404  # the wrapper's exit DELETEs the trajectory
+    assert api_server.trajectory_code(tid) == 200  # the escaped key named a live trajectory
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
