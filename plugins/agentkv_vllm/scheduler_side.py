@@ -9,9 +9,20 @@ agentkv params, before any lock):
   plan_load(request, blocks, n_ext)    -> the load job for the allocated blocks
   fail_load(request, blocks, n_ext)    -> fail closed: those blocks are reported as load errors
   finish(request, block_ids)           -> (False, {"agentkv": turn stats})
+  snapshot_for_preemption()            vLLM could not allocate and is about to preempt: note the
+                                       block ids and computed tokens of this connector's running
+                                       requests (vLLM 0.32 calls no connector hook in
+                                       Scheduler._preempt_request, scheduler.py:1571-1614, which
+                                       frees the blocks at :1590 and zeroes num_computed_tokens
+                                       at :1593; the last call before it is
+                                       has_pending_block_frees at :790). O(running trajectory
+                                       requests), once per step, only when an allocation failed
   build_step()                         -> AgentKVStepMetadata (the manager's StepPlan), after
                                           handing the manager the step's admission picture
-                                          (``admission_of``: O(1) counts, no queue walk)
+                                          (``admission_of``: O(1) counts, no queue walk) and
+                                          its preempted trajectory requests (``on_preempt``:
+                                          their snapshotted blocks are copied to host before
+                                          this step's forward, then loaded when rescheduled)
   on_worker_report(output)             -> merged worker reports into the manager
   has_pending_work()                   -> jobs queued or in flight: keep the engine stepping
   take_events()                        -> vLLM KV events for tier copies (kv_events.py), when
@@ -49,7 +60,7 @@ from agentkv_vllm.kv_events import TierEvents
 from agentkv_vllm.kv_identity import identity_from_config
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.params import AgentKVParams, parse_request_params
-from agentkv_vllm.settings import ConnectorSettings, LoadMode
+from agentkv_vllm.settings import ConnectorSettings, LoadMode, Writeback
 
 log = logging.getLogger("agentkv.scheduler")
 GiB = 1 << 30
@@ -154,6 +165,7 @@ class SchedulerSide:
             "calibrate file" if getattr(self.profile, "source", "") == "measured" else "default"
         )
         self._step_sample: tuple[float, int] | None = None
+        self._step_tokens = 0
         self.pinner = VllmBlockPinner()
         config = ManagerConfig(
             block_size=self.block_size,
@@ -170,6 +182,7 @@ class SchedulerSide:
             max_trajectories=settings.max_trajectories,
             layerwise=layerwise,
             admission_wait=settings.admission_wait,
+            defer_writeback=settings.writeback is Writeback.FORECAST,
             remote_enabled=bool(settings.remote_url),
             remote_ttl_s=settings.remote_ttl_s,
         )
@@ -196,6 +209,15 @@ class SchedulerSide:
             self.manager.record_tier_changes()
         self.cpu = _CpuClock()
         self.worker_pids: dict[int, int] = {}
+        self.kv_cache_manager: Any = None  # bound by the connector (bind_kv_cache_manager)
+        self._live: dict[str, Any] = {}  # this connector's requests vLLM holds, by id
+        # request id -> (block ids, computed tokens, request) noted before this step's
+        # preemptions; None: not taken this step
+        self._preempt_snapshot: dict[str, tuple[list[int], int, Any]] | None = None
+        # The head request the scheduler could not admit (id, first step seen), and the last
+        # one admitted after waiting: /status shows how many steps a blocked queue waited.
+        self._blocked: tuple[str, int] | None = None
+        self.last_unblocked: dict[str, Any] | None = None
         self.counters: Counter[str] = Counter()
         # request id -> parsed params, for agentkv requests only (plain ones never enter)
         self._params: dict[str, AgentKVParams] = {}
@@ -308,7 +330,9 @@ class SchedulerSide:
                 request.prompt_token_ids or [],
                 request.block_hashes,
                 num_computed,
+                num_tokens=request.num_tokens,  # a preempted request's output counts too
             )
+            self._live[request.request_id] = request
             if answer.tokens is None:
                 self._unadmitted = None  # our own PENDING, not a lack of blocks
             return answer.tokens, answer.load_async
@@ -318,6 +342,13 @@ class SchedulerSide:
     def plan_load(self, request: Any, blocks: Any, num_external: int) -> None:
         if self._unadmitted is not None and self._unadmitted[0] == request.request_id:
             self._unadmitted = None
+        if self._blocked is not None and self._blocked[0] == request.request_id:
+            self.last_unblocked = {
+                "request_id": request.request_id,
+                "blocked_at_step": self._blocked[1],
+                "admitted_at_step": self.manager.steps + 1,  # the step being scheduled
+            }
+            self._blocked = None
         if request.request_id not in self._params and num_external <= 0:
             return
         start = time.thread_time_ns()
@@ -330,6 +361,7 @@ class SchedulerSide:
         self.manager.fail_load(request.request_id, blocks.get_block_ids()[0], num_external)
 
     def finish(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._live.pop(request.request_id, None)
         params = self._params.pop(request.request_id, None)
         if params is None:
             return False, None
@@ -357,10 +389,47 @@ class SchedulerSide:
         finally:
             self.cpu.add("request", start)
 
+    def snapshot_for_preemption(self) -> None:
+        if self._preempt_snapshot is not None or not self._live or self.kv_cache_manager is None:
+            return
+        start = time.thread_time_ns()
+        try:
+            from vllm.v1.request import RequestStatus
+
+            snap: dict[str, tuple[list[int], int, Any]] = {}
+            for req_id, request in self._live.items():
+                if request.status != RequestStatus.RUNNING:
+                    continue
+                # KV a step still in flight writes is not trusted yet (as at finish).
+                computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+                if computed < self.block_size:
+                    continue
+                ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+                snap[req_id] = (list(ids), computed, request)
+            self._preempt_snapshot = snap
+        finally:
+            self.cpu.add("step", start)
+
+    def _save_preempted(self, scheduler_output: Any) -> None:
+        """This step's preempted trajectory requests: their noted blocks go to host before the
+        forward (``TrajectoryManager.on_preempt``)."""
+        snap, self._preempt_snapshot = self._preempt_snapshot, None
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if not snap or not preempted:
+            return
+        for req_id in preempted:
+            noted = snap.get(req_id)
+            if noted is not None:
+                ids, computed, request = noted
+                self.manager.on_preempt(
+                    req_id, ids, computed_tokens=computed, block_hashes=request.block_hashes
+                )
+
     def build_step(self, scheduler_output: Any = None) -> AgentKVStepMetadata:
         start = time.thread_time_ns()
         try:
             self._sample_step(scheduler_output)
+            self._save_preempted(scheduler_output)
             self.manager.set_admission(self.admission_of(scheduler_output))
             if self.events is not None:
                 self._watch_cache_reset()
@@ -373,6 +442,8 @@ class SchedulerSide:
         looked up and could not allocate for (it stops the waiting queue there), the requests it
         preempted, the pool's free blocks. Resets the looked-up request for the next step."""
         head, self._unadmitted = self._unadmitted, None
+        if head is not None and (self._blocked is None or self._blocked[0] != head[0]):
+            self._blocked = (head[0], self.manager.steps + 1)  # this step's take_step is next
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         free = 0
         pool = self.block_pool
@@ -386,6 +457,7 @@ class SchedulerSide:
             blocks_needed=max(0, head[1]) if head is not None else 0,
             free_blocks=free,
             preempted=len(preempted),
+            filled_blocks=self._step_tokens / max(1, self.block_size),
         )
 
     def _watch_cache_reset(self) -> None:
@@ -421,10 +493,12 @@ class SchedulerSide:
         """Online prefill rate: a step mostly made of prompt tokens, timed from its metadata to
         its output (or to the next step when vLLM reports no connector output)."""
         self._end_step_sample()
+        self._step_tokens = 0
         per_req = getattr(scheduler_output, "num_scheduled_tokens", None)
         if not per_req:
             return
         total = sum(per_req.values())
+        self._step_tokens = total  # the KV this step writes (the pool's fill, admission_of)
         prefill = sum(n for n in per_req.values() if n > 1)
         if prefill >= PREFILL_SAMPLE_MIN_TOKENS and prefill >= 0.8 * total:
             self._step_sample = (time.perf_counter(), total)
@@ -536,6 +610,7 @@ class SchedulerSide:
                 "kv_generation": self.keys.generation.hex(),
             }
             body["connector_cpu"] = self.cpu.view()
+            body["pool"]["last_unblocked"] = self.last_unblocked
             body["profile"] = {
                 "source": getattr(self.profile, "source", "unknown"),
                 "live": self.online.view(self.base_costs),

@@ -360,6 +360,11 @@ def server() -> Iterator[Server]:
         # Every async tier load (disk) waits 1 s in the worker before it copies, so a test can
         # abort a request while its load is in flight.
         "debug_load_delay_s": 1.0,
+        # These modules test the copy and reload paths with pauses of seconds on a pool that is
+        # mostly idle between tests: the production rule (writeback "forecast") would leave
+        # those blocks in vLLM's cache and copy nothing. test_admission_e2e.py's own server
+        # runs the production rule.
+        "writeback": "eager",
     }
     with start_server(work, connector, otlp=True) as srv:
         yield srv

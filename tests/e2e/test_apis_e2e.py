@@ -46,6 +46,7 @@ def api_server() -> Iterator[Server]:
         "disk_capacity_gib": 1,
         "grace_s": 0.3,
         "disk_after_s": 3,
+        "writeback": "eager",  # pauses of seconds must copy (the copy paths are under test)
         "job_timeout_s": 20,
     }
     outputs = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})

@@ -33,6 +33,7 @@ def rl_server() -> Iterator[Server]:
         "disk_capacity_gib": 1,
         "grace_s": 0.3,
         "disk_after_s": 3,
+        "writeback": "eager",  # pauses of seconds must copy (the copy paths are under test)
     }
     with start_server(work, connector) as srv:
         yield srv

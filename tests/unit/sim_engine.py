@@ -110,6 +110,7 @@ class SimPool:
         self.cached: dict[bytes, dict[int, None]] = {}
         self.free_q: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.grow_events = 0  # blocks that went from unreferenced to referenced
+        self.allocated = 0  # blocks taken off the free queue's head for new KV (the fill)
         self.usage_error: Exception | None = None  # raise once from usage() (fault injection)
 
     # ---------------------------------------------------------------- BlockPinner port
@@ -175,6 +176,7 @@ class SimPool:
         for b in hit:
             self._ref(b)
         new: list[int] = []
+        self.allocated += n_new
         for _ in range(n_new):
             b = next(iter(self.free_q))
             self._evict(b)
@@ -247,6 +249,9 @@ class SimWorkers:
         self.remote: list[dict[bytes, bytes | None]] = [{} for _ in range(tp_size)]
         self.pending: list[Pending] = []
         self.silent: set[int] = set()
+        self.withheld: dict[
+            int, list[WorkerReport]
+        ] = {}  # a silent rank's reports of copies it made
         self.reports: list[WorkerReport] = []
         self.load_events: list[LoadEvent] = []
         self.violations: list[str] = []
@@ -268,6 +273,15 @@ class SimWorkers:
         for rank in range(self.tp):
             for store in plan.stores:
                 snap = [self.pool.content[rank][t.block_id] for t in store.blocks]
+                if store.before_forward:
+                    # Copied before this step's forward (a preemption save, a blocked queue's
+                    # demotion); a silent rank copies it too, its report comes when it wakes.
+                    out = self._run(Pending(rank, "store", store, snap), "ok", report=False)
+                    if rank in self.silent:
+                        self.withheld.setdefault(rank, []).append(out)
+                    else:
+                        self.reports.append(out)
+                    continue
                 self.pending.append(Pending(rank, "store", store, snap))
             for load in plan.loads:
                 if load.layerwise:
@@ -309,6 +323,7 @@ class SimWorkers:
         """A silent rank finishes its stores and moves late, in either order; its loads are
         cancelled (reported failed, nothing copied: the worker's deadline fence)."""
         self.silent.discard(rank)
+        self.reports.extend(self.withheld.pop(rank, []))
         late = [p for p in self.pending if p.rank == rank]
         for p in reversed(late) if newest_first else late:
             self.pending.remove(p)
@@ -341,7 +356,7 @@ class SimWorkers:
                     f"writing {r.key.hex()[:8]}"
                 )
 
-    def _run(self, p: Pending, outcome: JobOutcome, report: bool) -> None:
+    def _run(self, p: Pending, outcome: JobOutcome, report: bool) -> WorkerReport:
         rank = p.rank
         rep = WorkerReport()
         if outcome == "start_error":
@@ -363,6 +378,7 @@ class SimWorkers:
             self._run_move(p, outcome == "ok", rep)
         if report:
             self.reports.append(rep)
+        return rep
 
     def _done(self, rep: WorkerReport, job_id: int, ok: bool) -> None:
         rep.jobs_done[job_id] = rep.jobs_done.get(job_id, 0) + 1
@@ -528,6 +544,7 @@ class SimEngine:
         self.finished_contexts: dict[tuple[str, str], list[int]] = {}
         self.blocked_needs: list[int] = []  # blocks each failed allocation asked for, this step
         self.preempted = 0
+        self._allocated_seen = 0
         self.last_admission: Admission | None = None
 
     # ---------------------------------------------------------------- helpers
@@ -573,11 +590,13 @@ class SimEngine:
         hit = self.pool.computed_prefix(hashes, (len(tokens) - 1) // bs)
         num_computed = len(hit) * bs
         # Like the adapter: the prompt's token ids, the hashes of every full block.
-        answer = self.mgr.on_lookup(req.req_id, req.params, req.prompt, hashes, num_computed)
+        answer = self.mgr.on_lookup(
+            req.req_id, req.params, req.prompt, hashes, num_computed, num_tokens=len(tokens)
+        )
         if answer.tokens is None:
             return False
         ext = answer.tokens
-        if ext % bs or (ext and num_computed + ext > len(req.prompt) - 1):
+        if ext % bs or (ext and num_computed + ext > len(tokens) - 1):
             self.violations.append(f"{req.req_id}: lookup counted {ext} tokens past {num_computed}")
         need = -(-len(tokens) // bs)
         new = self.pool.allocate(hit, need - len(hit))
@@ -620,7 +639,9 @@ class SimEngine:
             blocks_needed=sum(self.blocked_needs),
             free_blocks=self.pool.num_free(),
             preempted=self.preempted,
+            filled_blocks=float(self.pool.allocated - self._allocated_seen),
         )
+        self._allocated_seen = self.pool.allocated
         self.blocked_needs, self.preempted = [], 0
         self.last_admission = admission
         self.mgr.set_admission(admission)
@@ -815,7 +836,17 @@ class SimEngine:
             self._awaiting_cover.remove(req)
 
     def preempt(self, req: SimRequest) -> None:
+        """vLLM's _preempt_request: the blocks go back to the pool, the request waits with its
+        output so far. The adapter noted the blocks before (has_pending_block_frees) and hands
+        them to ``on_preempt`` in this step's metadata, copied before the step's forward: so a
+        save runs a step right away, before anything can write the freed blocks."""
         assert req.status == "RUNNING"
+        saved = self.mgr.on_preempt(
+            req.req_id,
+            list(req.blocks),
+            computed_tokens=req.num_computed,
+            block_hashes=self.hashes(req.tokens, req.salt),
+        )
         self.pool.free(req.blocks)
         req.blocks = []
         req.num_computed = 0
@@ -823,6 +854,8 @@ class SimEngine:
         req.load_n = 0
         req.load_jobs = set()
         self.preempted += 1
+        if saved:
+            self.step()
 
     # ---------------------------------------------------------------- pressure
     def spike(self, n: int) -> bool:
@@ -868,8 +901,8 @@ def pinned_content_breaches(
                             f"holding {pool.content[r][b]!r:.20}, not its KV"
                         )
     for job in mgr.jobs.values():
-        if job.kind != "store":
-            continue
+        if job.kind != "store" or not job.block_ids:
+            continue  # no pins: a preemption save, copied before the step's forward
         for key, b in zip(job.keys, job.block_ids, strict=True):
             for r in range(pool.tp):
                 c = pool.content[r][b]

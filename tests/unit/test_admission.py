@@ -22,6 +22,10 @@ def _side(free: int) -> Any:
     side.block_size = 16
     side._params = {}
     side._unadmitted = None
+    side._step_tokens = 0
+    side._blocked = None
+    side.last_unblocked = None
+    side.manager = SimpleNamespace(steps=0)
     side.pinner = VllmBlockPinner()
     side.pinner.pool = _Pool(free)
     side.cpu = SimpleNamespace(add=lambda *a: None)
@@ -50,3 +54,25 @@ def test_an_allocated_request_is_not_waiting_and_preemptions_count() -> None:
     adm = side.admission_of(SimpleNamespace(preempted_req_ids={"b", "c"}))
     assert adm == Admission(waiting=0, blocks_needed=0, free_blocks=10, preempted=2)
     assert adm.blocked
+
+
+def test_the_step_scheduled_tokens_are_the_pool_fill() -> None:
+    side = _side(free=10)
+    side._step_sample = None
+    side.online = SimpleNamespace(observe_prefill=lambda *a: None)
+    side._sample_step(SimpleNamespace(num_scheduled_tokens={"a": 40, "b": 1, "c": 7}))
+    assert side.admission_of(None).filled_blocks == 48 / 16
+
+
+def test_status_tells_after_how_many_steps_a_blocked_head_was_admitted() -> None:
+    side = _side(free=3)
+    req = _plain("a", 100)
+    side.lookup(req, 0)
+    side.admission_of(None)  # step 1: blocked
+    side.manager.steps = 1
+    side.lookup(req, 0)
+    side.admission_of(None)  # step 2: still blocked (first seen at step 1)
+    side.manager.steps = 2
+    side.lookup(req, 0)
+    side.plan_load(req, None, 0)  # step 3's schedule allocates it
+    assert side.last_unblocked == {"request_id": "a", "blocked_at_step": 1, "admitted_at_step": 3}
