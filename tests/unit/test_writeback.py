@@ -192,3 +192,21 @@ def test_a_queue_blocked_demotion_copies_before_the_forward() -> None:
     assert store.before_forward  # the worker copies it before the forward: unpinned next step
     assert rig.mgr.last_queue_demotion_step == rig.mgr.steps
     assert rig.mgr.status()["pool"]["last_queue_demotion_step"] == rig.mgr.steps
+
+
+def test_a_deleted_cached_trajectory_is_never_copied_and_not_kept() -> None:
+    import gc
+    import weakref
+
+    rig = _rig()
+    _paused(rig)
+    rig.settle()
+    ref = weakref.ref(rig.mgr.table["t1"])
+    rig.mgr.delete("t1")
+    assert not rig.mgr.cached
+    assert not rig.eng.spike(rig.pool.num_free() + 1)  # a blocked queue copies cached branches
+    rig.settle()
+    assert rig.mgr.counters["stores"] == 0 and rig.host_keys() == set()
+    assert rig.mgr.evictions == []  # the stale entry left the heap
+    gc.collect()
+    assert ref() is None
