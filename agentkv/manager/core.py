@@ -38,6 +38,7 @@ The parts (each module's docstring lists its primitives):
   ownership.py    the trajectory table, ownership of tier keys, tombstones
   residency.py    which tier holds each key (the index), in flight included
   views.py        GET, /status, gauges
+  writeback.py    deferred write-backs (CACHED branches) and their eviction forecast
   jobs.py, ports.py  the wire types to the workers, the engine ports
 
 Invariants (checked by tests/unit/test_manager_stateful.py after every step):
@@ -65,8 +66,6 @@ Every number acted on (lease, prefetch time, demotion order and action) comes fr
 from __future__ import annotations
 
 import functools
-import heapq
-import itertools
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -91,6 +90,7 @@ from agentkv.manager.residency import ResidencyIndex
 from agentkv.manager.state import Branch, BranchState, Trajectory, scoped_id
 from agentkv.manager.timers import BRANCH_TIMERS, Leases, Timer, TimerHeap, TimerKind
 from agentkv.manager.transitions import Transitions
+from agentkv.manager.writeback import DeferredWritebacks
 from agentkv.metrics import MetricsRecorder
 from agentkv.policy import HIGH_WATER, Action, CostModel, PolicyParams
 from agentkv.policy import pressure_victims as pressure_victims
@@ -211,11 +211,8 @@ class TrajectoryManager:
         self.last_queue_demotion_step: int | None = None
         # HELD branches (their grace pins), so a blocked queue can end them early.
         self.held: dict[tuple[int, str], tuple[Trajectory, Branch]] = {}
-        # CACHED branches (deferred write-backs), copied once the pool forecasts eviction, and
-        # the fill count at which vLLM evicts each (a heap: the next to go first).
-        self.cached: dict[tuple[int, str], tuple[Trajectory, Branch]] = {}
-        self.evictions: list[tuple[float, int, Trajectory, Branch, int]] = []
-        self._seq = itertools.count()
+        # CACHED branches (deferred write-backs), copied once the pool forecasts eviction.
+        self.writebacks = DeferredWritebacks(self)
 
     # ------------------------------------------------------------------ the parts' state
     # (tests and views read these; the parts own them)
@@ -494,7 +491,7 @@ class TrajectoryManager:
             elif t.kind in BRANCH_TIMERS:
                 self.transitions.fire(t.kind, t.ref[0], t.ref[1], now)
         self._check_pressure(now, queue_short)
-        self._check_writebacks()
+        self.writebacks.check()
         self.transitions.drain_doomed()
 
     def _check_pressure(self, now: float, queue_short: int = 0) -> None:
@@ -524,44 +521,6 @@ class TrajectoryManager:
     def eviction_forecast(self) -> float:
         """Seconds until vLLM evicts a block unpinned now (admission.PoolTrend)."""
         return self.pool_trend.seconds_to_eviction(self.admission)
-
-    def note_cached(self, traj: Trajectory, branch: Branch) -> None:
-        """A branch's blocks just joined the tail of vLLM's free queue: they are evicted once
-        the free blocks ahead of them (less the queue's need) have been written over."""
-        trend, adm = self.pool_trend, self.admission
-        ahead = max(0, adm.free_blocks - adm.blocks_needed) if trend.last is not None else 0
-        heapq.heappush(
-            self.evictions,
-            (trend.filled_total + ahead, next(self._seq), traj, branch, branch.timer_token),
-        )
-        if len(self.evictions) > 2 * len(self.cached) + 64:  # bounded: drop entries gone stale
-            self.evictions = [
-                e
-                for e in self.evictions
-                if e[3].state is BranchState.CACHED
-                and e[3].timer_token == e[4]
-                and not e[2].deleted
-            ]
-            heapq.heapify(self.evictions)
-
-    def _check_writebacks(self) -> None:
-        """Deferred write-backs are copied once their own eviction is forecast within the
-        policy's horizon (the blocks written since they were cached count against the blocks
-        that were ahead of them); a blocked queue or pool use over high water copies them all.
-        O(copies due): the heap's head is the next branch vLLM would evict."""
-        if not self.evictions:
-            return
-        trend = self.pool_trend
-        everything = self.admission.blocked or self.pins.pressure() > self.config.high_water
-        while self.evictions:
-            at, _, traj, branch, token = self.evictions[0]
-            live = branch.state is BranchState.CACHED and branch.timer_token == token
-            due = trend.seconds_to_write(at - trend.filled_total) <= self.policy.writeback_horizon_s
-            if live and not (everything or due):
-                break
-            heapq.heappop(self.evictions)
-            if live and not traj.deleted:
-                self.pins.queue_writeback((traj, branch, Tier.HOST))
 
     def _end_grace_early(self, short: int, now: float) -> None:
         """A queue still short after every retained branch went: HELD branches take their

@@ -119,7 +119,7 @@ class Namespace:
             branch.timer_token += 1
             mgr.leases.release(traj, branch)
             mgr.held.pop((id(traj), branch.name), None)  # its grace pins went above
-            mgr.cached.pop((id(traj), branch.name), None)  # no deferred copy of it is made
+            mgr.writebacks.track(traj, branch)  # deleted: no deferred copy of it is made
         gone = mgr.index.disown(traj.owned, traj.trajectory_id)
         traj.owned = set()
         if gone:

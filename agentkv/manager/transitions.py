@@ -59,10 +59,7 @@ class Transitions:
             self.m.held[ref] = (traj, branch)
         else:
             self.m.held.pop(ref, None)
-        if state is BranchState.CACHED:
-            self.m.cached[ref] = (traj, branch)
-        else:
-            self.m.cached.pop(ref, None)
+        self.m.writebacks.track(traj, branch)
         if state is not BranchState.RETAINED:
             self.m.leases.release(traj, branch)
         if state is BranchState.OFFLOADED:
@@ -180,7 +177,7 @@ class Transitions:
         branch.pinned = []
         branch.tier = None
         self.set_state(traj, branch, BranchState.CACHED)
-        self.m.note_cached(traj, branch)
+        self.m.writebacks.note(traj, branch)
         self.m.counters["writebacks_deferred"] += 1
 
     def write_back(self, traj: Trajectory, branch: Branch, tier: Tier = Tier.HOST) -> None:

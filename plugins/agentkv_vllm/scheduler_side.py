@@ -9,14 +9,9 @@ agentkv params, before any lock):
   plan_load(request, blocks, n_ext)    -> the load job for the allocated blocks
   fail_load(request, blocks, n_ext)    -> fail closed: those blocks are reported as load errors
   finish(request, block_ids)           -> (False, {"agentkv": turn stats})
-  snapshot_for_preemption()            vLLM could not allocate and is about to preempt: note the
-                                       block ids and computed tokens of this connector's running
-                                       requests (vLLM 0.32 calls no connector hook in
-                                       Scheduler._preempt_request, scheduler.py:1571-1614, which
-                                       frees the blocks at :1590 and zeroes num_computed_tokens
-                                       at :1593; the last call before it is
-                                       has_pending_block_frees at :790). O(running trajectory
-                                       requests), once per step, only when an allocation failed
+  snapshot_for_preemption()            vLLM could not allocate and may preempt: note the blocks
+                                       of this connector's running requests (preemption.py: vLLM
+                                       0.32 has no connector hook in _preempt_request)
   build_step()                         -> AgentKVStepMetadata (the manager's StepPlan), after
                                           handing the manager the step's admission picture
                                           (``admission_of``: O(1) counts, no queue walk) and
@@ -60,6 +55,7 @@ from agentkv_vllm.kv_events import TierEvents
 from agentkv_vllm.kv_identity import identity_from_config
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.params import AgentKVParams, parse_request_params
+from agentkv_vllm.preemption import PreemptionNotes
 from agentkv_vllm.settings import ConnectorSettings, LoadMode, Writeback
 
 log = logging.getLogger("agentkv.scheduler")
@@ -210,10 +206,7 @@ class SchedulerSide:
         self.cpu = _CpuClock()
         self.worker_pids: dict[int, int] = {}
         self.kv_cache_manager: Any = None  # bound by the connector (bind_kv_cache_manager)
-        self._live: dict[str, Any] = {}  # this connector's requests vLLM holds, by id
-        # request id -> (block ids, computed tokens, request) noted before this step's
-        # preemptions; None: not taken this step
-        self._preempt_snapshot: dict[str, tuple[list[int], int, Any]] | None = None
+        self.preemptions = PreemptionNotes()
         # The head request the scheduler could not admit (id, first step seen), and the last
         # one admitted after waiting: /status shows how many steps a blocked queue waited.
         self._blocked: tuple[str, int] | None = None
@@ -332,7 +325,7 @@ class SchedulerSide:
                 num_computed,
                 num_tokens=request.num_tokens,  # a preempted request's output counts too
             )
-            self._live[request.request_id] = request
+            self.preemptions.hold(request)
             if answer.tokens is None:
                 self._unadmitted = None  # our own PENDING, not a lack of blocks
             return answer.tokens, answer.load_async
@@ -361,7 +354,7 @@ class SchedulerSide:
         self.manager.fail_load(request.request_id, blocks.get_block_ids()[0], num_external)
 
     def finish(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._live.pop(request.request_id, None)
+        self.preemptions.drop(request.request_id)
         params = self._params.pop(request.request_id, None)
         if params is None:
             return False, None
@@ -390,40 +383,17 @@ class SchedulerSide:
             self.cpu.add("request", start)
 
     def snapshot_for_preemption(self) -> None:
-        if self._preempt_snapshot is not None or not self._live or self.kv_cache_manager is None:
-            return
         start = time.thread_time_ns()
         try:
-            from vllm.v1.request import RequestStatus
-
-            snap: dict[str, tuple[list[int], int, Any]] = {}
-            for req_id, request in self._live.items():
-                if request.status != RequestStatus.RUNNING:
-                    continue
-                # KV a step still in flight writes is not trusted yet (as at finish).
-                computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
-                if computed < self.block_size:
-                    continue
-                ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-                snap[req_id] = (list(ids), computed, request)
-            self._preempt_snapshot = snap
+            self.preemptions.note(self.kv_cache_manager, self.block_size)
         finally:
             self.cpu.add("step", start)
 
     def _save_preempted(self, scheduler_output: Any) -> None:
         """This step's preempted trajectory requests: their noted blocks go to host before the
         forward (``TrajectoryManager.on_preempt``)."""
-        snap, self._preempt_snapshot = self._preempt_snapshot, None
-        preempted = getattr(scheduler_output, "preempted_req_ids", None)
-        if not snap or not preempted:
-            return
-        for req_id in preempted:
-            noted = snap.get(req_id)
-            if noted is not None:
-                ids, computed, request = noted
-                self.manager.on_preempt(
-                    req_id, ids, computed_tokens=computed, block_hashes=request.block_hashes
-                )
+        for req_id, ids, computed, hashes in self.preemptions.take(scheduler_output):
+            self.manager.on_preempt(req_id, ids, computed_tokens=computed, block_hashes=hashes)
 
     def build_step(self, scheduler_output: Any = None) -> AgentKVStepMetadata:
         start = time.thread_time_ns()

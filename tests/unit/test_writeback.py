@@ -203,10 +203,10 @@ def test_a_deleted_cached_trajectory_is_never_copied_and_not_kept() -> None:
     rig.settle()
     ref = weakref.ref(rig.mgr.table["t1"])
     rig.mgr.delete("t1")
-    assert not rig.mgr.cached
+    assert not rig.mgr.writebacks.cached
     assert not rig.eng.spike(rig.pool.num_free() + 1)  # a blocked queue copies cached branches
     rig.settle()
     assert rig.mgr.counters["stores"] == 0 and rig.host_keys() == set()
-    assert rig.mgr.evictions == []  # the stale entry left the heap
+    assert rig.mgr.writebacks.heap == []  # the stale entry left the heap
     gc.collect()
     assert ref() is None
