@@ -27,7 +27,9 @@ class Admission:
     waiting: int = 0
     """Requests the scheduler could not admit this step (0 when none was left waiting)."""
     blocks_needed: int = 0
-    """Device blocks those requests need beyond their prefix-cache hit."""
+    """Blocks those requests take off the free list: new ones beyond their prefix-cache hit,
+    plus the hit's cached blocks that sit unreferenced in the free list (vLLM counts both
+    against the free blocks when it allocates)."""
     free_blocks: int = 0
     """Free blocks in the pool now (evictable cached blocks count as free)."""
     preempted: int = 0

@@ -216,7 +216,9 @@ class SchedulerSide:
         self._params: dict[str, AgentKVParams] = {}
         # The request the scheduler looked up this step and has not allocated for (vLLM stops
         # at the first request it cannot allocate): (request id, blocks it needs).
-        self._unadmitted: tuple[str, int] | None = None
+        # (request id, new blocks it needs, request, vLLM's local hit) of the request the
+        # scheduler looked up last this step: not allocated by build_step, it heads a blocked queue
+        self._unadmitted: tuple[str, int, Any, int] | None = None
         self.started_at = time.time()
         self.manifest: ManifestKeeper | None = None
         if settings.disk_dir:
@@ -303,6 +305,8 @@ class SchedulerSide:
         self._unadmitted = (
             request.request_id,
             -(-request.num_tokens // self.block_size) - num_computed // self.block_size,
+            request,
+            num_computed,
         )
         if request.kv_transfer_params is None and request.request_id not in self._params:
             return 0, False
@@ -424,11 +428,29 @@ class SchedulerSide:
                 free = 0
         return Admission(
             waiting=1 if head is not None else 0,
-            blocks_needed=max(0, head[1]) if head is not None else 0,
+            blocks_needed=max(0, head[1]) + self._free_hits(head[2], head[3]) if head else 0,
             free_blocks=free,
             preempted=len(preempted),
             filled_blocks=self._step_tokens / max(1, self.block_size),
         )
+
+    def _free_hits(self, request: Any, num_computed: int) -> int:
+        """Blocks of the head request's prefix-cache hit that sit unreferenced in the free list:
+        allocating takes them off it too (vLLM's allocate_slots counts them against the free
+        blocks), so they are part of what the queue needs. O(hit blocks), the head only."""
+        pool = self.block_pool
+        n = num_computed // self.block_size
+        if pool is None or n <= 0:
+            return 0
+        free = 0
+        try:
+            for block_hash in list(getattr(request, "block_hashes", ()) or ())[:n]:
+                blocks = pool.get_cached_block(block_hash, [0])
+                if blocks and blocks[0].ref_cnt == 0:
+                    free += 1
+        except Exception:
+            return 0
+        return free
 
     def _watch_cache_reset(self) -> None:
         """vLLM queues AllBlocksCleared when its prefix cache is reset; consumers then forget this

@@ -76,3 +76,26 @@ def test_status_tells_after_how_many_steps_a_blocked_head_was_admitted() -> None
     side.lookup(req, 0)
     side.plan_load(req, None, 0)  # step 3's schedule allocates it
     assert side.last_unblocked == {"request_id": "a", "blocked_at_step": 1, "admitted_at_step": 3}
+
+
+def test_cached_hit_blocks_in_the_free_list_count_as_needed() -> None:
+    """vLLM's allocate_slots takes a hit's unreferenced cached blocks off the free list too: 6
+    free blocks, a head needing 3 new blocks and hitting 4 free cached ones is short 1 (the
+    retain-always stall of the pool-12 sweep: nothing looked short, nothing was demoted)."""
+    side = _side(free=6)
+    cached = {b"h0": 0, b"h1": 0, b"h2": 0, b"h3": 0, b"h4": 2}  # hash -> ref count
+    pool = side.pinner.pool
+    pool.get_cached_block = lambda h, groups: (
+        [SimpleNamespace(ref_cnt=cached[h])] if h in cached else None
+    )
+    req = SimpleNamespace(
+        request_id="a",
+        kv_transfer_params=None,
+        num_tokens=7 * 16,
+        block_hashes=[b"h0", b"h1", b"h2", b"h3", b"h4", b"h5"],
+    )
+    side.lookup(req, 4 * 16)  # vLLM's own hit: 4 blocks, all free in its cache
+    adm = side.admission_of(None)
+    assert adm.blocks_needed == 3 + 4 and adm.shortfall == 1 and adm.blocked
+    side.lookup(req, 5 * 16)  # a referenced hit block does not count
+    assert side.admission_of(None).blocks_needed == 2 + 4
