@@ -8,8 +8,9 @@ Primitives:
   Admission.blocked    the queue is blocked on blocks (a shortfall or a preemption)
   Admission.describe   one line for a decision's rationale
   NO_QUEUE             nothing waits (the default before an adapter reports)
-  PoolTrend            the free-block drain rate over steps; ``seconds_to_eviction`` forecasts
-                       when vLLM starts evicting (0: the queue is blocked now; inf: not draining)
+  PoolTrend            the free-block drain and fill rates over steps; ``seconds_to_eviction``
+                       forecasts when vLLM evicts a block freed now (0: the queue is blocked now
+                       or nothing is known yet; inf: nothing is being written)
 
 Why counts, not a walk: the adapter builds it each step from what its hooks already see (the
 head request the scheduler looked up but never allocated for, ``preempted_req_ids``, the block
@@ -26,11 +27,16 @@ class Admission:
     waiting: int = 0
     """Requests the scheduler could not admit this step (0 when none was left waiting)."""
     blocks_needed: int = 0
-    """Device blocks those requests need beyond their prefix-cache hit."""
+    """Blocks those requests take off the free list: new ones beyond their prefix-cache hit,
+    plus the hit's cached blocks that sit unreferenced in the free list (vLLM counts both
+    against the free blocks when it allocates)."""
     free_blocks: int = 0
     """Free blocks in the pool now (evictable cached blocks count as free)."""
     preempted: int = 0
     """Running requests vLLM preempted this step for lack of blocks."""
+    filled_blocks: float = 0.0
+    """Blocks of new KV this step writes (its scheduled tokens over the block size): the rate at
+    which vLLM takes blocks off its free queue's head, evicting what they cached."""
 
     @property
     def shortfall(self) -> int:
@@ -54,33 +60,53 @@ NO_QUEUE = Admission()
 
 @dataclass
 class PoolTrend:
-    """The pool's free-block trend, from each step's admission picture: an exponentially
-    weighted drain rate (blocks per second leaving the free list; negative while it grows).
+    """The pool's free-block trend, from each step's admission picture: exponentially weighted
+    rates of the free list's net drain (blocks per second; negative while it grows) and of the
+    fill (blocks of new KV written per second, i.e. taken off the free queue's head).
 
-    ``seconds_to_eviction`` forecasts when vLLM must start evicting cached blocks (free blocks
-    after the waiting requests' needs, over the drain rate): 0 when the queue is blocked now,
-    inf when the pool is not draining. The write-back rule reads it to tell a copy that will be
-    needed (eviction before the resume) from one nobody will read (``writebacks_unread``).
+    ``seconds_to_eviction`` forecasts when a block unpinned now is evicted. vLLM's free queue is
+    LRU: a freed block joins its tail and every new block is taken from its head, evicting what
+    that block cached, so a block freed now goes once the blocks ahead of it (the free blocks,
+    less what the waiting requests need) have been written over. That is headroom over the fill
+    rate, not over the net drain: a pool in steady churn keeps its free count and still evicts.
+    0 when the queue is blocked now or no step was seen yet (unknown: assume eviction), inf when
+    nothing is being written. The write-back rule (``policy.decide``'s ``eviction_in_s``) reads
+    it to tell a copy that will be needed (eviction before the resume) from one nobody will read
+    (``writebacks_unread``).
     """
 
     alpha: float = 0.2
     rate: float = 0.0
+    fill: float = 0.0
+    filled_total: float = 0.0
+    """Blocks written since the start: a block freed when this was F is evicted about when it
+    reaches F plus the free blocks ahead of it (``blocks_until``)."""
     last: tuple[float, int] | None = None
 
-    def observe(self, now: float, free_blocks: int) -> None:
+    def observe(self, now: float, free_blocks: int, filled_blocks: float = 0.0) -> None:
+        self.filled_total += max(0.0, filled_blocks)
         if self.last is not None:
             dt = now - self.last[0]
             if dt > 0:
                 sample = (self.last[1] - free_blocks) / dt
                 self.rate += self.alpha * (sample - self.rate)
+                self.fill += self.alpha * (max(0.0, filled_blocks) / dt - self.fill)
         self.last = (now, free_blocks)
 
+    def seconds_to_write(self, blocks: float) -> float:
+        """Seconds until ``blocks`` more blocks are written (inf: nothing is being written)."""
+        if blocks <= 0:
+            return 0.0
+        speed = max(self.rate, self.fill)
+        return blocks / speed if speed > 0 else float("inf")
+
     def seconds_to_eviction(self, admission: Admission) -> float:
-        if admission.blocked:
+        if admission.blocked or self.last is None:
             return 0.0
         headroom = admission.free_blocks - admission.blocks_needed
         if headroom <= 0:
             return 0.0
-        if self.rate <= 0:
+        speed = max(self.rate, self.fill)
+        if speed <= 0:
             return float("inf")
-        return headroom / self.rate
+        return headroom / speed

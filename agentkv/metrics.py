@@ -186,13 +186,26 @@ BYTES_HELD = MetricSpec(
 PAUSED_TRAJECTORIES = MetricSpec(
     "agentkv_paused_trajectories",
     "gauge",
-    "Paused trajectory branches by state (held, retained, offloading, offloaded, dropped).",
+    "Paused trajectory branches by state (held, retained, cached, offloading, offloaded, dropped).",
     ("state",),
 )
 TRAJECTORIES = MetricSpec("agentkv_trajectories", "gauge", "Trajectories the engine tracks.")
+PREEMPT_SAVES = MetricSpec(
+    "agentkv_preempt_saves",
+    "counter",
+    "Preempted trajectory requests whose computed blocks were copied to host before vLLM "
+    "reused them (the rescheduled request loads them instead of recomputing).",
+)
+PREEMPT_SAVED_TOKENS = MetricSpec(
+    "agentkv_preempt_saved_tokens",
+    "counter",
+    "Tokens of KV those preemption saves copied to host.",
+)
 
 METRICS: tuple[MetricSpec, ...] = (
     DECISIONS,
+    PREEMPT_SAVES,
+    PREEMPT_SAVED_TOKENS,
     PREFETCH_OUTCOMES,
     OFFLOAD_BYTES,
     OFFLOAD_SECONDS,

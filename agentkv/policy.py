@@ -15,6 +15,8 @@ Primitives:
     hold_cost         M * T_wait, in byte-seconds
     Decision          the action, its lease and prefetch time, and every number behind it
     decide            pure, cheap and never raising: inputs -> Decision
+    defer_writeback   whether an offload_host copy waits for an eviction forecast (the pool keeps
+                      the blocks past the predicted resume: a copy now is one nobody reads)
 
 The model is the reference text's "Retain, Evict, Recompute, or Offload". Freeing device memory
 for a wait is only possible when the wait exceeds the round trip 2M/B; beyond that, holding costs
@@ -28,13 +30,20 @@ as the round trip would have, then demote), so more pressure never lengthens a l
 write-back: the tier gets a copy while the device blocks go back, unpinned, to vLLM's prefix cache,
 so a resume is still free when the pool never needed them; the stall reported is the pessimistic
 one (the blocks were evicted). Drop means "leave it to vLLM": no pin, no copy, recompute on a miss.
+
+Write back only when it pays: a copy costs M/B of the host link and, when the "device" is CPU
+memory, a core's worth of compute that decoding wanted. When the pool's own forecast
+(``admission.PoolTrend``: LRU headroom over the fill rate) says vLLM keeps the unpinned blocks past
+the wait's p90 plus a margin, an offload_host decision is *deferred*: the blocks are
+unpinned into vLLM's prefix cache and copied to host only once eviction is forecast (or the
+queue blocks); a resume before that hits the device and no copy was ever made.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from agentkv.admission import Admission
@@ -92,6 +101,8 @@ class CostModel:
     model_params: float | None = None
     num_layers: int = 0
     hidden_size: int = 0
+    copy_uses_compute: bool = False
+    """The "device" is CPU memory: a copy's memcpy runs on the cores decoding runs on."""
 
     @classmethod
     def from_profile(
@@ -114,6 +125,7 @@ class CostModel:
         ]
         link = min(directions) if directions else profile.host_copy_bytes_per_s
         return cls(
+            copy_uses_compute=not directions,
             host_link_bytes_per_s=link,
             disk_write_bytes_per_s=profile.disk_write_bytes_per_s,
             disk_read_bytes_per_s=profile.disk_read_bytes_per_s,
@@ -151,6 +163,11 @@ class PolicyParams:
     prefetch_margin_s: float = 0.05
     """Reload finishes this long before the predicted p10 of the wait."""
     max_lease_s: float = 600.0
+    writeback_horizon_s: float = 1.0
+    """A deferred write-back is copied once eviction is forecast within this many seconds."""
+    writeback_margin_s: float = 2.0
+    """A host copy is deferred only when eviction is forecast at least this long after the
+    wait's p90 (the forecast is a rate; a burst can beat it)."""
     """Upper bound on any lease, so a bad estimate cannot pin memory for hours."""
     lease_margin_s: float = LEASE_MARGIN_S
     """A lease lasts at least the predicted median wait plus this margin (a constant, so more
@@ -249,6 +266,15 @@ def pressure_victims(
     return out
 
 
+def defer_writeback(wait_p90_s: float, eviction_in_s: float, params: PolicyParams) -> bool:
+    """Whether a host write-back can wait: vLLM's cache keeps the unpinned blocks past the wait's
+    p90 plus ``writeback_margin_s`` (the forecast is a rate), so a copy now would never be read.
+    Contract: False for a NaN or unknown wait or forecast (copy now: the old, safe behaviour)."""
+    if math.isnan(wait_p90_s) or math.isnan(eviction_in_s) or math.isinf(wait_p90_s):
+        return False
+    return eviction_in_s > wait_p90_s + max(params.writeback_margin_s, 0.0)
+
+
 def hold_cost(kv_bytes: float, wait_s: float) -> float:
     """M * T_wait: device memory withheld from the pool, in byte-seconds."""
     return kv_bytes * wait_s
@@ -288,6 +314,10 @@ class Decision:
     """How many times faster reloading is than recomputing (the reference's 53.6x, 62x)."""
     fallbacks: tuple[str, ...] = field(default_factory=tuple)
     """Inputs that were unusable and what was assumed instead (empty when all were fine)."""
+    writeback_deferred: bool = False
+    """offload_host only: the copy waits for an eviction forecast (``defer_writeback``)."""
+    eviction_in_s: float = 0.0
+    """The pool's forecast, at the decision, of when a block unpinned now is evicted."""
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready mapping of every field; non-finite numbers become None."""
@@ -398,6 +428,7 @@ def decide(
     disk_free_bytes: float | None = None,
     params: PolicyParams = DEFAULT_POLICY,
     admission: Admission | None = None,
+    eviction_in_s: float = 0.0,
 ) -> Decision:
     """Decide what to do with a trajectory paused at ``tokens`` tokens holding ``kv_bytes``.
 
@@ -411,7 +442,10 @@ def decide(
          rules retain out: pins are a loan and the queue is calling it in);
       2. offload_disk when the median wait is at least ``params.disk_after_s`` and disk has room
          and reloads faster than recompute;
-      3. offload_host when host has room and reloads no slower than recompute;
+      3. offload_host when host has room and reloads no slower than recompute; its copy deferred
+         (``writeback_deferred``) when ``eviction_in_s`` (the pool's forecast of when a block
+         unpinned now is evicted; 0, the default: eviction now) is past the wait's p90 plus
+         ``params.writeback_margin_s`` (``defer_writeback``);
       4. offload_disk when disk has room and reloads no slower than recompute;
       5. drop otherwise.
     Unusable inputs never raise: a NaN/negative wait counts as unknown (no retain; offload if
@@ -431,6 +465,7 @@ def decide(
             disk_free_bytes=disk_free_bytes,
             params=params,
             admission=admission,
+            eviction_in_s=eviction_in_s,
         )
     except Exception as exc:  # the engine's hot path must never see an exception from here
         return _safe_drop(0, 0.0, [f"internal error {type(exc).__name__}: {exc}"], 1.0)
@@ -458,6 +493,8 @@ class _Numbers:
     ref_rt: float
     queue_blocked: bool = False
     queue_text: str = "queue not seen"
+    eviction_in: float = 0.0
+    copy_uses_compute: bool = False
 
     @property
     def p50(self) -> float:
@@ -503,6 +540,7 @@ class _Numbers:
             pressure=self.u,
             recompute_over_reload=self.recompute / ref if ref > 0 and not math.isinf(ref) else _INF,
             fallbacks=tuple(self.notes),
+            eviction_in_s=self.eviction_in,
         )
 
     def offload(
@@ -530,6 +568,7 @@ def _decide(
     disk_free_bytes: float | None,
     params: PolicyParams,
     admission: Admission | None = None,
+    eviction_in_s: float = 0.0,
 ) -> Decision:
     notes: list[str] = []
     queue_blocked = admission is not None and admission.blocked
@@ -589,8 +628,21 @@ def _decide(
         ref_rt=host_rt if ref_host else disk_rt,
         queue_blocked=queue_blocked,
         queue_text=queue_text,
+        eviction_in=_sanitize_forecast(eviction_in_s, notes),
+        copy_uses_compute=costs.copy_uses_compute,
     )
     return _choose(numbers, params)
+
+
+def _sanitize_forecast(value: float, notes: list[str]) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = math.nan
+    if math.isnan(v) or v < 0:
+        notes.append(f"eviction forecast {value!r} unusable; eviction assumed now")
+        return 0.0
+    return v
 
 
 def _choose(n: _Numbers, params: PolicyParams) -> Decision:
@@ -613,8 +665,7 @@ def _choose(n: _Numbers, params: PolicyParams) -> Decision:
         why = f"median wait is at least {_fmt_s(params.disk_after_s)}; disk holds it for free"
         return n.offload(Action.OFFLOAD_DISK, n.disk_reload, n.disk_rt, called_in + why, params)
     if n.host_room and n.host_reload <= n.recompute:
-        why = "wait exceeds the break-even wait; write-back copy to host, device blocks unpinned"
-        return n.offload(Action.OFFLOAD_HOST, n.host_reload, n.host_rt, called_in + why, params)
+        return _offload_host(n, called_in, params)
     if n.disk_room and n.disk_reload <= n.recompute:
         why = "host tier unusable or full; write-back copy to disk"
         return n.offload(Action.OFFLOAD_DISK, n.disk_reload, n.disk_rt, called_in + why, params)
@@ -624,3 +675,25 @@ def _choose(n: _Numbers, params: PolicyParams) -> Decision:
         else "no tier has room or a usable link"
     )
     return n.build(Action.DROP, 0.0, None, n.recompute, n.ref_reload, n.ref_rt, why)
+
+
+def _offload_host(n: _Numbers, called_in: str, params: PolicyParams) -> Decision:
+    """Rule 3: a host write-back, now or deferred until eviction is forecast."""
+    p90 = n.estimate.p90 if n.estimate is not None else math.nan
+    copy = f"a copy costs {_fmt_s(n.host_reload)} of the host link" + (
+        " and of a core decoding wants (CPU)" if n.copy_uses_compute else ""
+    )
+    if not n.queue_blocked and defer_writeback(p90, n.eviction_in, params):
+        why = (
+            f"wait exceeds the break-even wait; the pool keeps the unpinned blocks past the wait "
+            f"(eviction forecast in {_fmt_s(n.eviction_in)}, wait p90 {_fmt_s(p90)}): device "
+            f"blocks unpinned into vLLM's cache, host copy deferred until eviction is forecast "
+            f"({copy}, never read if the resume comes first)"
+        )
+        decision = n.offload(Action.OFFLOAD_HOST, n.host_reload, n.host_rt, called_in + why, params)
+        return replace(decision, writeback_deferred=True, prefetch_at_s=None)
+    why = (
+        f"wait exceeds the break-even wait; write-back copy to host, device blocks unpinned "
+        f"(eviction forecast in {_fmt_s(n.eviction_in)}: {copy})"
+    )
+    return n.offload(Action.OFFLOAD_HOST, n.host_reload, n.host_rt, called_in + why, params)

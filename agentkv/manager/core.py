@@ -11,6 +11,9 @@ are requests.RequestTable's methods under the manager's lock, their docstrings t
                                      engine recomputes those blocks (for adapter errors)
   on_finish(req_id, ...)             pin the finished context (only blocks fully computed or
                                      loaded), start its grace period, return the turn's stats
+  on_preempt(req_id, block_ids, ...) vLLM preempted a running request: copy its trusted
+                                     computed blocks to host before this step's forward, so its
+                                     rescheduled lookup loads them instead of recomputing
   set_admission(admission)           this step's admission picture (agentkv.admission): what
                                      the scheduler could not admit for lack of blocks
   take_step()                        fire due timers, give blocks back to a blocked queue; the
@@ -35,6 +38,7 @@ The parts (each module's docstring lists its primitives):
   ownership.py    the trajectory table, ownership of tier keys, tombstones
   residency.py    which tier holds each key (the index), in flight included
   views.py        GET, /status, gauges
+  writeback.py    deferred write-backs (CACHED branches) and their eviction forecast
   jobs.py, ports.py  the wire types to the workers, the engine ports
 
 Invariants (checked by tests/unit/test_manager_stateful.py after every step):
@@ -50,7 +54,8 @@ Invariants (checked by tests/unit/test_manager_stateful.py after every step):
   5. One pressure event demotes only as many retained trajectories as needed.
   5b. Pins are a loan: when the scheduler's queue is blocked on blocks (a shortfall in the step's
      admission picture), the same take_step demotes retained branches (policy order) and then
-     ends grace pins early until the shortfall is covered by blocks on their way back.
+     ends grace pins early until the shortfall is covered by blocks on their way back; those
+     copies run before that step's forward, so the blocks are free by the next schedule.
   6. State is bounded (idle trajectories expire, a cap bounds the table even when the oldest
      runs, timers hold trajectories weakly) and per-step work is O(changes): timers sit in a
      heap; idle branches are never visited.
@@ -85,6 +90,7 @@ from agentkv.manager.residency import ResidencyIndex
 from agentkv.manager.state import Branch, BranchState, Trajectory, scoped_id
 from agentkv.manager.timers import BRANCH_TIMERS, Leases, Timer, TimerHeap, TimerKind
 from agentkv.manager.transitions import Transitions
+from agentkv.manager.writeback import DeferredWritebacks
 from agentkv.metrics import MetricsRecorder
 from agentkv.policy import HIGH_WATER, Action, CostModel, PolicyParams
 from agentkv.policy import pressure_victims as pressure_victims
@@ -147,6 +153,10 @@ class ManagerConfig:
     # whatever ``decide`` says; None (production) follows the policy.
     policy_override: Action | None = None
     remote_ttl_s: float = 0.0  # how long the remote tier keeps a copy (0: not known)
+    # Write back only when it pays: an offload_host decision's copy waits (CACHED) while the
+    # pool's forecast says vLLM keeps the unpinned blocks past the wait (policy.defer_writeback).
+    # Off here (the core's unit tests drive copies directly); the plugin's setting turns it on.
+    defer_writeback: bool = False
 
     @property
     def disk_enabled(self) -> bool:
@@ -197,8 +207,12 @@ class TrajectoryManager:
         # in that step's take_step.
         self.admission: Admission = NO_QUEUE
         self.pool_trend = PoolTrend()
+        self.steps = 0  # take_step calls: the engine's step count, as this manager sees it
+        self.last_queue_demotion_step: int | None = None
         # HELD branches (their grace pins), so a blocked queue can end them early.
         self.held: dict[tuple[int, str], tuple[Trajectory, Branch]] = {}
+        # CACHED branches (deferred write-backs), copied once the pool forecasts eviction.
+        self.writebacks = DeferredWritebacks(self)
 
     # ------------------------------------------------------------------ the parts' state
     # (tests and views read these; the parts own them)
@@ -246,6 +260,7 @@ class TrajectoryManager:
     on_lookup = _engine_hook(RequestTable.lookup)
     on_alloc = _engine_hook(RequestTable.alloc)
     on_finish = _engine_hook(RequestTable.finish)
+    on_preempt = _engine_hook(RequestTable.preempt)
 
     def fail_load(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
         """``RequestTable.fail_load``: fail closed after an adapter error."""
@@ -257,16 +272,20 @@ class TrajectoryManager:
         Contract: the next ``take_step`` gives back blocks for its shortfall (invariant 5b)."""
         with self.lock:
             self.admission = admission
-            self.pool_trend.observe(self.clock.now(), admission.free_blocks)
+            self.pool_trend.observe(
+                self.clock.now(), admission.free_blocks, admission.filled_blocks
+            )
 
     def take_step(self) -> StepPlan:
         """Engine thread, once per step: fire due timers, give blocks back to a queue blocked on
         them, then hand over every queued job. Contract: never raises; loads queued before an
         internal error are still returned."""
         with self.lock:
+            self.steps += 1
             try:
                 self._apply_pin_ops()
                 self._tick(self.clock.now(), self.admission.shortfall)
+                self._apply_pin_ops()  # write-backs the tick queued go out with this step
             except Exception:
                 self.counters["internal_errors"] += 1
                 log.exception("agentkv: manager tick failed; queued jobs still go out")
@@ -472,6 +491,7 @@ class TrajectoryManager:
             elif t.kind in BRANCH_TIMERS:
                 self.transitions.fire(t.kind, t.ref[0], t.ref[1], now)
         self._check_pressure(now, queue_short)
+        self.writebacks.check()
         self.transitions.drain_doomed()
 
     def _check_pressure(self, now: float, queue_short: int = 0) -> None:
@@ -493,9 +513,14 @@ class TrajectoryManager:
                 self.transitions.demote(traj, branch, "pressure", now)
             else:
                 self.counters["queue_demotions"] += 1
-                self.transitions.demote(traj, branch, "queue_blocked", now)
+                self.last_queue_demotion_step = self.steps
+                self.transitions.demote(traj, branch, "queue_blocked", now, urgent=True)
         if short > 0:
             self._end_grace_early(short, now)
+
+    def eviction_forecast(self) -> float:
+        """Seconds until vLLM evicts a block unpinned now (admission.PoolTrend)."""
+        return self.pool_trend.seconds_to_eviction(self.admission)
 
     def _end_grace_early(self, short: int, now: float) -> None:
         """A queue still short after every retained branch went: HELD branches take their
@@ -510,12 +535,20 @@ class TrajectoryManager:
             short -= len(branch.pinned)
             self.counters["grace_shortened"] += 1
             self.metrics.add(m.DEMOTIONS, reason="queue_blocked")
-            self.transitions.apply(traj, branch, Action(self.config.default_action), 0.0, now)
+            self.last_queue_demotion_step = self.steps
+            action = Action(self.config.default_action)
+            self.transitions.apply(traj, branch, action, 0.0, now, urgent=True)
             branch.demoted_by = "queue_blocked"
 
     def _apply_pin_ops(self) -> None:
         """Engine thread: apply what other threads queued (pins must not race the scheduler)."""
-        for traj, branch in self.pins.take_ops():
+        for op, ref in self.pins.take_ops():
+            if op is PinOp.WRITEBACK:
+                traj, branch, tier = ref
+                if not traj.deleted and branch.state is BranchState.CACHED:
+                    self.transitions.write_back(traj, branch, tier)
+                continue
+            traj, branch = ref
             if traj.deleted or branch.state is not BranchState.RETAINED or branch.pinned:
                 continue  # gone, moved on, or pinned by an earlier repin of the same branch
             ids = branch.block_ids[: self.pins.still_cached(branch)]

@@ -60,6 +60,9 @@ class StoreJob:
     tier: Tier
     blocks: list[BlockTransfer]
     owner: str = ""
+    # True: the device blocks are not pinned (a preempted request's, already back in vLLM's
+    # pool and maybe reallocated this step): the worker copies them before this step's forward.
+    before_forward: bool = False
 
 
 @dataclass

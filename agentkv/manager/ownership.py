@@ -119,6 +119,7 @@ class Namespace:
             branch.timer_token += 1
             mgr.leases.release(traj, branch)
             mgr.held.pop((id(traj), branch.name), None)  # its grace pins went above
+            mgr.writebacks.track(traj, branch)  # deleted: no deferred copy of it is made
         gone = mgr.index.disown(traj.owned, traj.trajectory_id)
         traj.owned = set()
         if gone:

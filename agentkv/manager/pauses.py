@@ -1,7 +1,8 @@
 """Pauses: the client's pause and resume of a branch, decided by the policy.
 
 Primitives:
-  Pauses.pause        predict the tool's wait, ``policy.decide``, record the pause on the branch
+  Pauses.pause        predict the tool's wait, ``policy.decide`` (with the pool's eviction
+                      forecast when ``defer_writeback`` is on), record the pause on the branch
                       (tool, prediction, prefetch time, metrics, trace), then carry the decision
                       out (``Transitions.apply_decision``: now, or when the running turn ends)
   Pauses.resume       the client says the tool returned: an OFFLOADED branch is promoted
@@ -67,7 +68,10 @@ class Pauses:
             lease_s = min(lease_s, max(0.0, max_lease_s))
             body["lease_s"] = lease_s
         token = branch.timer_token
-        applied, note = self.m.transitions.apply_decision(traj, branch, action, lease_s, now)
+        deferred = decision.writeback_deferred and action is Action.OFFLOAD_HOST
+        applied, note = self.m.transitions.apply_decision(
+            traj, branch, action, lease_s, now, deferred
+        )
         if branch.timer_token == token:  # no state change (which arms it when due)
             self.m.transitions.arm_prefetch(traj, branch)
         reply: dict[str, Any] = {
@@ -96,6 +100,8 @@ class Pauses:
             else 0.0,
             params=self.m.policy,
             admission=self.m.admission,
+            # No forecast (0: eviction now) keeps every host write-back immediate.
+            eviction_in_s=self.m.eviction_forecast() if self.m.config.defer_writeback else 0.0,
         )
 
     def _note_pause(
@@ -207,5 +213,6 @@ def _overridden(decision: Decision, action: Action, policy: PolicyParams) -> Dec
         decision,
         action=action,
         lease_s=policy.max_lease_s if action is Action.RETAIN else 0.0,
+        writeback_deferred=False,  # a fixed policy copies at once (offload-always)
         rationale=f"{action} (fixed by policy_override; the policy said {decision.action})",
     )

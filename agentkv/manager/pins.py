@@ -6,7 +6,9 @@ Primitives:
   PinLedger.unpin_later           any thread: queue the unpin for the engine thread
   PinLedger.unpin                 now on the engine thread, queued on any other
   PinLedger.queue_repin           any thread: re-pin a branch's blocks (a late retain decision)
-  PinLedger.take_ops              engine thread: apply queued unpins, return queued repins
+  PinLedger.queue_writeback       any thread: a deferred write-back's copy (pins, then stores)
+  PinLedger.take_ops              engine thread: apply queued unpins, return queued repins and
+                                  write-backs
   PinLedger.still_cached          how many leading blocks of a context the pool still holds
   PinLedger.pressure              pool use minus pinned blocks already on their way out
   PinLedger.held                  block id -> pins held (all reasons); balances to zero
@@ -30,6 +32,7 @@ from agentkv.manager.state import Branch
 class PinOp(enum.StrEnum):
     UNPIN = "unpin"  # argument: the block ids
     REPIN = "repin"  # argument: (trajectory, branch)
+    WRITEBACK = "writeback"  # argument: (trajectory, branch, tier): a deferred copy, now
 
 
 class PinLedger:
@@ -73,20 +76,24 @@ class PinLedger:
     def queue_repin(self, ref: Any) -> None:
         self.ops.append((PinOp.REPIN, ref))
 
-    def take_ops(self) -> list[Any]:
-        """Engine thread: apply the queued unpins; return the queued repin references in order
-        (the caller checks each branch still wants its pins)."""
+    def queue_writeback(self, ref: Any) -> None:
+        """A CACHED branch's deferred copy (pins its still-cached blocks: engine thread)."""
+        self.ops.append((PinOp.WRITEBACK, ref))
+
+    def take_ops(self) -> list[tuple[PinOp, Any]]:
+        """Engine thread: apply the queued unpins; return the queued repins and write-backs in
+        order (the caller checks each branch still wants its pins)."""
         self.engine_ident = threading.get_ident()
         if not self.ops:
             return []
         ops, self.ops = self.ops, []
-        repins = []
+        repins: list[tuple[PinOp, Any]] = []
         for op, arg in ops:
             if op is PinOp.UNPIN:
                 self.unpins_queued -= len(arg)
                 self.unpin_now(arg)
             else:
-                repins.append(arg)
+                repins.append((op, arg))
         return repins
 
     def still_cached(self, branch: Branch) -> int:

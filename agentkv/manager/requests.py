@@ -11,6 +11,9 @@ Primitives:
   RequestTable.fail_load  fail closed: a load every rank reports failed (vLLM recomputes)
   RequestTable.finish     the branch's context becomes the turn's trusted blocks, pinned; HELD
                           for the grace period (or a decision made meanwhile applies)
+  RequestTable.preempt    vLLM preempted a running request: its trusted computed blocks are
+                          copied to host before this step's forward (swap, not recompute); its
+                          next lookup loads them like any host hit
 
 Load states: none -> planned (lookup) -> in_flight (alloc) -> ok | failed (job completes).
 Only blocks computed or loaded with a confirmed load are ever pinned or stored (invariant 1).
@@ -24,8 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from agentkv import metrics as m
 from agentkv.manager import views
-from agentkv.manager.jobs import BlockTransfer, LoadJob
+from agentkv.manager.jobs import BlockTransfer, LoadJob, StoreJob
 from agentkv.manager.jobtable import JobKind
 from agentkv.manager.state import Branch, BranchState, Trajectory, TurnStats, scoped_id
 from agentkv.manager.timers import TimerKind
@@ -125,9 +129,11 @@ class RequestTable:
         prompt_token_ids: Sequence[int],
         block_hashes: Sequence[bytes],
         num_computed: int,
+        num_tokens: int | None = None,
     ) -> LookupAnswer:
         """Contract: HIT with tokens (a multiple of the block size) the tiers hold past
-        ``num_computed``, never the prompt's last token; MISS (0) when nothing; PENDING (None)
+        ``num_computed``, never the request's last token (``num_tokens``: prompt and output so
+        far, a preempted request's; default the prompt's); MISS (0) when nothing; PENDING (None)
         while a remote fetch for a trajectory this replica never saw, or an admission wait,
         runs. Repeatable for one request (vLLM asks again after a failed allocation, a
         preemption or a PENDING): each call replaces the last plan."""
@@ -150,7 +156,8 @@ class RequestTable:
         req.turn.device_hit_tokens = num_computed
         req.load_state = "none"
         req.layerwise = False
-        return self._plan_load(req, len(prompt_token_ids), block_hashes, num_computed)
+        total = max(len(prompt_token_ids), num_tokens or 0)
+        return self._plan_load(req, total, block_hashes, num_computed)
 
     def _waits_for_remote(
         self,
@@ -316,6 +323,63 @@ class RequestTable:
         if plan.layerwise:
             self.m.counters["layerwise_loads"] += 1
 
+    def preempt(
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        *,
+        computed_tokens: int,
+        block_hashes: Sequence[bytes],
+    ) -> int:
+        """vLLM preempted ``req_id``; ``block_ids`` are the blocks it held, ``computed_tokens``
+        what their KV holds. Contract: copies to host only blocks that are trusted (computed, or
+        loaded with a confirmed load: invariant 1) and that host lacks, in one store job the
+        worker runs before this step's forward (the blocks are back in vLLM's pool, unpinned).
+        The trajectory owns the copies (a later turn references them; an abort's reown drops
+        them). Returns the tokens saved."""
+        req = self.requests.get(req_id)
+        if req is None or req.traj.deleted:
+            return 0
+        bs = self.m.config.block_size
+        trusted = computed_tokens
+        if req.load_state in ("planned", "in_flight", "failed"):
+            trusted = min(trusted, req.device_hit)  # an unconfirmed load: not trusted
+        n = max(0, min(trusted // bs, len(block_hashes), len(block_ids)))
+        keys = self._keys(req, block_hashes, n)[:n]
+        index, owner = self.m.index, req.traj.trajectory_id
+        copy: list[tuple[bytes, int]] = []
+        for key, bid in zip(keys, block_ids[:n], strict=True):
+            e = index.get(key)
+            if e is not None and (e.host or Tier.HOST in e.writing):
+                self.m.names.own(req.traj, key)  # already kept: the reload reads that copy
+            elif not self.m.job_table.poisoned[key] and bid >= 0:
+                copy.append((key, bid))
+        copy = copy[: self.m.transitions.make_room(Tier.HOST, len(copy))]
+        if not copy:
+            return 0
+        for key, _ in copy:
+            index.begin_write(key, Tier.HOST, owner)
+            req.traj.owned.add(key)
+        job = self.m.job_table.prepare(
+            JobKind.STORE, [k for k, _ in copy], Tier.HOST, trajectory=req.traj
+        )
+        self.m.outbox.stores.append(
+            StoreJob(
+                job.job_id,
+                Tier.HOST,
+                [BlockTransfer(k, b) for k, b in copy],
+                owner=owner,
+                before_forward=True,
+            )
+        )
+        tokens = len(copy) * bs
+        self.m.counters["preempt_saves"] += 1
+        self.m.counters["preempt_saved_blocks"] += len(copy)
+        self.m.counters["preempt_saved_tokens"] += tokens
+        self.m.metrics.add(m.PREEMPT_SAVES)
+        self.m.metrics.add(m.PREEMPT_SAVED_TOKENS, float(tokens))
+        return tokens
+
     def fail_load(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
         """Fail closed after an internal error: queue a load every rank reports as failed for the
         blocks past the request's device hit, so vLLM recomputes them."""
@@ -409,7 +473,7 @@ class RequestTable:
         branch.grace_until = now + self.m.config.grace_s
         pending, branch.pending = branch.pending, None
         if pending is not None:
-            self.m.transitions.apply(traj, branch, Action(pending[0]), pending[1], now)
+            self.m.transitions.apply(traj, branch, Action(pending[0]), pending[1], now, pending[2])
         elif self.m.config.grace_s <= 0:
             self.m.transitions.apply(traj, branch, Action(self.m.config.default_action), 0.0, now)
         else:

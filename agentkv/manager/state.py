@@ -1,7 +1,7 @@
 """Trajectory and branch state: what the manager knows about each agent trajectory.
 
 Primitives:
-  BranchState   ACTIVE -> HELD -> {RETAINED, OFFLOADING -> OFFLOADED, DROPPED} -> ACTIVE ...
+  BranchState   ACTIVE -> HELD -> {RETAINED, CACHED, OFFLOADING -> OFFLOADED, DROPPED} -> ACTIVE
                 (a deleted trajectory leaves the table: a tombstone, not a state)
   Branch        one branch (a forked continuation): its last finished context (tokens, tier
                 keys, vLLM block hashes and ids), the device blocks pinned for it, the pause it is
@@ -31,6 +31,9 @@ class BranchState(str, enum.Enum):
     RETAINED = "retained"  # paused; device blocks pinned under a lease
     OFFLOADING = "offloading"  # paused; copy to a tier in flight, device blocks pinned until done
     OFFLOADED = "offloaded"  # paused; KV in a tier, device copy unpinned (reusable until evicted)
+    # paused; an offload_host whose copy waits: device blocks unpinned in vLLM's prefix cache,
+    # copied to host once the pool forecasts eviction (policy.defer_writeback)
+    CACHED = "cached"
     DROPPED = "dropped"  # paused; nothing kept beyond what vLLM's cache happens to hold
 
 
@@ -38,6 +41,7 @@ PAUSED_STATES = frozenset(
     {
         BranchState.HELD,
         BranchState.RETAINED,
+        BranchState.CACHED,
         BranchState.OFFLOADING,
         BranchState.OFFLOADED,
         BranchState.DROPPED,
@@ -99,7 +103,8 @@ class Branch:
     prefetch_due: float | None = None
     prefetch_done_at: float | None = None
     decision: dict[str, Any] | None = None
-    pending: tuple[str, float] | None = None  # (action, lease_s) decided while a request ran
+    # (action, lease_s, write-back deferred) decided while a request ran
+    pending: tuple[str, float, bool] | None = None
     tier: str | None = None
     store_job: int | None = None
     # Why the engine moved it off the device on its own (grace_expired, lease_expired, pressure,

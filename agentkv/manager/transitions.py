@@ -7,6 +7,9 @@ Primitives:
   Transitions.apply_decision  a decision in whatever state the branch is (a late pause too)
   Transitions.fire            a branch timer came up: GRACE, LEASE or PREFETCH
   Transitions.demote          the engine's own move (lease expired, pool pressure)
+  Transitions.defer           a deferred host write-back: unpin into vLLM's cache (CACHED)
+  Transitions.write_back      a CACHED branch's copy, once eviction is forecast: its still-cached
+                              blocks are pinned and stored (the rest are lost: recompute)
   Transitions.on_job_done     a job completed: what it means for its branch
   offload / copy_down / promote / upload / copy_down_lru
                               the tier writes a transition starts: reserve slots in the index,
@@ -15,8 +18,9 @@ Primitives:
   lose_key, drain_doomed      a key no tier is trusted for; idle keys nobody owns
 
 State machine (state.py has the states):
-  ACTIVE --finish--> HELD --grace/decision--> RETAINED | OFFLOADING | DROPPED
+  ACTIVE --finish--> HELD --grace/decision--> RETAINED | CACHED | OFFLOADING | DROPPED
   RETAINED --lease/pressure--> OFFLOADING; OFFLOADING --store done--> OFFLOADED (failed: DROPPED)
+  CACHED --eviction forecast--> OFFLOADING (nothing still cached: OFFLOADED/DROPPED, fall_back)
   any paused state --lookup of a new turn--> ACTIVE
 """
 
@@ -50,10 +54,12 @@ class Transitions:
     def set_state(self, traj: Trajectory, branch: Branch, state: BranchState) -> None:
         branch.state = state
         branch.timer_token += 1
+        ref = (id(traj), branch.name)
         if state is BranchState.HELD:
-            self.m.held[(id(traj), branch.name)] = (traj, branch)
+            self.m.held[ref] = (traj, branch)
         else:
-            self.m.held.pop((id(traj), branch.name), None)
+            self.m.held.pop(ref, None)
+        self.m.writebacks.track(traj, branch)
         if state is not BranchState.RETAINED:
             self.m.leases.release(traj, branch)
         if state is BranchState.OFFLOADED:
@@ -83,15 +89,26 @@ class Transitions:
     # ------------------------------------------------------------------ decisions
 
     def apply_decision(
-        self, traj: Trajectory, branch: Branch, action: Action, lease_s: float, now: float
+        self,
+        traj: Trajectory,
+        branch: Branch,
+        action: Action,
+        lease_s: float,
+        now: float,
+        deferred: bool = False,
     ) -> tuple[bool, str | None]:
-        """Carry out a pause decision in whatever state the branch is; (applied, note)."""
+        """Carry out a pause decision in whatever state the branch is; (applied, note).
+        ``deferred``: an offload_host whose copy waits for an eviction forecast."""
         state = branch.state
         if state is BranchState.ACTIVE:
-            branch.pending = (action, lease_s)
+            branch.pending = (action, lease_s, deferred)
             return False, "a request of this branch is running: applied when it finishes"
         if state in (BranchState.HELD, BranchState.RETAINED):
-            self.apply(traj, branch, action, lease_s, now)
+            self.apply(traj, branch, action, lease_s, now, deferred)
+            return True, None
+        if state is BranchState.CACHED and action.tier is not None:
+            if not deferred:
+                self.m.pins.queue_writeback((traj, branch, action.tier))
             return True, None
         # A late pause: the engine already moved the branch off the device on its own.
         if action == Action.RETAIN:
@@ -105,7 +122,7 @@ class Transitions:
             return True, None
         if action == Action.OFFLOAD_DISK:
             if state is BranchState.OFFLOADING:
-                branch.pending = (action, lease_s)
+                branch.pending = (action, lease_s, False)
                 return True, "applied when the copy in flight completes"
             self.copy_down(traj, branch)
             return True, None
@@ -119,30 +136,73 @@ class Transitions:
         return True, None
 
     def apply(
-        self, traj: Trajectory, branch: Branch, action: Action, lease_s: float, now: float
+        self,
+        traj: Trajectory,
+        branch: Branch,
+        action: Action,
+        lease_s: float,
+        now: float,
+        deferred: bool = False,
+        urgent: bool = False,
     ) -> None:
-        """Carry out a decision for a branch whose blocks are pinned (HELD or RETAINED)."""
+        """Carry out a decision for a branch whose blocks are pinned (HELD or RETAINED).
+        ``urgent``: a blocked queue waits for these blocks; the copy runs before this step's
+        forward, so the pins are gone by the next schedule."""
         self.m.leases.release(traj, branch)
         action = Action(action)
         if action is Action.RETAIN:
             self.set_state(traj, branch, BranchState.RETAINED)
             self.m.leases.retain(traj, branch, lease_s, now)
             return
+        if deferred and action is Action.OFFLOAD_HOST:
+            self.defer(traj, branch)
+            return
         tier = action.tier
         if tier is not None:
             if tier == Tier.DISK and not self.m.config.disk_enabled:
                 tier = Tier.HOST
-            self.offload(traj, branch, tier)
+            self.offload(traj, branch, tier, urgent)
             return
         self.m.pins.unpin_later(branch.pinned)
         branch.pinned = []
         self.set_state(traj, branch, BranchState.DROPPED)
         branch.tier = None
 
-    def demote(self, traj: Trajectory, branch: Branch, reason: str, now: float) -> None:
-        """The engine's own move off the device (a lease ran out, pool pressure)."""
+    def defer(self, traj: Trajectory, branch: Branch) -> None:
+        """Write back only when it pays: the blocks go back, unpinned, to vLLM's prefix cache
+        (a resume before any eviction hits them there); the host copy is made by
+        ``write_back`` once the pool forecasts eviction. Tier copies the branch's keys already
+        have stay owned (CACHED is a kept state)."""
+        self.m.pins.unpin_later(branch.pinned)
+        branch.pinned = []
+        branch.tier = None
+        self.set_state(traj, branch, BranchState.CACHED)
+        self.m.writebacks.note(traj, branch)
+        self.m.counters["writebacks_deferred"] += 1
+
+    def write_back(self, traj: Trajectory, branch: Branch, tier: Tier = Tier.HOST) -> None:
+        """Engine thread: a CACHED branch's deferred copy. The leading blocks vLLM still caches
+        are pinned and stored as any offload (pins move to the store job); when none is left,
+        the branch falls back to its tier copies or to DROPPED (a miss recomputes)."""
+        n = self.m.pins.still_cached(branch)
+        if n < len(branch.block_ids):
+            self.m.counters["writebacks_deferred_lost_blocks"] += len(branch.block_ids) - n
+        if n == 0:
+            self.fall_back(traj, branch, "evicted")
+            return
+        ids = branch.block_ids[:n]
+        self.m.pins.pin_now(ids)
+        branch.pinned = list(ids)
+        self.m.counters["writebacks_deferred_copied"] += 1
+        self.offload(traj, branch, tier, urgent=self.m.admission.blocked)
+
+    def demote(
+        self, traj: Trajectory, branch: Branch, reason: str, now: float, urgent: bool = False
+    ) -> None:
+        """The engine's own move off the device (a lease ran out, pool pressure, a blocked
+        queue: ``urgent``)."""
         self.m.metrics.add(m.DEMOTIONS, reason=reason)
-        self.apply(traj, branch, DEMOTION_ACTION, 0.0, now)
+        self.apply(traj, branch, DEMOTION_ACTION, 0.0, now, urgent=urgent)
         branch.demoted_by = reason
 
     def fire(self, kind: TimerKind, traj: Trajectory, branch: Branch, now: float) -> None:
@@ -191,7 +251,7 @@ class Transitions:
             self.set_state(traj, branch, BranchState.DROPPED)
         pending, branch.pending = branch.pending, None
         if pending is not None and branch.state is BranchState.OFFLOADED:
-            self.apply_decision(traj, branch, Action(pending[0]), pending[1], now)
+            self.apply_decision(traj, branch, Action(pending[0]), pending[1], now, pending[2])
 
     # ------------------------------------------------------------------ tier writes
 
@@ -199,8 +259,9 @@ class Transitions:
         """A key a late rank of a timed-out write may still publish: never written anew."""
         return bool(self.m.job_table.poisoned[key])
 
-    def offload(self, traj: Trajectory, branch: Branch, tier: Tier) -> None:
-        """Write-back: copy the pinned blocks the tier lacks; the pins move to the store job."""
+    def offload(self, traj: Trajectory, branch: Branch, tier: Tier, urgent: bool = False) -> None:
+        """Write-back: copy the pinned blocks the tier lacks; the pins move to the store job
+        (``urgent``: copied before this step's forward, unpinned by the next schedule)."""
         index = self.m.index
         owner = traj.trajectory_id
         copy: list[tuple[bytes, int]] = []
@@ -237,7 +298,13 @@ class Transitions:
         )
         self.m.pins.releasing += len(copy)
         self.m.outbox.stores.append(
-            StoreJob(job.job_id, tier, [BlockTransfer(k, b) for k, b in copy], owner=owner)
+            StoreJob(
+                job.job_id,
+                tier,
+                [BlockTransfer(k, b) for k, b in copy],
+                owner=owner,
+                before_forward=urgent,
+            )
         )
         self.set_state(traj, branch, BranchState.OFFLOADING)
         branch.store_job = job.job_id

@@ -44,6 +44,12 @@ REPORTED_COUNTERS = (
     "queue_demotions",
     "grace_shortened",
     "writebacks_unread",
+    "writebacks_deferred",
+    "writebacks_deferred_copied",
+    "writebacks_deferred_lost_blocks",
+    "preempt_saves",
+    "preempt_saved_blocks",
+    "preempt_saved_tokens",
     "prefetches",
     "evictions_host",
     "evictions_disk",
@@ -157,6 +163,9 @@ def status_view(mgr: TrajectoryManager) -> dict[str, Any]:
             "high_water": mgr.config.high_water,
             "admission": dataclasses.asdict(mgr.admission),
             "free_block_drain_per_s": round(mgr.pool_trend.rate, 3),
+            "block_fill_per_s": round(mgr.pool_trend.fill, 3),
+            "steps": mgr.steps,
+            "last_queue_demotion_step": mgr.last_queue_demotion_step,
             "eviction_forecast_s": _finite_or_none(
                 mgr.pool_trend.seconds_to_eviction(mgr.admission)
             ),

@@ -185,6 +185,24 @@ class AgentKVConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.block_pool = gpu_block_pool
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def has_pending_block_frees(self) -> bool:
+        """Scheduler: vLLM failed an allocation and asks before preempting (scheduler.py:790,
+        the only connector call ahead of ``_preempt_request``, which frees the victim's blocks
+        with no connector hook). agentkv notes its running requests' blocks here so the
+        preempted ones can be saved to host in this step's metadata; it never stalls the
+        scheduler (False: preempt as vanilla vLLM would). Never raises."""
+        if self._scheduler is not None:
+            try:
+                self._scheduler.snapshot_for_preemption()
+            except Exception:
+                log.exception("agentkv: noting blocks before a preemption failed")
+        return False
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -9,9 +9,15 @@ agentkv params, before any lock):
   plan_load(request, blocks, n_ext)    -> the load job for the allocated blocks
   fail_load(request, blocks, n_ext)    -> fail closed: those blocks are reported as load errors
   finish(request, block_ids)           -> (False, {"agentkv": turn stats})
+  snapshot_for_preemption()            vLLM could not allocate and may preempt: note the blocks
+                                       of this connector's running requests (preemption.py: vLLM
+                                       0.32 has no connector hook in _preempt_request)
   build_step()                         -> AgentKVStepMetadata (the manager's StepPlan), after
                                           handing the manager the step's admission picture
-                                          (``admission_of``: O(1) counts, no queue walk)
+                                          (``admission_of``: O(1) counts, no queue walk) and
+                                          its preempted trajectory requests (``on_preempt``:
+                                          their snapshotted blocks are copied to host before
+                                          this step's forward, then loaded when rescheduled)
   on_worker_report(output)             -> merged worker reports into the manager
   has_pending_work()                   -> jobs queued or in flight: keep the engine stepping
   take_events()                        -> vLLM KV events for tier copies (kv_events.py), when
@@ -52,7 +58,8 @@ from agentkv_vllm.kv_events import TierEvents
 from agentkv_vllm.kv_identity import identity_from_config
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.params import AgentKVParams, parse_request_params
-from agentkv_vllm.settings import ConnectorSettings, LoadMode
+from agentkv_vllm.preemption import PreemptionNotes
+from agentkv_vllm.settings import ConnectorSettings, LoadMode, Writeback
 
 log = logging.getLogger("agentkv.scheduler")
 GiB = 1 << 30
@@ -161,6 +168,7 @@ class SchedulerSide:
             "calibrate file" if getattr(self.profile, "source", "") == "measured" else "default"
         )
         self._step_sample: tuple[float, int] | None = None
+        self._step_tokens = 0
         self.pinner = VllmBlockPinner()
         config = ManagerConfig(
             block_size=self.block_size,
@@ -177,6 +185,7 @@ class SchedulerSide:
             max_trajectories=settings.max_trajectories,
             layerwise=layerwise,
             admission_wait=settings.admission_wait,
+            defer_writeback=settings.writeback is Writeback.FORECAST,
             remote_enabled=bool(settings.remote_url),
             remote_ttl_s=settings.remote_ttl_s,
         )
@@ -204,12 +213,20 @@ class SchedulerSide:
             self.manager.record_tier_changes()
         self.cpu = _CpuClock()
         self.worker_pids: dict[int, int] = {}
+        self.kv_cache_manager: Any = None  # bound by the connector (bind_kv_cache_manager)
+        self.preemptions = PreemptionNotes()
+        # The head request the scheduler could not admit (id, first step seen), and the last
+        # one admitted after waiting: /status shows how many steps a blocked queue waited.
+        self._blocked: tuple[str, int] | None = None
+        self.last_unblocked: dict[str, Any] | None = None
         self.counters: Counter[str] = Counter()
         # request id -> parsed params, for agentkv requests only (plain ones never enter)
         self._params: dict[str, AgentKVParams] = {}
         # The request the scheduler looked up this step and has not allocated for (vLLM stops
         # at the first request it cannot allocate): (request id, blocks it needs).
-        self._unadmitted: tuple[str, int] | None = None
+        # (request id, new blocks it needs, request, vLLM's local hit) of the request the
+        # scheduler looked up last this step: not allocated by build_step, it heads a blocked queue
+        self._unadmitted: tuple[str, int, Any, int] | None = None
         self.started_at = time.time()
         self.manifest: ManifestKeeper | None = None
         if settings.disk_dir:
@@ -296,6 +313,8 @@ class SchedulerSide:
         self._unadmitted = (
             request.request_id,
             -(-request.num_tokens // self.block_size) - num_computed // self.block_size,
+            request,
+            num_computed,
         )
         if request.kv_transfer_params is None and request.request_id not in self._params:
             return 0, False
@@ -316,7 +335,9 @@ class SchedulerSide:
                 request.prompt_token_ids or [],
                 request.block_hashes,
                 num_computed,
+                num_tokens=request.num_tokens,  # a preempted request's output counts too
             )
+            self.preemptions.hold(request)
             if answer.tokens is None:
                 self._unadmitted = None  # our own PENDING, not a lack of blocks
             return answer.tokens, answer.load_async
@@ -326,6 +347,13 @@ class SchedulerSide:
     def plan_load(self, request: Any, blocks: Any, num_external: int) -> None:
         if self._unadmitted is not None and self._unadmitted[0] == request.request_id:
             self._unadmitted = None
+        if self._blocked is not None and self._blocked[0] == request.request_id:
+            self.last_unblocked = {
+                "request_id": request.request_id,
+                "blocked_at_step": self._blocked[1],
+                "admitted_at_step": self.manager.steps + 1,  # the step being scheduled
+            }
+            self._blocked = None
         if request.request_id not in self._params and num_external <= 0:
             return
         start = time.thread_time_ns()
@@ -338,6 +366,7 @@ class SchedulerSide:
         self.manager.fail_load(request.request_id, blocks.get_block_ids()[0], num_external)
 
     def finish(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.preemptions.drop(request.request_id)
         params = self._params.pop(request.request_id, None)
         if params is None:
             return False, None
@@ -365,10 +394,24 @@ class SchedulerSide:
         finally:
             self.cpu.add("request", start)
 
+    def snapshot_for_preemption(self) -> None:
+        start = time.thread_time_ns()
+        try:
+            self.preemptions.note(self.kv_cache_manager, self.block_size)
+        finally:
+            self.cpu.add("step", start)
+
+    def _save_preempted(self, scheduler_output: Any) -> None:
+        """This step's preempted trajectory requests: their noted blocks go to host before the
+        forward (``TrajectoryManager.on_preempt``)."""
+        for req_id, ids, computed, hashes in self.preemptions.take(scheduler_output):
+            self.manager.on_preempt(req_id, ids, computed_tokens=computed, block_hashes=hashes)
+
     def build_step(self, scheduler_output: Any = None) -> AgentKVStepMetadata:
         start = time.thread_time_ns()
         try:
             self._sample_step(scheduler_output)
+            self._save_preempted(scheduler_output)
             self.manager.set_admission(self.admission_of(scheduler_output))
             if self.events is not None:
                 self._watch_cache_reset()
@@ -381,6 +424,8 @@ class SchedulerSide:
         looked up and could not allocate for (it stops the waiting queue there), the requests it
         preempted, the pool's free blocks. Resets the looked-up request for the next step."""
         head, self._unadmitted = self._unadmitted, None
+        if head is not None and (self._blocked is None or self._blocked[0] != head[0]):
+            self._blocked = (head[0], self.manager.steps + 1)  # this step's take_step is next
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         free = 0
         pool = self.block_pool
@@ -391,10 +436,29 @@ class SchedulerSide:
                 free = 0
         return Admission(
             waiting=1 if head is not None else 0,
-            blocks_needed=max(0, head[1]) if head is not None else 0,
+            blocks_needed=max(0, head[1]) + self._free_hits(head[2], head[3]) if head else 0,
             free_blocks=free,
             preempted=len(preempted),
+            filled_blocks=self._step_tokens / max(1, self.block_size),
         )
+
+    def _free_hits(self, request: Any, num_computed: int) -> int:
+        """Blocks of the head request's prefix-cache hit that sit unreferenced in the free list:
+        allocating takes them off it too (vLLM's allocate_slots counts them against the free
+        blocks), so they are part of what the queue needs. O(hit blocks), the head only."""
+        pool = self.block_pool
+        n = num_computed // self.block_size
+        if pool is None or n <= 0:
+            return 0
+        free = 0
+        try:
+            for block_hash in list(getattr(request, "block_hashes", ()) or ())[:n]:
+                blocks = pool.get_cached_block(block_hash, [0])
+                if blocks and blocks[0].ref_cnt == 0:
+                    free += 1
+        except Exception:
+            return 0
+        return free
 
     def _watch_cache_reset(self) -> None:
         """vLLM queues AllBlocksCleared when its prefix cache is reset; consumers then forget this
@@ -429,10 +493,12 @@ class SchedulerSide:
         """Online prefill rate: a step mostly made of prompt tokens, timed from its metadata to
         its output (or to the next step when vLLM reports no connector output)."""
         self._end_step_sample()
+        self._step_tokens = 0
         per_req = getattr(scheduler_output, "num_scheduled_tokens", None)
         if not per_req:
             return
         total = sum(per_req.values())
+        self._step_tokens = total  # the KV this step writes (the pool's fill, admission_of)
         prefill = sum(n for n in per_req.values() if n > 1)
         if prefill >= PREFILL_SAMPLE_MIN_TOKENS and prefill >= 0.8 * total:
             self._step_sample = (time.perf_counter(), total)
@@ -557,6 +623,7 @@ class SchedulerSide:
                 "kv_generation": self.keys.generation.hex(),
             }
             body["connector_cpu"] = self.cpu.view()
+            body["pool"]["last_unblocked"] = self.last_unblocked
             body["profile"] = {
                 "source": getattr(self.profile, "source", "unknown"),
                 "live": self.online.view(self.base_costs),

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from agentkv.tiers.remote import RemoteConfig
 
 
+class Writeback(enum.StrEnum):
+    FORECAST = "forecast"  # an offload_host copy waits until the pool forecasts eviction
+    EAGER = "eager"  # every offload_host decision copies at once (before issue 26)
+
+
 class LoadMode(enum.StrEnum):
     AUTO = "auto"  # layerwise on CPU, async elsewhere
     ASYNC = "async"  # the request waits until every block is loaded
@@ -69,6 +74,13 @@ class ConnectorSettings(BaseModel):
     )
     lease_margin_s: float = Field(default=DEFAULT_POLICY.lease_margin_s, ge=0)
     max_lease_s: float = Field(default=DEFAULT_POLICY.max_lease_s, gt=0)
+    writeback: Writeback = Field(
+        default=Writeback.FORECAST,
+        description="forecast: an offload_host decision unpins into vLLM's prefix cache and "
+        "copies to host only once the pool's free-block trend forecasts eviction before the "
+        "resume (a copy nobody reads costs bandwidth and, on CPU, decode compute); eager: copy "
+        "at once.",
+    )
     admission_wait: bool = Field(
         default=False, description="Above high water, new trajectories wait instead of evicting."
     )

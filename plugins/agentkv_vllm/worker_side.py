@@ -240,6 +240,9 @@ class WorkerSide:
         timeout = self.settings.job_timeout_s
         stores = [job for job in plan.stores if not self._silent(job)]
         staged = self._stage_stores(stores)
+        # Preemption saves read blocks vLLM already freed (maybe reallocated this step): they
+        # are copied before anything of this step writes the device (loads below, the forward).
+        before_forward: list[TransferHandle] = []
         for job in stores:
             keys = [self.rank_key(b.key) for b in job.blocks]
             staging = staged.pop(job.job_id, None)
@@ -248,6 +251,8 @@ class WorkerSide:
                     staging.rows if staging else [self.views.block(b.block_id) for b in job.blocks]
                 )
                 handle = store.submit_store(keys, buffers, tier=job.tier)
+                if job.before_forward:
+                    before_forward.append(handle)
             except Exception as exc:  # a tier fault must never take the engine down
                 log.warning("agentkv: store job %d failed to start: %s", job.job_id, exc)
                 self._done(job.job_id, ok=False)
@@ -263,6 +268,9 @@ class WorkerSide:
                     staged=staging,
                 )
             )
+        for handle in before_forward:
+            if not handle.wait(timeout):
+                handle.cancel()  # reported failed when polled: the index never lists it
         for move in plan.moves:
             keys = [self.rank_key(k) for k in move.keys]
             try:

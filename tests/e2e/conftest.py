@@ -381,6 +381,10 @@ def own_connector(work: Path, **overrides: Any) -> dict[str, Any]:
         "disk_capacity_gib": 1,
         "grace_s": 0.3,
         "disk_after_s": 3,
+        # Own servers test the copy and reload paths with pauses of seconds on an idle pool,
+        # where the production rule ("forecast") would leave the blocks in vLLM's cache and
+        # copy nothing; test_admission_e2e.py runs the production rule.
+        "writeback": "eager",
         **overrides,
     }
 
@@ -437,6 +441,11 @@ def server() -> Iterator[Server]:
         # Every async tier load (disk) waits 1 s in the worker before it copies, so a test can
         # abort a request while its load is in flight.
         "debug_load_delay_s": 1.0,
+        # These modules test the copy and reload paths with pauses of seconds on a pool that is
+        # mostly idle between tests: the production rule (writeback "forecast") would leave
+        # those blocks in vLLM's cache and copy nothing. test_admission_e2e.py's own server
+        # runs the production rule.
+        "writeback": "eager",
     }
     # Two additions test_apis_e2e.py needs (one server start fewer than a module server of its
     # own): the Responses API store (`previous_response_id` chains) and xgrammar without

@@ -59,6 +59,7 @@ def test_deployments_of_other_weights_sharing_one_valkey_never_share_a_block(
         "grace_s": 0.3,
         "remote_url": valkey.url,
         "remote_key_prefix": "edge-deploy",
+        "writeback": "eager",  # the pause must copy to host (and so write through) at once
     }
     env = {"AGENTKV_REMOTE_KEY": "one-secret-for-both-deployments"}
     tid = "moved-between-deployments"

@@ -104,6 +104,7 @@ class SimEngine:
         self.finished_contexts: dict[tuple[str, str], list[int]] = {}
         self.blocked_needs: list[int] = []  # blocks each failed allocation asked for, this step
         self.preempted = 0
+        self._allocated_seen = 0
         self.last_admission: Admission | None = None
 
     # ---------------------------------------------------------------- helpers
@@ -149,11 +150,13 @@ class SimEngine:
         hit = self.pool.computed_prefix(hashes, (len(tokens) - 1) // bs)
         num_computed = len(hit) * bs
         # Like the adapter: the prompt's token ids, the hashes of every full block.
-        answer = self.mgr.on_lookup(req.req_id, req.params, req.prompt, hashes, num_computed)
+        answer = self.mgr.on_lookup(
+            req.req_id, req.params, req.prompt, hashes, num_computed, num_tokens=len(tokens)
+        )
         if answer.tokens is None:
             return False
         ext = answer.tokens
-        if ext % bs or (ext and num_computed + ext > len(req.prompt) - 1):
+        if ext % bs or (ext and num_computed + ext > len(tokens) - 1):
             self.violations.append(f"{req.req_id}: lookup counted {ext} tokens past {num_computed}")
         need = -(-len(tokens) // bs)
         new = self.pool.allocate(hit, need - len(hit))
@@ -196,7 +199,9 @@ class SimEngine:
             blocks_needed=sum(self.blocked_needs),
             free_blocks=self.pool.num_free(),
             preempted=self.preempted,
+            filled_blocks=float(self.pool.allocated - self._allocated_seen),
         )
+        self._allocated_seen = self.pool.allocated
         self.blocked_needs, self.preempted = [], 0
         self.last_admission = admission
         self.mgr.set_admission(admission)
@@ -391,7 +396,17 @@ class SimEngine:
             self._awaiting_cover.remove(req)
 
     def preempt(self, req: SimRequest) -> None:
+        """vLLM's _preempt_request: the blocks go back to the pool, the request waits with its
+        output so far. The adapter noted the blocks before (has_pending_block_frees) and hands
+        them to ``on_preempt`` in this step's metadata, copied before the step's forward: so a
+        save runs a step right away, before anything can write the freed blocks."""
         assert req.status == "RUNNING"
+        saved = self.mgr.on_preempt(
+            req.req_id,
+            list(req.blocks),
+            computed_tokens=req.num_computed,
+            block_hashes=self.hashes(req.tokens, req.salt),
+        )
         self.pool.free(req.blocks)
         req.blocks = []
         req.num_computed = 0
@@ -399,6 +414,8 @@ class SimEngine:
         req.load_n = 0
         req.load_jobs = set()
         self.preempted += 1
+        if saved:
+            self.step()
 
     # ---------------------------------------------------------------- pressure
     def spike(self, n: int) -> bool:
@@ -444,8 +461,8 @@ def pinned_content_breaches(
                             f"holding {pool.content[r][b]!r:.20}, not its KV"
                         )
     for job in mgr.jobs.values():
-        if job.kind != "store":
-            continue
+        if job.kind != "store" or not job.block_ids:
+            continue  # no pins: a preemption save, copied before the step's forward
         for key, b in zip(job.keys, job.block_ids, strict=True):
             for r in range(pool.tp):
                 c = pool.content[r][b]

@@ -65,6 +65,8 @@ class SimWorkers:
         self.remote: list[dict[bytes, bytes | None]] = [{} for _ in range(tp_size)]
         self.pending: list[Pending] = []
         self.silent: set[int] = set()
+        # A silent rank's reports of copies it made before a forward (sent when it wakes).
+        self.withheld: dict[int, list[WorkerReport]] = {}
         self.reports: list[WorkerReport] = []
         self.load_events: list[LoadEvent] = []
         self.violations: list[str] = []
@@ -86,6 +88,15 @@ class SimWorkers:
         for rank in range(self.tp):
             for store in plan.stores:
                 snap = [self.pool.content[rank][t.block_id] for t in store.blocks]
+                if store.before_forward:
+                    # Copied before this step's forward (a preemption save, a blocked queue's
+                    # demotion); a silent rank copies it too, its report comes when it wakes.
+                    out = self._run(Pending(rank, "store", store, snap), "ok", report=False)
+                    if rank in self.silent:
+                        self.withheld.setdefault(rank, []).append(out)
+                    else:
+                        self.reports.append(out)
+                    continue
                 self.pending.append(Pending(rank, "store", store, snap))
             for load in plan.loads:
                 if load.layerwise:
@@ -127,6 +138,7 @@ class SimWorkers:
         """A silent rank finishes its stores and moves late, in either order; its loads are
         cancelled (reported failed, nothing copied: the worker's deadline fence)."""
         self.silent.discard(rank)
+        self.reports.extend(self.withheld.pop(rank, []))
         late = [p for p in self.pending if p.rank == rank]
         for p in reversed(late) if newest_first else late:
             self.pending.remove(p)
@@ -159,7 +171,7 @@ class SimWorkers:
                     f"writing {r.key.hex()[:8]}"
                 )
 
-    def _run(self, p: Pending, outcome: JobOutcome, report: bool) -> None:
+    def _run(self, p: Pending, outcome: JobOutcome, report: bool) -> WorkerReport:
         rank = p.rank
         rep = WorkerReport()
         if outcome == "start_error":
@@ -181,6 +193,7 @@ class SimWorkers:
             self._run_move(p, outcome == "ok", rep)
         if report:
             self.reports.append(rep)
+        return rep
 
     def _done(self, rep: WorkerReport, job_id: int, ok: bool) -> None:
         rep.jobs_done[job_id] = rep.jobs_done.get(job_id, 0) + 1

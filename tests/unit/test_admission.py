@@ -22,6 +22,10 @@ def _side(free: int) -> Any:
     side.block_size = 16
     side._params = {}
     side._unadmitted = None
+    side._step_tokens = 0
+    side._blocked = None
+    side.last_unblocked = None
+    side.manager = SimpleNamespace(steps=0)
     side.pinner = VllmBlockPinner()
     side.pinner.pool = _Pool(free)
     side.cpu = SimpleNamespace(add=lambda *a: None)
@@ -50,3 +54,48 @@ def test_an_allocated_request_is_not_waiting_and_preemptions_count() -> None:
     adm = side.admission_of(SimpleNamespace(preempted_req_ids={"b", "c"}))
     assert adm == Admission(waiting=0, blocks_needed=0, free_blocks=10, preempted=2)
     assert adm.blocked
+
+
+def test_the_step_scheduled_tokens_are_the_pool_fill() -> None:
+    side = _side(free=10)
+    side._step_sample = None
+    side.online = SimpleNamespace(observe_prefill=lambda *a: None)
+    side._sample_step(SimpleNamespace(num_scheduled_tokens={"a": 40, "b": 1, "c": 7}))
+    assert side.admission_of(None).filled_blocks == 48 / 16
+
+
+def test_status_tells_after_how_many_steps_a_blocked_head_was_admitted() -> None:
+    side = _side(free=3)
+    req = _plain("a", 100)
+    side.lookup(req, 0)
+    side.admission_of(None)  # step 1: blocked
+    side.manager.steps = 1
+    side.lookup(req, 0)
+    side.admission_of(None)  # step 2: still blocked (first seen at step 1)
+    side.manager.steps = 2
+    side.lookup(req, 0)
+    side.plan_load(req, None, 0)  # step 3's schedule allocates it
+    assert side.last_unblocked == {"request_id": "a", "blocked_at_step": 1, "admitted_at_step": 3}
+
+
+def test_cached_hit_blocks_in_the_free_list_count_as_needed() -> None:
+    """vLLM's allocate_slots takes a hit's unreferenced cached blocks off the free list too: 6
+    free blocks, a head needing 3 new blocks and hitting 4 free cached ones is short 1 (the
+    retain-always stall of the pool-12 sweep: nothing looked short, nothing was demoted)."""
+    side = _side(free=6)
+    cached = {b"h0": 0, b"h1": 0, b"h2": 0, b"h3": 0, b"h4": 2}  # hash -> ref count
+    pool = side.pinner.pool
+    pool.get_cached_block = lambda h, groups: (
+        [SimpleNamespace(ref_cnt=cached[h])] if h in cached else None
+    )
+    req = SimpleNamespace(
+        request_id="a",
+        kv_transfer_params=None,
+        num_tokens=7 * 16,
+        block_hashes=[b"h0", b"h1", b"h2", b"h3", b"h4", b"h5"],
+    )
+    side.lookup(req, 4 * 16)  # vLLM's own hit: 4 blocks, all free in its cache
+    adm = side.admission_of(None)
+    assert adm.blocks_needed == 3 + 4 and adm.shortfall == 1 and adm.blocked
+    side.lookup(req, 5 * 16)  # a referenced hit block does not count
+    assert side.admission_of(None).blocks_needed == 2 + 4

@@ -263,5 +263,6 @@ def test_status_shows_the_admission_picture_and_forecast() -> None:
         "blocks_needed": 8,
         "free_blocks": 4,
         "preempted": 0,
+        "filled_blocks": 16.0,  # the spike wrote 16 blocks
     }
     assert pool["eviction_forecast_s"] == 0.0

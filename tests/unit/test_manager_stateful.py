@@ -75,9 +75,16 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
         grace=st.sampled_from([0.0, 0.5]),
         disk=st.booleans(),
         admission_wait=st.sampled_from([False, False, True]),
+        defer=st.booleans(),
     )
     def setup(
-        self, tp: int, layerwise: bool, grace: float, disk: bool, admission_wait: bool
+        self,
+        tp: int,
+        layerwise: bool,
+        grace: float,
+        disk: bool,
+        admission_wait: bool,
+        defer: bool = False,
     ) -> None:
         self.clock = FakeClock()
         self.pool = SimPool(POOL, tp)
@@ -95,6 +102,7 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
             high_water=0.75,
             admission_wait=admission_wait,
             remote_enabled=True,
+            defer_writeback=defer,  # issue 26: offload_host copies wait for an eviction forecast
         )
         # 1 MiB blocks: a 10-block context reloads from host in 0.1 s, from disk in 0.12 s, and
         # recomputes in 0.4 s; break-even waits are ~0.1-0.3 s, so declared waits from 0 to
@@ -110,7 +118,7 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
             self.pool,
             key_of=key_of,
             costs=costs,
-            policy=PolicyParams(disk_after_s=100.0, max_lease_s=60.0),
+            policy=PolicyParams(disk_after_s=100.0, max_lease_s=60.0, writeback_margin_s=0.0),
             clock=self.clock,
         )
         self.mgr.record_tier_changes()
@@ -299,6 +307,15 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
         ship the plan, one forward of every running request, finish the done ones, the
         workers complete the jobs ``jobs`` (a bit mask) selects, their reports come back."""
         self._engine_loop(iters, jobs, dt)
+
+    @rule(steps=st.integers(4, 24))
+    def quiet_pool(self, steps: int) -> None:
+        """Engine steps 10 s apart with nothing new scheduled: the pool's fill rate decays, so
+        its eviction forecast grows and offload_host copies are deferred (CACHED)."""
+        for _ in range(steps):
+            self.eng.step()
+            self.eng.deliver_reports()
+            self.clock.advance(10.0)
 
     # The engine loop is what an engine mostly does: weigh it up (rules are drawn uniformly).
     engine_loop_2 = engine_loop

@@ -1,0 +1,77 @@
+"""Deferred write-backs: CACHED branches, copied to host once the pool forecasts their eviction.
+
+Primitives:
+  DeferredWritebacks.track   set_state's bookkeeping: a branch entering or leaving CACHED
+  DeferredWritebacks.note    a branch's blocks just joined the tail of vLLM's free queue: the fill
+                             count at which they are evicted goes on a heap
+  DeferredWritebacks.check   each tick: queue the write-back of every branch whose eviction is
+                             forecast within ``PolicyParams.writeback_horizon_s`` (all of them
+                             when the queue is blocked or pool use is over high water)
+
+Why a heap keyed by fill count: vLLM's free queue is LRU, so a branch cached when the pool had
+written F blocks, with A free blocks ahead of it, is evicted about when the pool has written F + A.
+The next branch to go is the heap's head; a tick looks at the head only (O(copies due)). Entries
+of branches that left CACHED (a resume, a delete) go stale (timer token) and are dropped when they
+surface, or all at once when stale ones outnumber live ones (bounded memory).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import TYPE_CHECKING
+
+from agentkv.manager.state import Branch, BranchState, Trajectory
+from agentkv.tier import Tier
+
+if TYPE_CHECKING:
+    from agentkv.manager.core import TrajectoryManager
+
+
+class DeferredWritebacks:
+    def __init__(self, mgr: TrajectoryManager) -> None:
+        self.m = mgr
+        self.cached: dict[tuple[int, str], tuple[Trajectory, Branch]] = {}
+        self.heap: list[tuple[float, int, Trajectory, Branch, int]] = []
+        self._seq = itertools.count()
+
+    def track(self, traj: Trajectory, branch: Branch) -> None:
+        ref = (id(traj), branch.name)
+        if branch.state is BranchState.CACHED and not traj.deleted:
+            self.cached[ref] = (traj, branch)
+        else:
+            self.cached.pop(ref, None)
+
+    def note(self, traj: Trajectory, branch: Branch) -> None:
+        trend, adm = self.m.pool_trend, self.m.admission
+        ahead = max(0, adm.free_blocks - adm.blocks_needed) if trend.last is not None else 0
+        entry = (trend.filled_total + ahead, next(self._seq), traj, branch, branch.timer_token)
+        heapq.heappush(self.heap, entry)
+        if len(self.heap) > 2 * len(self.cached) + 64:
+            self.heap = [e for e in self.heap if _live(e)]
+            heapq.heapify(self.heap)
+
+    def check(self) -> None:
+        if not self.heap:
+            return
+        m = self.m
+        trend = m.pool_trend
+        everything = m.admission.blocked or m.pins.pressure() > m.config.high_water
+        horizon = m.policy.writeback_horizon_s
+        while self.heap:
+            entry = self.heap[0]
+            live = _live(entry)
+            if (
+                live
+                and not everything
+                and trend.seconds_to_write(entry[0] - trend.filled_total) > horizon
+            ):
+                break
+            heapq.heappop(self.heap)
+            if live:
+                m.pins.queue_writeback((entry[2], entry[3], Tier.HOST))
+
+
+def _live(entry: tuple[float, int, Trajectory, Branch, int]) -> bool:
+    _, _, traj, branch, token = entry
+    return branch.state is BranchState.CACHED and branch.timer_token == token and not traj.deleted

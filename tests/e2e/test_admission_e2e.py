@@ -1,0 +1,144 @@
+"""Issue 26 on a tiny pool (40 blocks of 128 tokens), the production write-back rule:
+pins are a loan the queue calls in (a waiting request is admitted within one step of the
+retained trajectory's demotion), a roomy pause copies nothing, a preempted trajectory request is
+saved to host and its reschedule loads it instead of recomputing."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import Server, long_text, start_server, wait_until
+
+pytestmark = pytest.mark.e2e
+
+TINY_BLOCKS = 40  # 5,120 tokens of device KV; one block is vLLM's null block
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[Server]:
+    work = Path(tempfile.mkdtemp(prefix="agentkv-admission-e2e-"))
+    connector = {
+        "host_capacity_gib": 0.25,
+        "grace_s": 0.3,
+        # A retained lease outlives the test's own steps (the queue, not the lease, ends it).
+        "lease_margin_s": 120,
+        "job_timeout_s": 20,
+    }
+    args = ("--num-gpu-blocks-override", str(TINY_BLOCKS), "--max-model-len", "4096")
+    with start_server(work, connector, vllm_args=args) as srv:
+        yield srv
+
+
+def _messages(server: Server, seed: int, blocks: int) -> list[dict[str, Any]]:
+    """A user message of about ``blocks`` full blocks of prompt (sized with /tokenize)."""
+    words = blocks * 20
+    for _ in range(8):
+        msgs = [{"role": "user", "content": long_text(seed, words)}]
+        n = len(server.tokenize(msgs))
+        if abs(n - blocks * BLOCK) < BLOCK // 2:
+            return msgs
+        words = max(1, int(words * blocks * BLOCK / n))
+    return msgs
+
+
+def test_a_waiting_request_is_admitted_within_one_step_of_the_demotion(tiny: Server) -> None:
+    tiny.clean()
+    held = _messages(tiny, 3000, 16)
+    tiny.chat(held, trajectory="loan", max_tokens=1)
+    out = tiny.pause("loan", "loan-grep", 0.0005)
+    assert out["decision"]["action"] == "retain", out
+    pinned = tiny.trajectory("loan")["branches"]["main"]["pinned_blocks"]
+    assert pinned >= 15
+    before = tiny.status()
+    # A plain request needing more blocks than the pool has free while the branch is pinned.
+    plain = _messages(tiny, 3001, 26)
+    assert 26 + pinned > TINY_BLOCKS - 1
+    got = tiny.chat(plain, max_tokens=2)
+    assert got["usage"]["completion_tokens"] == 2
+    after = tiny.status()
+    assert after["counters"]["queue_demotions"] - before["counters"]["queue_demotions"] == 1
+    pool = after["pool"]
+    unblocked = pool["last_unblocked"]
+    assert unblocked is not None and pool["last_queue_demotion_step"] is not None, pool
+    assert unblocked["blocked_at_step"] <= pool["last_queue_demotion_step"], pool
+    assert unblocked["admitted_at_step"] - pool["last_queue_demotion_step"] <= 1, pool
+    branch = tiny.wait_state("loan", {"offloaded"})
+    assert branch["demoted_by"] == "queue_blocked" and branch["tier"] == "host", branch
+    # The demoted trajectory resumes from its host copy.
+    resumed = tiny.chat([*held, {"role": "user", "content": "ok"}], trajectory="loan")
+    stats = resumed["kv_transfer_params"]["agentkv"]
+    assert stats["device_hit_tokens"] + stats["tier_hit_tokens"] >= (pinned - 1) * BLOCK, stats
+    tiny.end("loan")
+
+
+def test_a_roomy_pause_unpins_without_a_copy_and_resumes_from_the_device(tiny: Server) -> None:
+    tiny.clean()
+    msgs = _messages(tiny, 3100, 8)
+    tiny.chat(msgs, trajectory="roomy", max_tokens=32)  # decode steps: the fill rate settles
+    stores = tiny.counters()["stores"]
+    out = tiny.pause("roomy", "roomy-build", 0.5)
+    decision = out["decision"]
+    assert decision["action"] == "offload_host", decision
+    assert decision["writeback_deferred"] is True, decision
+    assert "host copy deferred" in decision["rationale"]
+    branch = tiny.wait_state("roomy", {"cached"})
+    assert branch["pinned_blocks"] == 0
+    resumed = tiny.chat([*msgs, {"role": "user", "content": "result: ok"}], trajectory="roomy")
+    stats = resumed["kv_transfer_params"]["agentkv"]
+    assert stats["device_hit_tokens"] >= 7 * BLOCK and stats["tier_hit_tokens"] == 0, stats
+    counters = tiny.counters()
+    assert counters["stores"] == stores  # no copy was made
+    assert counters["writebacks_deferred"] >= 1
+    tiny.end("roomy")
+    assert tiny.counters()["writebacks_unread"] == counters["writebacks_unread"]
+
+
+def _complete(server: Server, ids: list[int], tid: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "model": server.model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "kv_transfer_params": {"agentkv": {"trajectory_id": tid}},
+    }
+    r = server.client.post("/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def test_a_preempted_trajectory_request_is_saved_and_resumes_without_recompute(
+    tiny: Server,
+) -> None:
+    tiny.clean()
+    tiny.reset_prefix_cache()
+    before = tiny.counters()
+    # Two trajectory requests of 19 blocks less 4 tokens each fill 38 of the 39 usable blocks;
+    # a few decode tokens later both need a 20th block, one gets the last free one and vLLM
+    # preempts the other.
+    vocab = tiny.tokenize([{"role": "user", "content": long_text(3200, 3000)}], gen=False)
+    length = 19 * BLOCK - 4
+    prompts = [vocab[i * 7 : i * 7 + length] for i in range(2)]
+    assert all(len(p) == length for p in prompts)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(_complete, tiny, p, f"swap-{i}", 12) for i, p in enumerate(prompts)]
+        outs = [f.result() for f in futures]
+    assert all(o["usage"]["completion_tokens"] == 12 for o in outs)
+    after = tiny.counters()
+    assert after["preempt_saves"] - before["preempt_saves"] >= 1, after
+    saved = after["preempt_saved_tokens"] - before["preempt_saved_tokens"]
+    assert saved >= 18 * BLOCK, after  # every full computed block of the preempted request
+    # The rescheduled request recomputed none of its saved blocks: each came back from vLLM's
+    # own cache (still there: nothing reused it meanwhile) or from the host copy.
+    trajs = [tiny.trajectory(f"swap-{i}")["turns"][-1] for i in range(2)]
+    assert max(t["device_hit_tokens"] + t["tier_hit_tokens"] for t in trajs) >= 18 * BLOCK, trajs
+    wait_until(lambda: tiny.status()["tiers"]["in_flight_jobs"] == 0 or None, "jobs to drain")
+    for i in range(2):
+        tiny.end(f"swap-{i}")

@@ -1,0 +1,212 @@
+"""Write back only when it pays (issue 26): an offload_host copy waits while the pool's own
+forecast says vLLM keeps the unpinned blocks past the wait, and is made once eviction is
+forecast. On the simulated engine (tests/unit/sim_engine.py), 4-token blocks, a 40-block pool."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from agentkv.admission import Admission, PoolTrend
+from agentkv.manager import BranchState
+from agentkv.policy import Action, CostModel, PolicyParams, decide
+from tests.unit.sim_engine import Rig, key_of, make_rig
+
+P1 = [7, 7, 7, 7, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 17 tokens: 4 full blocks
+COSTS = CostModel(host_link_bytes_per_s=1e8, prefill_tokens_per_s=100.0)
+
+
+def _decide(eviction_in_s: float, **kw: object) -> object:
+    args: dict[str, object] = {
+        "tokens": 4000,
+        "kv_bytes": 4e8,
+        "wait": 30.0,
+        "costs": COSTS,
+        "pressure": 0.1,
+        "eviction_in_s": eviction_in_s,
+    }
+    args.update(kw)
+    return decide(**args)  # type: ignore[arg-type]
+
+
+def test_a_roomy_pool_defers_the_host_copy_and_says_why() -> None:
+    d = _decide(math.inf)
+    assert d.action is Action.OFFLOAD_HOST and d.writeback_deferred  # type: ignore[attr-defined]
+    assert "host copy deferred" in d.rationale  # type: ignore[attr-defined]
+    assert d.prefetch_at_s is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("eviction_in_s", [0.0, 10.0, 31.9, math.nan, -1.0])
+def test_eviction_forecast_before_the_resume_copies_now(eviction_in_s: float) -> None:
+    # Wait p90 30 s + the 2 s write-back margin: eviction forecast before 32 s copies now.
+    d = _decide(eviction_in_s)
+    assert d.action is Action.OFFLOAD_HOST and not d.writeback_deferred  # type: ignore[attr-defined]
+    assert "write-back copy to host" in d.rationale  # type: ignore[attr-defined]
+
+
+def test_a_blocked_queue_or_an_unknown_wait_copies_now() -> None:
+    blocked = Admission(waiting=1, blocks_needed=50, free_blocks=10)
+    assert not _decide(math.inf, admission=blocked).writeback_deferred  # type: ignore[attr-defined]
+    assert not _decide(math.inf, wait=None).writeback_deferred  # type: ignore[attr-defined]
+
+
+def test_the_cpu_cost_model_charges_a_copy_compute() -> None:
+    cpu = CostModel(host_link_bytes_per_s=1e8, prefill_tokens_per_s=100.0, copy_uses_compute=True)
+    assert "a core decoding wants" in _decide(math.inf, costs=cpu).rationale  # type: ignore[attr-defined]
+    assert "a core decoding wants" not in _decide(math.inf).rationale  # type: ignore[attr-defined]
+
+
+def test_the_fill_rate_forecasts_eviction_in_a_pool_whose_free_count_holds() -> None:
+    trend = PoolTrend(alpha=1.0)
+    assert trend.seconds_to_eviction(Admission(free_blocks=90)) == 0.0  # nothing seen: unknown
+    trend.observe(0.0, 90)
+    trend.observe(1.0, 90, filled_blocks=30.0)  # 30 blocks written, 30 freed: steady churn
+    assert trend.seconds_to_eviction(Admission(free_blocks=90)) == pytest.approx(3.0)
+
+
+def _rig() -> Rig:
+    return make_rig(defer_writeback=True, policy=PolicyParams(disk_after_s=100.0))
+
+
+def _paused(rig: Rig, wait: float = 2.0) -> dict[str, object]:
+    rig.turn("t1", P1)
+    rig.eng.step()  # an idle step: the pool is not filling
+    code, body = rig.mgr.pause("t1", "main", "pytest", wait)
+    assert code == 200
+    return body
+
+
+def _branch(rig: Rig):  # type: ignore[no-untyped-def]
+    return rig.mgr.table["t1"].branches["main"]
+
+
+def test_roomy_pool_unpins_without_a_copy_and_the_resume_hits_the_device() -> None:
+    rig = _rig()
+    body = _paused(rig)
+    assert body["decision"]["action"] == "offload_host"  # type: ignore[index]
+    assert body["decision"]["writeback_deferred"] is True  # type: ignore[index]
+    rig.settle()
+    b = _branch(rig)
+    assert b.state is BranchState.CACHED and b.pinned == [] and rig.mgr.pinned_blocks() == 0
+    assert rig.mgr.counters["stores"] == 0 and rig.host_keys() == set()
+    # The resume finds the blocks in vLLM's cache: a device hit, nothing loaded.
+    nxt = rig.turn("t1", [*P1, 4, 4, 4])
+    assert nxt.device_hit == 16 and rig.mgr.counters["loads"] == 0
+    rig.mgr.delete("t1")
+    rig.settle()
+    assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
+    assert rig.mgr.status()["counters"]["writebacks_deferred"] == 1
+    assert rig.eng.violations == []
+
+
+def test_eager_setting_copies_at_once() -> None:
+    rig = make_rig(defer_writeback=False)
+    _paused(rig)
+    rig.settle()
+    assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
+
+
+def test_a_blocked_queue_writes_the_deferred_copy_back_before_eviction() -> None:
+    rig = _rig()
+    _paused(rig)
+    rig.settle()
+    assert _branch(rig).state is BranchState.CACHED
+    assert not rig.eng.spike(rig.pool.num_free() + 1)  # a request the pool cannot admit
+    plan = rig.eng.step()  # the same step copies the still-cached blocks
+    assert [len(job.blocks) for job in plan.stores] == [4]
+    rig.settle()
+    b = _branch(rig)
+    assert b.state is BranchState.OFFLOADED and b.tier == "host"
+    assert rig.host_keys() == {key_of(h) for h in rig.eng.hashes(P1)[:4]}
+    assert rig.mgr.counters["writebacks_deferred_copied"] == 1
+    # vLLM then evicts the device copy; the resume loads it from host instead of recomputing.
+    rig.flush()
+    nxt = rig.turn("t1", [*P1, 4, 4, 4])
+    assert nxt.device_hit == 0 and nxt.load_n == 4
+    assert rig.eng.violations == []
+
+
+def test_a_filling_pool_forecasts_eviction_and_copies() -> None:
+    rig = _rig()
+    _paused(rig, wait=60.0)
+    rig.settle()
+    assert _branch(rig).state is BranchState.CACHED
+
+    def step_of_traffic(blocks: int) -> list[int]:
+        """A 0.1 s engine step in which other traffic writes ``blocks`` new blocks and frees
+        them (the free count holds: only the fill rate sees it); the step's stored blocks."""
+        rig.clock.advance(0.1)
+        assert rig.eng.spike(blocks)
+        rig.eng.release_spike()
+        return [len(job.blocks) for job in rig.eng.step().stores]
+
+    for _ in range(20):  # 1 block a step (10/s) into ~36 free: eviction ~4 s away at most
+        assert step_of_traffic(1) == [] and _branch(rig).state is BranchState.CACHED
+    assert rig.mgr.eviction_forecast() > 3.0
+    # 3 blocks a step (30/s): the forecast drops under the 1 s horizon within a few steps, long
+    # before the ~32 blocks ahead of the branch's in vLLM's free queue are written over.
+    stored = [step_of_traffic(3) for _ in range(8)]
+    assert [4] in stored and rig.mgr.eviction_forecast() <= 1.5
+    rig.settle()
+    assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
+    assert rig.eng.violations == []
+
+
+def test_blocks_evicted_before_the_forecast_fall_back_to_recompute() -> None:
+    rig = _rig()
+    _paused(rig)
+    rig.settle()
+    rig.flush()  # a burst the forecast did not see: vLLM evicted the cached blocks
+    assert not rig.eng.spike(rig.pool.num_free() + 1)
+    rig.settle()
+    b = _branch(rig)
+    assert b.state is BranchState.DROPPED and b.demoted_by == "evicted"
+    assert rig.mgr.counters["writebacks_deferred_lost_blocks"] == 4
+    assert rig.eng.violations == []
+
+
+def test_a_later_pause_with_a_near_resume_forecast_copies_a_cached_branch() -> None:
+    rig = _rig()
+    _paused(rig)
+    rig.settle()
+    assert _branch(rig).state is BranchState.CACHED
+    code, body = rig.mgr.pause("t1", "main", "pytest", 2.0)
+    assert code == 200 and body["decision"]["writeback_deferred"] is True
+    rig.settle()
+    assert _branch(rig).state is BranchState.CACHED  # still deferred: nothing to do
+    rig.mgr.config = type(rig.mgr.config)(**{**rig.mgr.config.__dict__, "defer_writeback": False})
+    rig.mgr.pause("t1", "main", "pytest", 2.0)  # now the copy must be made
+    rig.settle()
+    assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
+
+
+def test_a_queue_blocked_demotion_copies_before_the_forward() -> None:
+    rig = make_rig(blocks=20, high_water=0.99)
+    rig.turn("t1", P1)
+    _, body = rig.mgr.pause("t1", "main", "fast", 0.001)
+    assert body["decision"]["action"] == "retain"  # type: ignore[index]
+    assert not rig.eng.spike(rig.pool.num_free() + 2)
+    plan = rig.eng.step()
+    (store,) = plan.stores
+    assert store.before_forward  # the worker copies it before the forward: unpinned next step
+    assert rig.mgr.last_queue_demotion_step == rig.mgr.steps
+    assert rig.mgr.status()["pool"]["last_queue_demotion_step"] == rig.mgr.steps
+
+
+def test_a_deleted_cached_trajectory_is_never_copied_and_not_kept() -> None:
+    import gc
+    import weakref
+
+    rig = _rig()
+    _paused(rig)
+    rig.settle()
+    ref = weakref.ref(rig.mgr.table["t1"])
+    rig.mgr.delete("t1")
+    assert not rig.mgr.writebacks.cached
+    assert not rig.eng.spike(rig.pool.num_free() + 1)  # a blocked queue copies cached branches
+    rig.settle()
+    assert rig.mgr.counters["stores"] == 0 and rig.host_keys() == set()
+    assert rig.mgr.writebacks.heap == []  # the stale entry left the heap
+    gc.collect()
+    assert ref() is None
