@@ -206,9 +206,13 @@ class SimEngine:
         self.last_admission = admission
         self.mgr.set_admission(admission)
         errors = self.mgr.counters["internal_errors"]
+        pinned_before = self.mgr.pinned_blocks()
         plan = self.mgr.take_step()
+        # Blocks the step unpinned at once (a demoted branch's blocks already on host) are
+        # given back as surely as those whose copy runs before the forward.
+        unpinned = max(0, pinned_before - self.mgr.pinned_blocks())
         if self.mgr.counters["internal_errors"] == errors:  # a glitched tick demotes nothing
-            self._check_loan(admission)
+            self._check_loan(admission, unpinned)
         self._check_cover(plan)
         now = self.mgr.clock.now()
         self.workers.deliver(plan, now)
@@ -216,13 +220,14 @@ class SimEngine:
         self._absorb_load_events()
         return plan
 
-    def _check_loan(self, admission: Admission) -> None:
-        """Pins are a loan: after a step whose queue was short of blocks, either the blocks on
-        their way back cover the shortfall or nothing retained or held in grace is left."""
+    def _check_loan(self, admission: Admission, unpinned: int = 0) -> None:
+        """Pins are a loan: after a step whose queue was short of blocks, either the blocks
+        given back (unpinned by the step, or on their way back) cover the shortfall or nothing
+        retained or held in grace is left."""
         if not admission.blocked:
             return
         pins = self.mgr.pins
-        back = pins.releasing + pins.unpins_queued
+        back = pins.releasing + pins.unpins_queued + unpinned
         kept = len(self.mgr.leases) + len(self.mgr.held)
         if back < admission.shortfall and kept:
             self.violations.append(

@@ -607,3 +607,29 @@ ManagerMachine.TestCase.settings = settings(
     phases=[Phase.explicit, Phase.reuse, Phase.generate] if PROFILE == "mutation" else list(Phase),
 )
 TestManagerStateful = ManagerMachine.TestCase
+
+
+def test_a_queue_demotion_whose_blocks_unpin_at_once_counts_them_as_given_back() -> None:
+    """Found by the machine after issue 26's merge: a retained branch demoted for a blocked
+    queue, half of its blocks already on host, unpins those in the same step and copies the
+    rest before the forward. The loan check counted only the copies in flight (3 of 6) and saw
+    a queue still short with a grace pin kept, which the manager rightly kept: 6 blocks came
+    back for a shortfall of 4."""
+    state = ManagerMachine()
+    state.setup(tp=1, admission_wait=False, disk=False, grace=0.5, layerwise=False, defer=False)
+    turn = {"branch": "main", "cut": 0, "gap": 0.01, "jobs": 65535, "tool": "t1", "traj": 0}
+    state.agent_turn(**turn, flush=True, salt=None, tail=[1] * 5, wait=None)
+    state.new_request(
+        branch="main", cut=0, max_new=3, salt=None, system=False, tail=[1] * 6, traj=0
+    )
+    state.agent_turn(**turn, flush=False, salt=None, tail=[1], wait=None)
+    state.agent_turn(**turn, flush=False, salt=None, tail=[1], wait=None)
+    state.new_request(
+        branch="main", cut=0, max_new=0, salt="tenant-b", system=False, tail=[1], traj=0
+    )
+    state.agent_turn(**turn, flush=False, salt=None, tail=[1], wait=None)
+    state.spike(n=24)
+    state.quiet_pool(steps=4)
+    assert state.mgr is not None and state.mgr.counters["queue_demotions"] == 1
+    assert not state.eng.violations, state.eng.violations
+    state.teardown()
