@@ -305,18 +305,8 @@ def size_node(
                 f"context {tokens} exceeds max_position_embeddings {geom.max_position_embeddings}"
             )
         whole = trajectory_bytes(geom, tokens, output_tokens)
-        row = ContextSizing(
-            tokens,
-            whole,
-            trajectory_bytes(geom, tokens, output_tokens, tp),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            beyond,
-        )
+        per_device = trajectory_bytes(geom, tokens, output_tokens, tp)
+        row = ContextSizing(tokens, whole, per_device, None, None, None, None, None, None, beyond)
         if usable is not None and pool_bytes is not None:
             row = _with_pool(
                 row,

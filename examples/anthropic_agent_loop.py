@@ -24,16 +24,9 @@ import sys
 import time
 from typing import Any
 
+import agent_loop_common as common
 import httpx
-from agent_loop_common import (
-    SCRIPT,
-    SYSTEM,
-    TASK,
-    main,
-    print_auto_pause,
-    print_turn,
-    target_schema,
-)
+from agent_loop_common import SCRIPT, SYSTEM, TASK, main
 
 try:
     from anthropic import Anthropic, AnthropicError
@@ -47,7 +40,7 @@ def _tool(name: str, description: str, choices: list[str]) -> dict[str, Any]:
     return {
         "name": name,
         "description": description,
-        "input_schema": target_schema(choices),
+        "input_schema": common.target_schema(choices),
     }
 
 
@@ -87,7 +80,7 @@ def run(args: argparse.Namespace) -> None:
                 tool_choice={"type": "tool", "name": name},
                 max_tokens=32,
             )
-            print_turn(turn, prompt_tokens(msg), msg)
+            common.print_turn(turn, prompt_tokens(msg), msg)
             calls = [b for b in msg.content if b.type == "tool_use"]
             messages.append(
                 {
@@ -98,7 +91,7 @@ def run(args: argparse.Namespace) -> None:
                     ],
                 }
             )
-            print_auto_pause(client)
+            common.print_auto_pause(client)
             time.sleep(seconds)  # the tool runs; the engine learns this wait
             messages.append(
                 {

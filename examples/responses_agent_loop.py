@@ -24,15 +24,8 @@ import sys
 import time
 from typing import Any
 
-from agent_loop_common import (
-    SCRIPT,
-    SYSTEM,
-    TASK,
-    main,
-    print_auto_pause,
-    print_turn,
-    target_schema,
-)
+import agent_loop_common as common
+from agent_loop_common import SCRIPT, SYSTEM, TASK, main
 
 try:
     from openai import OpenAI, OpenAIError
@@ -47,7 +40,7 @@ def _tool(name: str, description: str, choices: list[str]) -> dict[str, Any]:
         "type": "function",
         "name": name,
         "description": description,
-        "parameters": target_schema(choices),
+        "parameters": common.target_schema(choices),
     }
 
 
@@ -74,9 +67,9 @@ def run(args: argparse.Namespace) -> None:
                 temperature=0,
                 store=False,
             )
-            print_turn(turn, r.usage.input_tokens, r)
+            common.print_turn(turn, r.usage.input_tokens, r)
             calls = [o for o in r.output if o.type == "function_call"]
-            print_auto_pause(client)
+            common.print_auto_pause(client)
             time.sleep(seconds)  # the tool runs; the engine learns this wait
             for call in calls:
                 items.append(

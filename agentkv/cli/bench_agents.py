@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from agentkv.cli import bench_agents_options as options
-from agentkv.cli.bench_common import bench_command
-from agentkv.cli.common import fail, with_progress
+from agentkv.cli.bench_common import bench_command, run_or_fail
+from agentkv.cli.common import fail
 
 if TYPE_CHECKING:
     from agentkv_bench.matrix import BenchConfig
@@ -122,7 +122,6 @@ def _synthetic(
 ) -> None:
     """The generated workload: one run of every configuration, or a sweep (pool sizes or an
     explicit --configs list)."""
-    from agentkv.errors import AgentKVError
     from agentkv_bench.matrix import BenchConfig
 
     config_list, pools = _matrix(configs, num_blocks)
@@ -162,18 +161,12 @@ def _synthetic(
     if config_list is not None or len(pools or ()) > 1:
         from agentkv_bench.sweep_runner import run_agents_sweep
 
-        try:
-            sweep = with_progress(
-                lambda on_progress: run_agents_sweep(opts, pools or [opts.num_blocks], on_progress)
-            )
-        except AgentKVError as exc:
-            fail(str(exc))
+        sweep = run_or_fail(
+            lambda on_progress: run_agents_sweep(opts, pools or [opts.num_blocks], on_progress)
+        )
         _show_sweep(sweep, out, as_json)
         return
-    try:
-        report = with_progress(lambda on_progress: run_bench(opts, on_progress))
-    except AgentKVError as exc:
-        fail(str(exc))
+    report = run_or_fail(lambda on_progress: run_bench(opts, on_progress))
     _show_report(report, out, as_json)
 
 
@@ -274,15 +267,12 @@ def _trace(
 
         try:
             sizes = list(pools) if pools else [plan(opts)[2].num_blocks]
-            sweep = with_progress(lambda on_progress: run_trace_sweep(opts, sizes, on_progress))
         except AgentKVError as exc:
             fail(str(exc))
+        sweep = run_or_fail(lambda on_progress: run_trace_sweep(opts, sizes, on_progress))
         _show_sweep(sweep, out, as_json)
         return
-    try:
-        report = with_progress(lambda on_progress: run_trace_bench(opts, on_progress))
-    except AgentKVError as exc:
-        fail(str(exc))
+    report = run_or_fail(lambda on_progress: run_trace_bench(opts, on_progress))
     if as_json:
         summary = {
             "out": str(out),

@@ -5,6 +5,8 @@ Primitives:
     Requests, PromptTokens, OutputTokens, Preset, Seed
                     typer ``Annotated`` option aliases (defaults stay in each signature).
     bench_command   ``agentkv bench NAME ARGS...`` as typed, for the report's reproduce line.
+    run_or_fail     run a benchmark under a progress bar; its AgentKVError (and the other
+                    errors named) become a one-line error with exit code 2.
     show_report     run the benchmark under a progress bar; a one-line error (exit 2) when it
                     fails; print the chosen JSON keys, or report.md and where the files are.
 Only typer is imported at module level.
@@ -17,11 +19,13 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from agentkv.cli.common import ProgressFn, fail, with_progress
+
+T = TypeVar("T")
 
 Requests = Annotated[
     int, typer.Option("--requests", min=2, help="Sequential plain requests per phase (timed).")
@@ -44,6 +48,16 @@ def bench_command(name: str) -> str:
     return f"agentkv bench {name} " + shlex.join(argv[argv.index(name) + 1 :])
 
 
+def run_or_fail(run: Callable[[ProgressFn], T], *errors: type[Exception]) -> T:
+    from agentkv.errors import AgentKVError
+
+    caught: tuple[type[Exception], ...] = (AgentKVError, *errors)
+    try:
+        return with_progress(run)
+    except caught as exc:
+        fail(str(exc))
+
+
 def show_report(
     run: Callable[[ProgressFn], dict[str, Any]],
     out: Path,
@@ -54,12 +68,7 @@ def show_report(
     report.md from ``out`` and where report.json and report.md are."""
     from rich.console import Console
 
-    from agentkv.errors import AgentKVError
-
-    try:
-        report = with_progress(run)
-    except (AgentKVError, RuntimeError) as exc:
-        fail(str(exc))
+    report = run_or_fail(run, RuntimeError)
     if as_json:
         typer.echo(json.dumps({"out": str(out), **{k: report[k] for k in json_keys}}))
         return

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from agentkv.cli.common import fail, with_progress
+from agentkv.cli.bench_common import run_or_fail
 
 
 def fleet(
@@ -38,7 +38,6 @@ def fleet(
     from rich.console import Console
     from rich.markdown import Markdown
 
-    from agentkv.errors import AgentKVError
     from agentkv_bench.fleet_bench import FleetBenchOptions, run_fleet_bench, to_markdown
 
     opts = FleetBenchOptions(
@@ -66,10 +65,7 @@ def fleet(
             if v is not None
         ),
     )
-    try:
-        report = with_progress(lambda on_progress: run_fleet_bench(opts, on_progress))
-    except AgentKVError as exc:
-        fail(str(exc))
+    report = run_or_fail(lambda on_progress: run_fleet_bench(opts, on_progress))
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:

@@ -22,6 +22,8 @@ Primitives:
                        the ratio is agentkv's overhead, not the network. Keys live under a private
                        ``<key_prefix>:bench:<random>`` prefix and are deleted afterwards.
 
+The baselines are in bench_baselines.py.
+
 Targets (issue 5): ratio >= 0.7 for blocks of 1 MiB and up (host and disk; the remote tier has no
 target: its link decides); issue 27: device<->host >= 0.8 at 1 MiB and up in batches of 8+. GB/s means 1e9 bytes per second.
 Blocking and CPU-heavy: run it from a command, never from the engine loop.
@@ -30,8 +32,6 @@ Blocking and CPU-heavy: run it from a command, never from the engine loop.
 from __future__ import annotations
 
 import dataclasses
-import mmap
-import os
 import shutil
 import tempfile
 import time
@@ -45,6 +45,15 @@ import numpy as np
 
 from agentkv.tier import Tier
 from agentkv.tiers.batched import BlockTable, Run, StagedBlocks, staging_budget
+from agentkv.tiers.bench_baselines import (
+    best_of,
+    gbps,
+    memory_copy_baseline,
+    raw_remote_baseline,
+    sequential_file_baseline,
+    torch_copy_baseline,
+    touched_buffer,
+)
 from agentkv.tiers.disk import ALIGN, probe_direct_io
 from agentkv.tiers.keys import BlockKey, ModelFingerprint, block_keys
 from agentkv.tiers.remote import RemoteBlocks, RemoteConfig
@@ -62,7 +71,6 @@ TARGET_MIN_BLOCK_BYTES = 1 << 20
 DEVICE_TARGET_RATIO = 0.8  # issue 27: device<->host at 1 MiB+, batches of 8+ blocks per call
 DEVICE_TARGET_MIN_BATCH = 8
 BATCHES = (1, 8, 64, 512)
-_SEQUENTIAL_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,73 +104,6 @@ class TierBenchReport:
     """Device-path batch sizes larger than the blocks one run holds (raise total_bytes)."""
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / max(seconds, 1e-9) / 1e9
-
-
-def _best(repeats: int, run: Callable[[], float]) -> float:
-    return min(run() for _ in range(max(1, repeats)))
-
-
-def _touched(nbytes: int, fill: int = 0) -> np.ndarray:
-    array = np.empty(nbytes, np.uint8)
-    array.fill(fill)  # fault every page in before timing
-    return array
-
-
-def memory_copy_baseline(total_bytes: int, repeats: int) -> float:
-    """Return GB/s of one large numpy copy between two already-touched buffers (best of repeats)."""
-    source, destination = _touched(total_bytes, 1), _touched(total_bytes)
-
-    def once() -> float:
-        start = time.perf_counter()
-        np.copyto(destination, source)
-        return time.perf_counter() - start
-
-    return _gbps(total_bytes, _best(repeats, once))
-
-
-def sequential_file_baseline(
-    directory: Path, total_bytes: int, direct_io: bool, repeats: int
-) -> tuple[float, float]:
-    """Return (write GB/s, read GB/s) of one file written then read in 8 MiB chunks, same I/O mode."""
-    flags = getattr(os, "O_DIRECT", 0) if direct_io else 0
-    chunk = mmap.mmap(-1, _SEQUENTIAL_CHUNK)
-    chunk.write(os.urandom(_SEQUENTIAL_CHUNK))
-    view = memoryview(chunk)
-    size = -(-total_bytes // _SEQUENTIAL_CHUNK) * _SEQUENTIAL_CHUNK
-    path = directory / f".baseline-{uuid.uuid4().hex}"
-
-    def write_once() -> float:
-        start = time.perf_counter()
-        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | flags, 0o600)
-        try:
-            for offset in range(0, size, _SEQUENTIAL_CHUNK):
-                os.pwrite(fd, view, offset)
-        finally:
-            os.close(fd)
-        return time.perf_counter() - start
-
-    def read_once() -> float:
-        start = time.perf_counter()
-        fd = os.open(path, os.O_RDONLY | flags)
-        try:
-            for offset in range(0, size, _SEQUENTIAL_CHUNK):
-                os.preadv(fd, [view], offset)
-        finally:
-            os.close(fd)
-        return time.perf_counter() - start
-
-    try:
-        write_s = _best(repeats, write_once)
-        read_s = _best(repeats, read_once)
-    finally:
-        path.unlink(missing_ok=True)
-        view.release()
-        chunk.close()
-    return _gbps(size, write_s), _gbps(size, read_s)
-
-
 def _measure_store(
     store: TieredStore, block_bytes: int, total_bytes: int, tier: str, repeats: int, salt: str
 ) -> tuple[float, float]:
@@ -170,8 +111,8 @@ def _measure_store(
     drop_tier: Tier | None = Tier.REMOTE if tier == Tier.REMOTE else None
     count = max(1, total_bytes // block_bytes)
     keys = _bench_keys(ModelFingerprint("bench", "uint8", 16, 1), salt, count)
-    source = _touched(count * block_bytes, 7).reshape(count, block_bytes)
-    destination = _touched(count * block_bytes).reshape(count, block_bytes)
+    source = touched_buffer(count * block_bytes, 7).reshape(count, block_bytes)
+    destination = touched_buffer(count * block_bytes).reshape(count, block_bytes)
     nbytes = count * block_bytes
 
     def store_once() -> float:
@@ -191,58 +132,12 @@ def _measure_store(
             raise RuntimeError(f"bench load failed: {next(r for r in results if not r.ok)}")
         return elapsed
 
-    store_s = _best(repeats, store_once)
-    load_s = _best(repeats, load_once)
+    store_s = best_of(repeats, store_once)
+    load_s = best_of(repeats, load_once)
     if not np.array_equal(source, destination):
         raise RuntimeError("bench round trip was not bit-exact")
     store.drop(keys, tier=drop_tier)
-    return _gbps(nbytes, store_s), _gbps(nbytes, load_s)
-
-
-def raw_remote_baseline(
-    config: RemoteConfig, block_bytes: int, total_bytes: int, repeats: int
-) -> tuple[float, float]:
-    """Return (SET GB/s, GET GB/s) of ``total_bytes`` in values of ``block_bytes`` with a plain
-    client on one connection, pipelined in batches of ``max_batch_bytes`` (best of repeats)."""
-    import valkey
-
-    count = max(1, total_bytes // block_bytes)
-    per_batch = max(1, config.max_batch_bytes // block_bytes)
-    value = _touched(block_bytes, 3).tobytes()
-    names = [f"{config.key_prefix}:raw:{i}" for i in range(count)]
-    client = valkey.Valkey(
-        host=config.host,
-        port=config.port,
-        db=config.db,
-        username=config.username,
-        password=config.resolved_password(),
-        ssl=config.tls,
-        ssl_ca_certs=config.tls_ca,
-        ssl_certfile=config.tls_cert,
-        ssl_keyfile=config.tls_key,
-        ssl_check_hostname=config.tls_check_hostname,
-        socket_timeout=config.op_timeout_s,
-        single_connection_client=True,
-    )
-
-    def run(queue: Callable[[Any, str], object]) -> float:
-        start = time.perf_counter()
-        for first in range(0, count, per_batch):
-            pipe = client.pipeline(transaction=False)
-            for name in names[first : first + per_batch]:
-                queue(pipe, name)
-            pipe.execute()
-        return time.perf_counter() - start
-
-    try:
-        set_s = _best(repeats, lambda: run(lambda pipe, name: pipe.set(name, value, px=600_000)))
-        get_s = _best(repeats, lambda: run(lambda pipe, name: pipe.get(name)))
-        for first in range(0, count, 1000):
-            client.delete(*names[first : first + 1000])
-    finally:
-        client.close()
-    nbytes = count * block_bytes
-    return _gbps(nbytes, set_s), _gbps(nbytes, get_s)
+    return gbps(nbytes, store_s), gbps(nbytes, load_s)
 
 
 def _measure_remote(
@@ -386,38 +281,13 @@ def _measure_device(
         kv.sync()
         return time.perf_counter() - start
 
-    store_s = _best(repeats, store_once)
-    load_s = _best(repeats, load_once)
+    store_s = best_of(repeats, store_once)
+    load_s = best_of(repeats, load_once)
     kv.sync()
     if not kv.exact():
         raise RuntimeError("bench device round trip was not bit-exact")
     store.drop(keys)
-    return _gbps(nbytes, store_s), _gbps(nbytes, load_s)
-
-
-def torch_copy_baseline(
-    torch: Any, device: str, total_bytes: int, repeats: int
-) -> tuple[float, float]:
-    """Return (device->host GB/s, host->device GB/s) of one raw torch copy of ``total_bytes``
-    between a device tensor and host memory (pinned on CUDA), best of ``repeats``."""
-    on_device = torch.ones(total_bytes, dtype=torch.uint8, device=device)
-    host = torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=device == "cuda")
-
-    def timed(destination: Any, source: Any) -> Callable[[], float]:
-        def once() -> float:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            destination.copy_(source, non_blocking=True)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            return time.perf_counter() - start
-
-        return once
-
-    down = _best(repeats, timed(host, on_device))
-    up = _best(repeats, timed(on_device, host))
-    return _gbps(total_bytes, down), _gbps(total_bytes, up)
+    return gbps(nbytes, store_s), gbps(nbytes, load_s)
 
 
 def _device_torch(device: str) -> Any:

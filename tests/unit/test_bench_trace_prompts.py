@@ -12,17 +12,9 @@ from agentkv.errors import ConfigError
 from agentkv.traces import TraceRound, TraceSession, TraceWorkload, parse_trace
 from agentkv_bench.trace_prompts import build_prompts, oracle_blocks, session_prompts
 from agentkv_bench.trace_runner import TraceBenchOptions, block_bytes_of, plan
+from tests.unit.fixtures.traces import TRACELAB_SESSIONS
 
-EXAMPLE = """session_id,arrival_time,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms
-0,0,0,0,512,64,100
-0,0,1,576,128,64,100
-0,0,2,768,128,64,0
-1,200,0,0,400,48,80
-1,200,1,448,100,48,0
-2,500,0,0,600,64,50
-2,500,1,664,120,48,50
-2,500,2,784,80,48,0
-"""
+EXAMPLE = TRACELAB_SESSIONS  # the TraceLab 3-session example
 
 
 def test_round_prefix_is_previous_prompt_plus_reply_exactly() -> None:

@@ -266,3 +266,28 @@ def test_status_shows_the_admission_picture_and_forecast() -> None:
         "filled_blocks": 16.0,  # the spike wrote 16 blocks
     }
     assert pool["eviction_forecast_s"] == 0.0
+
+
+def test_a_load_that_fails_midway_serves_the_blocks_before_the_failure() -> None:
+    """Mutant jobtable._load_done__mutmut_26 (tier tokens of a partly failed load divided, not
+    multiplied, by the block size): vLLM recomputes from the first failed block, so the turn
+    counts exactly the blocks before it as served from the tier."""
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    lost = keys_of(rig, P1)[2]
+    del rig.workers.stores[0]["host"][lost]  # rank 0's host copy of block 2 is gone
+    rig.turn("t1", [*P1, 4])
+    turn = rig.mgr.get("t1")[1]["turns"][-1]
+    assert rig.mgr.counters["load_failures"] == 1
+    assert turn["tier_hit_tokens"] == 2 * 4 and turn["tier"] == "host"
+
+
+def test_status_lists_the_tools_the_predictor_learned() -> None:
+    """Mutant views._status_view__mutmut_90 (the predictor's key renamed in /status)."""
+    rig = make_rig()
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "main", "pytest", expected_wait_s=0.2)[0] == 200
+    rig.clock.advance(0.2)
+    assert rig.mgr.resume("t1", "main")[0] == 200
+    assert rig.mgr.status()["predictor"] == {"pytest": 1}

@@ -18,7 +18,7 @@ from agentkv.errors import CorruptBlockError, TierFullError
 from agentkv.tiers import disk, store_local
 from agentkv.tiers.disk import HEADER_BYTES
 from agentkv.tiers.keys import BlockKey, ModelFingerprint
-from agentkv.tiers.store import BlockStatus, TieredStore
+from agentkv.tiers.store import BlockStatus, Tier, TieredStore
 from tests.unit.key_helpers import make_keys
 
 BLOCK = 64 * 1024
@@ -325,3 +325,32 @@ def test_acquire_host_pins_views_until_release(make) -> None:  # type: ignore[no
     s.release_host(read)
     assert s.tier_of(ks[0]) is None and s.tier_of(ks[1]) == "host"
     assert store_all(s, newcomer) == [OK]  # the slots are reusable again
+
+
+def test_copy_to_disk_results_name_the_disk_tier(make) -> None:  # type: ignore[no-untyped-def]
+    """Mutant store_local._copy_down_one__mutmut_32 (the result's tier left None)."""
+    s = make(2, 2)
+    ks = keys(2)
+    store_all(s, ks)
+    results = s.copy_to_disk(ks).result(10)
+    assert [(r.key, r.status, r.tier) for r in results] == [(k, OK, Tier.DISK) for k in ks]
+
+
+def test_a_block_dropped_while_it_is_demoted_is_a_miss_of_its_key(
+    make, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Mutant store_local._demote_one__mutmut_39 (the MISS result built without its key: an
+    internal error instead). The drop lands while the block's file is being written."""
+    s = make(2, 2)
+    [key] = keys(1)
+    store_all(s, [key])
+    real = s._files.write
+
+    def write_then_lose(k: BlockKey, segments: object) -> None:
+        assert s.drop([k]) == 1  # the caller drops the block mid-demotion
+        real(k, segments)
+
+    monkeypatch.setattr(s._files, "write", write_then_lose)
+    [result] = s.demote([key]).result(10)
+    assert (result.key, result.status, result.error) == (key, BlockStatus.MISS, None)
+    assert s.tier_of(key) is None and s.stats().disk.used_bytes == 0

@@ -4,6 +4,7 @@ max_batch_bytes, both I/O paths."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +195,30 @@ def test_both_io_paths_round_trip_and_report_server_errors(
     assert r.put_many([mixed], [np.split(whole, cuts)], skip_present=False)[0].ok
     got = np.zeros(whole.size, np.uint8)
     assert r.get_many([mixed], [got])[0].ok and np.array_equal(got, whole)
+
+
+def test_a_load_cancelled_before_its_remote_read_fails_each_block_under_its_key(
+    remote: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mutant store_remote._load_chunk__mutmut_38 (those results built without their keys).
+    The cancel lands after the local tiers missed and before the batched remote read."""
+    client = remote()
+    ks = keys(3, salt="cancel-remote")
+    assert all(x.ok for x in client.put_many(ks, [content(k) for k in ks]))
+    with TieredStore(4 * BLOCK, None, 0, BLOCK, workers=1, remote=client) as s:
+        handles: list[Any] = []
+        real = s._remote_batch_blocks
+
+        def cancel_first() -> int:
+            handles[0].cancel()  # no transfer writes now: returns at once
+            return real()
+
+        gate = threading.Event()
+        s._pool.submit(gate.wait)  # the only worker waits until the handle is known
+        handles.append(s.submit_load(ks, zeros(3)))
+        monkeypatch.setattr(s, "_remote_batch_blocks", cancel_first)
+        gate.set()
+        results = handles[0].result(10)
+    assert [r.key for r in results] == ks
+    assert all(r.status is BlockStatus.ERROR and "cancelled" in str(r.error) for r in results)
+    assert client.stats().gets == 0  # no network read for a cancelled load

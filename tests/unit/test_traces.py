@@ -20,20 +20,12 @@ from agentkv.traces import (
     load_trace,
     parse_trace,
 )
+from tests.unit.fixtures.traces import TRACELAB_SESSIONS
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 # The TraceLab 3-session example, in its session-CSV form.
-SESSION = """session_id,arrival_time,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms
-0,0,0,0,512,64,100
-0,0,1,576,128,64,100
-0,0,2,768,128,64,0
-1,200,0,0,400,48,80
-1,200,1,448,100,48,0
-2,500,0,0,600,64,50
-2,500,1,664,120,48,50
-2,500,2,784,80,48,0
-"""
+SESSION = TRACELAB_SESSIONS
 
 # The same rows in the canonical column order, rows shuffled (round_idx orders them).
 CANONICAL = """id,input_len,output_len,arrival_time,round_idx,tool_wait_after_ms,prefix_len
