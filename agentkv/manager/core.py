@@ -77,6 +77,7 @@ from agentkv.manager.ownership import Namespace
 from agentkv.manager.pauses import Pauses
 from agentkv.manager.pins import PinLedger, PinOp
 from agentkv.manager.ports import BlockPinner, Clock, MonotonicClock
+from agentkv.manager.prefetch import DevicePrefetcher, PrefetchOrder
 from agentkv.manager.requests import (
     Request,
     RequestTable,
@@ -147,6 +148,9 @@ class ManagerConfig:
     # whatever ``decide`` says; None (production) follows the policy.
     policy_override: Action | None = None
     remote_ttl_s: float = 0.0  # how long the remote tier keeps a copy (0: not known)
+    # Prefetch into device blocks at the predicted return (prefetch.py): the adapter issues the
+    # internal requests this manager orders (``take_prefetch_work``).
+    device_prefetch: bool = False
 
     @property
     def disk_enabled(self) -> bool:
@@ -189,6 +193,7 @@ class TrajectoryManager:
         self.transitions = Transitions(self)
         self.reqs = RequestTable(self)
         self.pauses = Pauses(self)
+        self.prefetcher = DevicePrefetcher(self)
         self.counters: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.prefetch_outcomes = PrefetchOutcomeCounter()
@@ -351,6 +356,13 @@ class TrajectoryManager:
             self.outbox.moves.append(MoveJob(job.job_id, MoveKind.FETCH, want))
             self.counters["remote_fetches"] += 1
             return job.job_id
+
+    def take_prefetch_work(self) -> tuple[list[PrefetchOrder], list[str]]:
+        """Any thread: the device prefetches to issue (internal prefill-only requests) and the
+        tickets whose requests to abort. Contract: each order and cancel is handed out once;
+        an order is still wanted when handed out (a resume or DELETE since cancelled it)."""
+        with self.lock:
+            return self.prefetcher.take_orders(), self.prefetcher.take_cancels()
 
     def job_pending(self, job_id: int) -> bool:
         with self.lock:

@@ -110,7 +110,9 @@ class Pauses:
         now: float,
     ) -> None:
         """The pause's bookkeeping: the branch's pause fields, counters, metrics, trace, log."""
+        self.m.prefetcher.forget(branch)  # a pause without a turn since: a new prediction
         branch.tool = tool
+        branch.estimate = estimate
         branch.paused_at = now
         branch.demoted_by = None
         p50 = estimate.p50 if math.isfinite(estimate.p50) else 0.0
@@ -174,7 +176,9 @@ class Pauses:
             self.m.predictor.observe(branch.tool, observed)
             self.m.metrics.observe(m.TOOL_WAIT_OBSERVED, observed, tool=branch.tool)
         outcome = None
-        if branch.prefetch_due is not None and branch.tier == Tier.DISK:
+        device = branch.device_prefetch is not None
+        self.m.prefetcher.on_resume(traj, branch, now)
+        if branch.prefetch_due is not None and branch.tier == Tier.DISK and not device:
             outcome = classify_prefetch(branch.prefetch_done_at, now)
             self.m.prefetch_outcomes.record(outcome)
             self.m.metrics.add(m.PREFETCH_OUTCOMES, outcome=outcome)

@@ -49,6 +49,8 @@ class RequestParams:
     branch: str = "main"
     zone_of: Callable[[int], str | None] | None = None  # token index -> zone name
     tenant: str | None = None  # the request's cache_salt: its trajectory namespace
+    # An internal device-prefetch request's ticket (prefetch.py): never a turn.
+    prefetch: str | None = None
 
     @property
     def key(self) -> str:
@@ -101,6 +103,7 @@ class Request:
     # True = it runs the forward this step, the load must happen layer by layer inside it.
     layerwise: bool = False
     key_cache: list[bytes] = field(default_factory=list)
+    prefetch: str | None = None  # the ticket of an internal device-prefetch request
 
 
 class RequestTable:
@@ -131,6 +134,10 @@ class RequestTable:
         while a remote fetch for a trajectory this replica never saw, or an admission wait,
         runs. Repeatable for one request (vLLM asks again after a failed allocation, a
         preemption or a PENDING): each call replaces the last plan."""
+        if params.prefetch is not None:
+            return self.m.prefetcher.lookup(
+                req_id, params, prompt_token_ids, block_hashes, num_computed
+            )
         now = self.m.clock.now()
         req = self.requests.get(req_id)
         if req is None:
@@ -144,13 +151,13 @@ class RequestTable:
             self._waiting.pop(req_id, None)
             req = self._start_request(req_id, params, prompt_token_ids, now)
         else:
-            self._release_plan(req)
+            self.release_plan(req)
             req.load_job = None
         req.device_hit = num_computed
         req.turn.device_hit_tokens = num_computed
         req.load_state = "none"
         req.layerwise = False
-        return self._plan_load(req, len(prompt_token_ids), block_hashes, num_computed)
+        return self.plan_load(req, len(prompt_token_ids), block_hashes, num_computed)
 
     def _waits_for_remote(
         self,
@@ -211,6 +218,7 @@ class RequestTable:
         turn = TurnStats(turn=traj.turn_count + 1, branch=params.branch, prompt_tokens=len(prompt))
         req = self.requests[req_id] = Request(req_id, traj, params.branch, turn, now)
         branch = traj.branch(params.branch)
+        traj.salt = params.tenant  # in memory only: a device prefetch hashes like the turns
         if branch.state is not BranchState.ACTIVE:
             branch.pending = None  # a decision for the pause that this turn ends
         self.m.pauses.note_resume(traj, branch, now)
@@ -223,7 +231,7 @@ class RequestTable:
                 turn.divergence_zone = params.zone_of(lcp) if params.zone_of else None
         return req
 
-    def _plan_load(
+    def plan_load(
         self, req: Request, prompt_len: int, block_hashes: Sequence[bytes], num_computed: int
     ) -> LookupAnswer:
         """The longest run of blocks past the device hit that a local tier holds, read-pinned
@@ -264,7 +272,7 @@ class RequestTable:
             return
         traj = req.traj
         branch = traj.branches.get(req.branch)
-        if branch is not None and branch.pinned and not traj.deleted:
+        if branch is not None and branch.pinned and not traj.deleted and req.prefetch is None:
             # The request now holds its own references to the blocks it hit.
             self.m.pins.unpin_now(branch.pinned)
             branch.pinned = []
@@ -323,7 +331,7 @@ class RequestTable:
         start = req.device_hit if req is not None else 0
         layerwise = req.layerwise if req is not None else False
         if req is not None:
-            self._release_plan(req)
+            self.release_plan(req)
             req.load_state = "failed"
         self._queue_failing_load(req_id, block_ids, start, num_external, layerwise)
 
@@ -349,7 +357,10 @@ class RequestTable:
         if req is None:
             return None
         now = self.m.clock.now()
-        self._release_plan(req)
+        self.release_plan(req)
+        if req.prefetch is not None:
+            self.m.prefetcher.finish(req, block_ids, computed_tokens, block_hashes, aborted)
+            return None
         traj = req.traj
         branch = traj.branch(req.branch)
         branch.running.discard(req_id)
@@ -428,7 +439,7 @@ class RequestTable:
             self.m.index.end_read(key)
         self.m.transitions.drain_doomed()
 
-    def _release_plan(self, req: Request) -> None:
+    def release_plan(self, req: Request) -> None:
         if req.plan is not None:
             keys, req.plan = req.plan.keys, None
             self._end_reads(keys)

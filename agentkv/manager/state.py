@@ -20,7 +20,11 @@ import functools
 import hashlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentkv.manager.prefetch import DevicePrefetch
+    from agentkv.predict import WaitEstimate
 
 MAX_TURNS_KEPT = 256
 
@@ -98,6 +102,8 @@ class Branch:
     predicted_return_at: float | None = None
     prefetch_due: float | None = None
     prefetch_done_at: float | None = None
+    estimate: WaitEstimate | None = None  # the pause's wait prediction
+    device_prefetch: DevicePrefetch | None = None  # a device prefetch in flight (prefetch.py)
     decision: dict[str, Any] | None = None
     pending: tuple[str, float] | None = None  # (action, lease_s) decided while a request ran
     tier: str | None = None
@@ -184,6 +190,9 @@ class Trajectory:
     hit_tokens: int = 0  # over turns after the first of each branch
     prompt_tokens: int = 0
     deleted: bool = False
+    # The raw cache_salt of its requests, in memory only (never in views, manifests or spans):
+    # a device prefetch's internal request must hash its blocks exactly as the turns did.
+    salt: str | None = field(default=None, repr=False)
     owned: set[bytes] = field(default_factory=set)  # tier keys this trajectory holds a reference on
     _seen_branches: set[str] = field(default_factory=set)
 

@@ -142,6 +142,10 @@ class Transitions:
     def demote(self, traj: Trajectory, branch: Branch, reason: str, now: float) -> None:
         """The engine's own move off the device (a lease ran out, pool pressure)."""
         self.m.metrics.add(m.DEMOTIONS, reason=reason)
+        if branch.device_prefetch is not None:
+            # A prefetched branch's tier copy still holds it: unpin, nothing to write.
+            self.m.prefetcher.expire(traj, branch, reason)
+            return
         self.apply(traj, branch, DEMOTION_ACTION, 0.0, now)
         branch.demoted_by = reason
 
@@ -157,8 +161,10 @@ class Transitions:
         elif (
             kind is TimerKind.PREFETCH
             and branch.state is BranchState.OFFLOADED
-            and branch.tier == Tier.DISK
             and branch.prefetch_done_at is None
+            # Into device blocks when it pays (prefetch.py), else disk -> host.
+            and not self.m.prefetcher.start(traj, branch, now)
+            and branch.tier == Tier.DISK
         ):
             self.promote(traj, branch, now)
 

@@ -81,9 +81,16 @@ class ManagerMachine(RuleBasedStateMachine):
         grace=st.sampled_from([0.0, 0.5]),
         disk=st.booleans(),
         admission_wait=st.sampled_from([False, False, True]),
+        device_prefetch=st.booleans(),
     )
     def setup(
-        self, tp: int, layerwise: bool, grace: float, disk: bool, admission_wait: bool
+        self,
+        tp: int,
+        layerwise: bool,
+        grace: float,
+        disk: bool,
+        admission_wait: bool,
+        device_prefetch: bool = False,
     ) -> None:
         self.clock = FakeClock()
         self.pool = SimPool(POOL, tp)
@@ -101,6 +108,7 @@ class ManagerMachine(RuleBasedStateMachine):
             high_water=0.75,
             admission_wait=admission_wait,
             remote_enabled=True,
+            device_prefetch=device_prefetch,
         )
         # 1 MiB blocks: a 10-block context reloads from host in 0.1 s, from disk in 0.12 s, and
         # recomputes in 0.4 s; break-even waits are ~0.1-0.3 s, so declared waits from 0 to
@@ -287,10 +295,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if req.status == "FINISHED" and wait != "no pause":
             assert not isinstance(wait, str)
             self.mgr.pause(req.traj_id, req.branch, tool, wait, tenant=req.salt)
-        self.clock.advance(gap)
-        self._engine_loop(1, jobs, 0.01)
         if flush:
             self.flush_cache()
+        self.clock.advance(gap)
+        self._engine_loop(1, jobs, 0.01)
+        self.eng.issue_prefetches()  # the adapter's pump, while the tool runs
+        self._engine_loop(2, jobs, 0.01)
 
     agent_turn_2 = agent_turn
 
@@ -328,6 +338,12 @@ class ManagerMachine(RuleBasedStateMachine):
                     self.workers.complete(p, True)
             eng.deliver_reports()
             self.clock.advance(dt)
+
+    @rule()
+    def issue_prefetches(self) -> None:
+        """The adapter's timer pump: device-prefetch orders become internal requests (one new
+        token, never a turn), cancels abort theirs."""
+        self.eng.issue_prefetches()
 
     @rule(i=st.integers(0, 3), adapter_error=st.sampled_from([False, False, True]))
     def schedule(self, i: int, adapter_error: bool) -> None:
