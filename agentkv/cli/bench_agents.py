@@ -90,6 +90,19 @@ def agents(
     host_capacity_gib: float = typer.Option(
         2.0, "--host-capacity-gib", min=0.1, help="agentkv host tier size."
     ),
+    disk: bool = typer.Option(
+        False,
+        "--disk",
+        help="agentkv configurations offload every pause to the disk tier (a reload is a disk "
+        "read, so what device prefetch saves shows on CPU too).",
+    ),
+    prefetch: bool = typer.Option(
+        True,
+        "--prefetch/--no-prefetch",
+        help="Device prefetch in the agentkv configurations (docs/prefetch.md): the report's "
+        "prefetch section gives its on-time rate and the TTFT of on-time resumes against the "
+        "oracle's device hits on the same turns (add oracle to --configs).",
+    ),
     out: Path | None = typer.Option(
         None,
         "--out",
@@ -156,6 +169,8 @@ def agents(
             host_capacity_gib=host_capacity_gib,
             out=out or Path("bench/results/trace"),
             as_json=as_json,
+            disk=disk,
+            prefetch=prefetch,
             command="agentkv bench agents " + shlex.join(argv_tail),
         )
         return
@@ -187,6 +202,8 @@ def agents(
         host_capacity_gib=host_capacity_gib,
         max_model_len=0,
         out=out,
+        disk=disk,
+        prefetch=prefetch,
         overhead=None if skip_overhead or (quick and not overhead) else OverheadSpec(),
         command="agentkv bench agents " + shlex.join(sys.argv[sys.argv.index("agents") + 1 :])
         if "agents" in sys.argv
@@ -282,6 +299,8 @@ def _trace(
     out: Path,
     as_json: bool,
     command: str,
+    disk: bool = False,
+    prefetch: bool = True,
 ) -> None:
     from rich.console import Console
 
@@ -300,6 +319,8 @@ def _trace(
         host_capacity_gib=host_capacity_gib,
         out=out,
         command=command,
+        disk=disk,
+        prefetch=prefetch,
     )
     if config_list is not None:
         opts.configs = tuple(c.value for c in config_list)

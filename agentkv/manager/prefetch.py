@@ -361,8 +361,9 @@ class DevicePrefetcher:
 
     # ------------------------------------------------------------------ outcomes
 
-    def on_resume(self, traj: Trajectory, branch: Branch, now: float) -> None:
-        """A turn of the branch starts (its pause ends)."""
+    def on_resume(self, traj: Trajectory, branch: Branch, now: float) -> DeviceOutcome | None:
+        """A turn of the branch starts, or its client says the tool returned (its pause ends).
+        Returns the outcome counted (None: no device prefetch was planned or it was skipped)."""
         dp, branch.device_prefetch = branch.device_prefetch, None
         planned = (
             self.enabled
@@ -370,7 +371,7 @@ class DevicePrefetcher:
             and branch.state in (BranchState.OFFLOADED, BranchState.OFFLOADING)
         )
         if dp is None and not planned:
-            return
+            return None
         self.stats.returned(branch.tool, branch.predicted_return_at, now)
         if branch.predicted_return_at is not None:
             self.m.metrics.observe(
@@ -380,12 +381,13 @@ class DevicePrefetcher:
             )
         if dp is not None and dp.state is PrefetchState.READY and branch.pinned:
             self._outcome(branch, DeviceOutcome.ON_TIME)
-            return
+            return DeviceOutcome.ON_TIME
         if dp is not None and dp.state is not PrefetchState.READY:
             self._cancel(dp.ticket)
         elif dp is None and branch.prefetch_due is not None and now >= branch.prefetch_due:
-            return  # it came due and was skipped: counted as a skip, not an outcome
+            return None  # it came due and was skipped: counted as a skip, not an outcome
         self._outcome(branch, DeviceOutcome.LATE)
+        return DeviceOutcome.LATE
 
     def expire(self, traj: Trajectory, branch: Branch, reason: str) -> None:
         """An unused READY prefetch leaves the device again: its tier copy still holds it."""

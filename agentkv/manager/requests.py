@@ -221,7 +221,8 @@ class RequestTable:
         traj.salt = params.tenant  # in memory only: a device prefetch hashes like the turns
         if branch.state is not BranchState.ACTIVE:
             branch.pending = None  # a decision for the pause that this turn ends
-        self.m.pauses.note_resume(traj, branch, now)
+        resumed, branch.resumed_prefetch = branch.resumed_prefetch, None
+        turn.prefetch = self.m.pauses.note_resume(traj, branch, now) or resumed
         branch.running.add(req_id)
         self.m.transitions.set_state(traj, branch, BranchState.ACTIVE)
         if branch.token_ids:

@@ -61,6 +61,8 @@ class TurnStats:
     tier: str | None = None
     first_divergence_token: int | None = None
     divergence_zone: str | None = None
+    # The device prefetch of the pause this turn ended: on_time, late (prefetch.py), or None.
+    prefetch: str | None = None
 
     @property
     def hit_tokens(self) -> int:
@@ -80,6 +82,7 @@ class TurnStats:
             else 0.0,
             "first_divergence_token": self.first_divergence_token,
             "divergence_zone": self.divergence_zone,
+            "prefetch": self.prefetch,
         }
 
 
@@ -104,6 +107,8 @@ class Branch:
     prefetch_done_at: float | None = None
     estimate: WaitEstimate | None = None  # the pause's wait prediction
     device_prefetch: DevicePrefetch | None = None  # a device prefetch in flight (prefetch.py)
+    # Its outcome when the client's resume ended the pause: the next turn reports it.
+    resumed_prefetch: str | None = None
     decision: dict[str, Any] | None = None
     pending: tuple[str, float] | None = None  # (action, lease_s) decided while a request ran
     tier: str | None = None

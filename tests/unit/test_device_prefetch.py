@@ -59,6 +59,7 @@ def test_a_resume_after_the_prefetch_is_a_device_hit(disk: bool) -> None:
     stats = rig.turn("t1", NEXT).stats
     assert stats is not None
     assert (stats["device_hit_tokens"], stats["tier_hit_tokens"]) == (16, 0)
+    assert stats["prefetch"] == "on_time"
     assert _outcomes(rig) == {"on_time": 1, "late": 0, "wasted": 0}
     per_tool = rig.mgr.status()["device_prefetch"]["per_tool"]
     assert per_tool["human" if disk else "build"]["on_time"] == 1
@@ -80,6 +81,7 @@ def test_a_resume_before_the_prefetch_is_due_is_late_and_loads_exact_kv() -> Non
     _offloaded(rig)
     stats = rig.turn("t1", NEXT).stats  # 0.05 s after the pause, due at ~0.9 s
     assert stats is not None and stats["tier_hit_tokens"] == 16
+    assert stats["prefetch"] == "late"
     assert _outcomes(rig) == {"on_time": 0, "late": 1, "wasted": 0}
     assert rig.eng.issue_prefetches() == []
     assert not rig.eng.violations
@@ -226,3 +228,16 @@ def test_skip_a_running_branch_and_a_deleted_trajectory_orders_nothing() -> None
     rig.mgr.delete("t1")
     assert not rig.mgr.prefetcher.start(traj, b, rig.clock.now())
     assert _skipped(rig) == {"busy": 1}
+
+
+def test_the_clients_resume_counts_the_outcome_and_the_next_turn_reports_it() -> None:
+    rig = make_rig(device_prefetch=True)
+    _offloaded(rig)
+    (pre,) = _due(rig)
+    rig.run(pre)
+    rig.mgr.resume("t1", "main")  # the tool returned: on time (its blocks are pinned)
+    assert _outcomes(rig)["on_time"] == 1
+    stats = rig.turn("t1", NEXT).stats
+    assert stats is not None and stats["prefetch"] == "on_time"
+    assert stats["device_hit_tokens"] == 16
+    assert _outcomes(rig)["on_time"] == 1  # counted once
