@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentkv import metrics as m
 from agentkv.manager.state import Branch, BranchState, Trajectory, TurnStats
-from agentkv.predict import WaitEstimate
+from agentkv.prefetch_rule import SkipReason, device_prefetch_skip, prefetch_lease_until
 
 if TYPE_CHECKING:
     from agentkv.manager.core import TrajectoryManager
@@ -64,14 +64,6 @@ class DeviceOutcome(enum.StrEnum):
     ON_TIME = "on_time"
     LATE = "late"
     WASTED = "wasted"
-
-
-class SkipReason(enum.StrEnum):
-    NO_CONTEXT = "no_context"  # nothing to load (no full block, no token ids)
-    SPREAD = "spread"  # p90 / p10 of the wait prediction too wide
-    QUEUE = "queue"  # the scheduler's queue waits on blocks (or was short this step)
-    HEADROOM = "headroom"  # pool use plus the context's blocks would pass high water
-    BUSY = "busy"  # the branch is running or not OFFLOADED
 
 
 class PrefetchState(enum.StrEnum):
@@ -182,24 +174,20 @@ class DevicePrefetcher:
     # ------------------------------------------------------------------ the timer
 
     def skip_reason(self, traj: Trajectory, branch: Branch) -> SkipReason | None:
-        """The "never worse" rules, in order; None: the prefetch pays."""
-        if branch.state is not BranchState.OFFLOADED or branch.running or traj.deleted:
-            return SkipReason.BUSY
+        """The "never worse" rules (agentkv.prefetch_rule); None: the prefetch pays."""
         bs = self.m.config.block_size
-        if not branch.keys or len(branch.token_ids) < len(branch.keys) * bs:
-            return SkipReason.NO_CONTEXT
-        est = branch.estimate
-        params = self.m.policy
-        if est is None or not _spread_ok(est, params.device_prefetch_max_spread):
-            return SkipReason.SPREAD
+        whole = len(branch.keys) if len(branch.token_ids) >= len(branch.keys) * bs else 0
         admission = self.m.admission
-        if admission.waiting or admission.blocked:
-            return SkipReason.QUEUE
-        total = max(1, self.m.pinner.total_blocks())
-        need = len(branch.keys) + 1
-        if self.m.pins.pressure() + need / total > self.m.config.high_water:
-            return SkipReason.HEADROOM
-        return None
+        return device_prefetch_skip(
+            alive=branch.state is BranchState.OFFLOADED and not branch.running and not traj.deleted,
+            blocks=whole,
+            estimate=branch.estimate,
+            max_spread=self.m.policy.device_prefetch_max_spread,
+            queue_blocked=bool(admission.waiting or admission.blocked),
+            pool_usage=self.m.pins.pressure(),
+            total_blocks=self.m.pinner.total_blocks(),
+            high_water=self.m.config.high_water,
+        )
 
     def start(self, traj: Trajectory, branch: Branch, now: float) -> bool:
         """A PREFETCH timer of an OFFLOADED branch came up. True when a device prefetch is under
@@ -233,10 +221,10 @@ class DevicePrefetcher:
 
     def _lease_until(self, branch: Branch, now: float) -> float:
         params = self.m.policy
-        est = branch.estimate
         paused = branch.paused_at if branch.paused_at is not None else now
-        until = paused + (est.p90 if est is not None else 0.0) + params.device_prefetch_slack_s
-        return min(max(until, now + params.device_prefetch_slack_s), now + params.max_lease_s)
+        return prefetch_lease_until(
+            now, paused, branch.estimate, params.device_prefetch_slack_s, params.max_lease_s
+        )
 
     def _ready(self, traj: Trajectory, branch: Branch, now: float) -> None:
         dp = branch.device_prefetch
@@ -412,9 +400,3 @@ class DevicePrefetcher:
         self.stats.outcome(branch.tool, outcome)
         self.m.counters[f"device_prefetch_{outcome}"] += 1
         self.m.metrics.add(m.DEVICE_PREFETCH_OUTCOMES, outcome=outcome, tool=branch.tool or "")
-
-
-def _spread_ok(est: WaitEstimate, max_spread: float) -> bool:
-    if not (math.isfinite(est.p10) and math.isfinite(est.p90)) or est.p10 <= 0:
-        return False
-    return est.p90 / est.p10 <= max_spread
