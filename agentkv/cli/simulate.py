@@ -180,6 +180,15 @@ def _table(results: dict[str, SimResult]) -> Any:
         ],
         *([""] if pair else []),
     )
+    if any(results[k].summary.prefetch for k in labels):
+        table.add_row(
+            "device prefetch",
+            *[
+                ", ".join(f"{k} {n}" for k, n in results[k].summary.prefetch.items()) or "-"
+                for k in labels
+            ],
+            *([""] if pair else []),
+        )
     return table
 
 
@@ -315,6 +324,12 @@ def simulate_cmd(
         "chunk: vLLM 0.32's scheduler (admit when the prompt fits, allocate chunk by chunk, "
         "preempt the newest request by recompute when a running one needs a block).",
     ),
+    device_prefetch: bool = typer.Option(
+        False,
+        "--device-prefetch",
+        help="agentkv prefetches offloaded contexts back into device blocks at the predicted "
+        "return, by the manager's rule (agentkv.prefetch_rule; the connector's device_prefetch).",
+    ),
     full: bool = typer.Option(
         False,
         "--full",
@@ -388,6 +403,7 @@ def simulate_cmd(
         retain_ttl_s=retain_ttl_s,
         costs=costs,
         admission=Admission(admission),
+        device_prefetch=device_prefetch,
     )
     combos = [(r, p) for r in routers for p in policies]
     console = Console()
