@@ -218,7 +218,8 @@ class RequestTable:
         turn = TurnStats(turn=traj.turn_count + 1, branch=params.branch, prompt_tokens=len(prompt))
         req = self.requests[req_id] = Request(req_id, traj, params.branch, turn, now)
         branch = traj.branch(params.branch)
-        traj.salt = params.tenant  # in memory only: a device prefetch hashes like the turns
+        if self.m.config.device_prefetch:
+            traj.salt = params.tenant  # in memory only: a device prefetch hashes like the turns
         if branch.state is not BranchState.ACTIVE:
             branch.pending = None  # a decision for the pause that this turn ends
         resumed, branch.resumed_prefetch = branch.resumed_prefetch, None
