@@ -20,7 +20,8 @@ are requests.RequestTable's methods under the manager's lock, their docstrings t
   record_tier_changes, take_tier_changes, tier_keys
                                      the residency index's copy changes, for the KV events
 Any-thread primitives (the control channel): pause, resume, delete, get, status, tick,
-next_deadline. Timers (grace, lease, prefetch, job timeouts, idle expiry) fire in ``take_step``
+next_deadline, take_prefetch_work (device prefetch orders and cancels for the API server's pump:
+prefetch.py). Timers (grace, lease, prefetch, job timeouts, idle expiry) fire in ``take_step``
 on the engine thread and in ``tick``, which the adapter's control thread calls when the engine
 is idle; both paths only queue engine work (pins, jobs) that the engine thread applies.
 
@@ -31,6 +32,7 @@ The parts (each module's docstring lists its primitives):
   transitions.py  branch state transitions and the tier writes they start
   jobtable.py     jobs in flight: prepare/complete pairs, a handler per kind, late ranks
   timers.py       the timer heap and the retained branches' leases
+  prefetch.py     device prefetch: internal prefill-only requests at the predicted return
   pins.py         the ledger of pins on the engine's device blocks
   ownership.py    the trajectory table, ownership of tier keys, tombstones
   residency.py    which tier holds each key (the index), in flight included

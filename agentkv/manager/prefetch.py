@@ -5,7 +5,8 @@ Primitives:
   DeviceOutcome          ON_TIME (the resume found its blocks pinned on the device), LATE (the
                          resume came first: before the prefetch was due, ordered or loaded),
                          WASTED (the lease ended, pressure took it, or the trajectory ended)
-  SkipReason             why a due prefetch was not issued (the "never worse" rules)
+  SkipReason             why a due prefetch was not issued (``agentkv.prefetch_rule``: the
+                         "never worse" rules the simulator applies too)
   PrefetchOrder          what the adapter issues: an internal prefill-only request of the
                          branch's last context (``to_wire``: the control channel's JSON)
   DevicePrefetch         a branch's prefetch in flight: ORDERED -> LOADING -> READY
@@ -23,6 +24,8 @@ Primitives:
   PrefetchStats          per tool: outcomes, skips, predicted vs actual return
 
 Contracts:
+  - Bounded: at most MAX_QUEUED orders and cancels wait for the adapter, MAX_CANCELLED tickets
+    are remembered; a branch holds at most one prefetch.
   - Never worse (each rule a unit test): nothing is issued while the scheduler's queue waits on
     blocks or was short this step, when pool use plus the context's blocks would pass high water,
     when the wait prediction's spread (p90 / p10) is wider than ``device_prefetch_max_spread``,
@@ -57,6 +60,9 @@ log = logging.getLogger("agentkv.manager")
 
 # Cancelled tickets remembered (their requests answer PENDING until the adapter aborts them).
 MAX_CANCELLED = 1024
+# Orders and cancels not yet taken (no API server pumps them, e.g. an offline engine): the
+# oldest are dropped beyond this, so state stays bounded.
+MAX_QUEUED = 1024
 MAX_TOOLS = 256
 
 
@@ -216,6 +222,8 @@ class DevicePrefetcher:
         tokens = branch.token_ids[: n + 1]
         order = PrefetchOrder(ticket, traj.name, branch.name, traj.salt, list(tokens))
         self.orders.append((traj, branch, order))
+        if len(self.orders) > MAX_QUEUED:
+            del self.orders[0]
         self.m.counters["device_prefetch_orders"] += 1
         return True
 
@@ -254,6 +262,8 @@ class DevicePrefetcher:
     def _cancel(self, ticket: str) -> None:
         self.orders = [o for o in self.orders if o[2].ticket != ticket]
         self.cancels.append(ticket)
+        if len(self.cancels) > MAX_QUEUED:
+            del self.cancels[0]
         self.cancelled[ticket] = None
         while len(self.cancelled) > MAX_CANCELLED:
             self.cancelled.popitem(last=False)

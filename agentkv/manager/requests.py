@@ -6,7 +6,9 @@ Primitives:
   Request                 a running request: its turn, its load plan, its load job and state
   RequestTable.lookup     HIT: the longest run of blocks past vLLM's own hit that a local tier
                           holds (read-pinned until loaded); MISS; PENDING while a remote fetch
-                          for a trajectory this replica never saw, or an admission wait, runs
+                          for a trajectory this replica never saw, or an admission wait, runs;
+                          an internal device-prefetch request (``RequestParams.prefetch``) is
+                          planned by prefetch.py, without a turn
   RequestTable.alloc      the lookup becomes a LOAD job on the blocks vLLM allocated
   RequestTable.fail_load  fail closed: a load every rank reports failed (vLLM recomputes)
   RequestTable.finish     the branch's context becomes the turn's trusted blocks, pinned; HELD

@@ -241,3 +241,35 @@ def test_the_clients_resume_counts_the_outcome_and_the_next_turn_reports_it() ->
     assert stats is not None and stats["prefetch"] == "on_time"
     assert stats["device_hit_tokens"] == 16
     assert _outcomes(rig)["on_time"] == 1  # counted once
+
+
+# ---------------------------------------------------------------- the shared rule, alone
+
+
+def test_the_rule_checks_alive_context_spread_queue_headroom_in_that_order() -> None:
+    from agentkv.predict import WaitEstimate
+    from agentkv.prefetch_rule import SkipReason, device_prefetch_skip
+
+    declared = WaitEstimate(1.0, 2.0, 4.0, "declared")
+    ok = dict(
+        alive=True,
+        blocks=4,
+        estimate=declared,
+        max_spread=8.0,
+        queue_blocked=False,
+        pool_usage=0.5,
+        total_blocks=40,
+        high_water=0.88,
+    )
+    assert device_prefetch_skip(**ok) is None  # type: ignore[arg-type]
+    cases = [
+        ({"alive": False}, SkipReason.BUSY),
+        ({"blocks": 0}, SkipReason.NO_CONTEXT),
+        ({"estimate": None}, SkipReason.SPREAD),
+        ({"estimate": WaitEstimate(0.5, 5.0, 60.0, "prior")}, SkipReason.SPREAD),
+        ({"estimate": WaitEstimate(0.0, 0.0, 0.0, "declared")}, SkipReason.SPREAD),
+        ({"queue_blocked": True}, SkipReason.QUEUE),
+        ({"pool_usage": 0.8}, SkipReason.HEADROOM),  # 0.8 + 5/40 > 0.88
+    ]
+    for change, why in cases:
+        assert device_prefetch_skip(**{**ok, **change}) is why, change  # type: ignore[arg-type]
