@@ -21,10 +21,8 @@ from tests.e2e.conftest import Server, full_blocks, lcp, long_text, start_server
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def prefetch_server() -> Iterator[Server]:
-    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-prefetch-"))
-    connector = {
+def _connector(work: Path) -> dict[str, Any]:
+    return {
         "disk_dir": str(work / "disk"),
         "host_capacity_gib": 0.5,
         "disk_capacity_gib": 2,
@@ -32,7 +30,12 @@ def prefetch_server() -> Iterator[Server]:
         "disk_after_s": 1,
         "device_prefetch": True,
     }
-    with start_server(work, connector) as srv:
+
+
+@pytest.fixture(scope="module")
+def prefetch_server() -> Iterator[Server]:
+    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-prefetch-"))
+    with start_server(work, _connector(work)) as srv:
         yield srv
 
 
@@ -71,15 +74,31 @@ def _offloaded_to_disk(server: Server, tid: str, tool: str, seed: int) -> tuple[
 
 
 def test_a_resume_at_the_predicted_return_is_a_device_hit(prefetch_server: Server) -> None:
-    server = prefetch_server
-    tid, tool = "prefetch-on-time", "prefetch-pytest"
+    _on_time(prefetch_server, "prefetch-on-time", "prefetch-pytest", 4000)
+
+
+@pytest.mark.tp2
+def test_tp2_a_resume_at_the_predicted_return_is_a_device_hit() -> None:
+    """TP=2 (one rank per core): the manager orders once, both ranks load their shard of the
+    internal request's blocks; the resume is a device hit with exact output."""
+    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-prefetch-tp2-"))
+    with start_server(
+        work,
+        _connector(work),
+        vllm_args=("--tensor-parallel-size", "2"),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    ) as server:
+        _on_time(server, "prefetch-tp2", "prefetch-tp2-pytest", 6000)
+
+
+def _on_time(server: Server, tid: str, tool: str, seed: int) -> None:
     before = _prefetch(server)
-    paused, ref = _offloaded_to_disk(server, tid, tool, 4000)
+    paused, ref = _offloaded_to_disk(server, tid, tool, seed)
     # The prefetch loads the disk copy into device blocks and pins them (RETAINED).
     server.wait_state(tid, {"retained"}, timeout=2.4)
     assert server.counters().get("device_prefetch_repins", 0) == 0  # it went through a load
     time.sleep(max(0.0, paused + 2.5 - time.monotonic()))  # the tool runs for 2.5 s
-    first, second = _turns(4000)
+    first, second = _turns(seed)
     got = server.chat(second, trajectory=tid)
     stats = got["kv_transfer_params"]["agentkv"]
     ref_cached = ref["usage"]["prompt_tokens_details"]["cached_tokens"]
