@@ -147,6 +147,8 @@ class Branch:
             "prefetch": {
                 "due_after_pause_s": round(due, 6) if due is not None else None,
                 "done_after_pause_s": round(done, 6) if done is not None else None,
+                # ordered | loading | ready: a device prefetch (RETAINED while ready)
+                "device": self.device_prefetch.state.value if self.device_prefetch else None,
             },
         }
 

@@ -55,6 +55,7 @@ def test_a_resume_after_the_prefetch_is_a_device_hit(disk: bool) -> None:
     assert b.state is BranchState.RETAINED and len(b.pinned) == 4
     assert b.device_prefetch is not None and b.device_prefetch.state is PrefetchState.READY
     assert rig.mgr.table["t1"].turn_count == 1  # the internal request is never a turn
+    assert rig.mgr.get("t1")[1]["branches"]["main"]["prefetch"]["device"] == "ready"
     rig.clock.advance(0.5)
     stats = rig.turn("t1", NEXT).stats
     assert stats is not None
