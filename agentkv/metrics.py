@@ -95,6 +95,21 @@ PREFETCH_OUTCOMES = MetricSpec(
     "Disk-to-host prefetches by outcome relative to the actual return (early, on_time, late, wasted).",
     ("outcome",),
 )
+DEVICE_PREFETCH_OUTCOMES = MetricSpec(
+    "agentkv_device_prefetch_outcomes",
+    "counter",
+    "Prefetches into device blocks by outcome (on_time: the resume found them on the device; "
+    "late: the resume came first; wasted: the lease ended unused), per tool.",
+    ("outcome", "tool"),
+)
+PREFETCH_RETURN_ERROR = MetricSpec(
+    "agentkv_prefetch_return_error_seconds",
+    "histogram",
+    "|actual - predicted return| of paused branches a device prefetch was planned for, per tool.",
+    ("tool",),
+    WAIT_SECOND_BUCKETS,
+    "s",
+)
 OFFLOAD_BYTES = MetricSpec(
     "agentkv_offload_bytes",
     "histogram",
@@ -207,6 +222,8 @@ METRICS: tuple[MetricSpec, ...] = (
     PREEMPT_SAVES,
     PREEMPT_SAVED_TOKENS,
     PREFETCH_OUTCOMES,
+    DEVICE_PREFETCH_OUTCOMES,
+    PREFETCH_RETURN_ERROR,
     OFFLOAD_BYTES,
     OFFLOAD_SECONDS,
     RELOAD_BYTES,

@@ -169,6 +169,11 @@ class PolicyParams:
     """A host copy is deferred only when eviction is forecast at least this long after the
     wait's p90 (the forecast is a rate; a burst can beat it)."""
     """Upper bound on any lease, so a bad estimate cannot pin memory for hours."""
+    device_prefetch_max_spread: float = 8.0
+    """A device prefetch is issued only when the wait prediction's p90 / p10 is at most this
+    (a declared wait gives 4; the cold-start prior 120): a wide spread would pin blocks long."""
+    device_prefetch_slack_s: float = 1.0
+    """A prefetched branch's lease lasts until the predicted p90 return plus this."""
     lease_margin_s: float = LEASE_MARGIN_S
     """A lease lasts at least the predicted median wait plus this margin (a constant, so more
     pressure still never lengthens a lease)."""

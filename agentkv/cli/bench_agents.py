@@ -36,6 +36,8 @@ def agents(
     num_blocks: options.NumBlocks = None,
     configs: options.Configs = None,
     host_capacity_gib: options.HostCapacityGib = 2.0,
+    disk: options.Disk = False,
+    prefetch: options.Prefetch = True,
     out: options.Out = None,
     quick: options.Quick = False,
     skip_overhead: options.SkipOverhead = False,
@@ -83,6 +85,8 @@ def agents(
             out=out or Path("bench/results/trace"),
             as_json=as_json,
             command=bench_command("agents"),
+            disk=disk,
+            prefetch=prefetch,
         )
         return
     _synthetic(
@@ -100,6 +104,8 @@ def agents(
         skip_overhead=skip_overhead,
         overhead=overhead,
         as_json=as_json,
+        disk=disk,
+        prefetch=prefetch,
     )
 
 
@@ -119,6 +125,8 @@ def _synthetic(
     skip_overhead: bool,
     overhead: bool,
     as_json: bool,
+    disk: bool = False,
+    prefetch: bool = True,
 ) -> None:
     """The generated workload: one run of every configuration, or a sweep (pool sizes or an
     explicit --configs list)."""
@@ -148,6 +156,8 @@ def _synthetic(
         host_capacity_gib=host_capacity_gib,
         max_model_len=0,
         out=out,
+        disk=disk,
+        prefetch=prefetch,
         overhead=None if skip_overhead or (quick and not overhead) else OverheadSpec(),
         command=bench_command("agents"),
     )
@@ -241,6 +251,8 @@ def _trace(
     out: Path,
     as_json: bool,
     command: str,
+    disk: bool = False,
+    prefetch: bool = True,
 ) -> None:
     from rich.console import Console
 
@@ -259,6 +271,8 @@ def _trace(
         host_capacity_gib=host_capacity_gib,
         out=out,
         command=command,
+        disk=disk,
+        prefetch=prefetch,
     )
     if config_list is not None:
         opts.configs = tuple(c.value for c in config_list)

@@ -91,6 +91,23 @@ Configs = Annotated[
 HostCapacityGib = Annotated[
     float, typer.Option("--host-capacity-gib", min=0.1, help="agentkv host tier size.")
 ]
+Disk = Annotated[
+    bool,
+    typer.Option(
+        "--disk",
+        help="agentkv configurations offload every pause to the disk tier (a reload is a disk "
+        "read, so what device prefetch saves shows on CPU too).",
+    ),
+]
+Prefetch = Annotated[
+    bool,
+    typer.Option(
+        "--prefetch/--no-prefetch",
+        help="Device prefetch in the agentkv configurations (docs/prefetch.md): the report's "
+        "prefetch section gives its on-time rate and the TTFT of on-time resumes against the "
+        "oracle's device hits on the same turns (add oracle to --configs).",
+    ),
+]
 Out = Annotated[
     Path | None,
     typer.Option(

@@ -64,6 +64,7 @@ class SimulateArgs:
     max_replicas: int
     compare_with: Path | None
     admission: str
+    device_prefetch: bool
     full: bool
     plot: Path | None
     as_json: bool
@@ -98,6 +99,7 @@ def simulate_cmd(
     max_replicas: opts.MaxReplicas = 64,
     compare_with: opts.CompareWith = None,
     admission: opts.Admission = "whole",
+    device_prefetch: opts.DevicePrefetch = False,
     full: opts.Full = False,
     plot: opts.Plot = None,
     as_json: opts.AsJson = False,
@@ -201,6 +203,7 @@ def _simulate(a: SimulateArgs) -> None:
         retain_ttl_s=a.retain_ttl_s,
         costs=costs,
         admission=Admission(a.admission),
+        device_prefetch=a.device_prefetch,
     )
     combos = [(r, p) for r in routers for p in policies]
     console = Console()

@@ -182,6 +182,14 @@ Admission = Annotated[
         "preempt the newest request by recompute when a running one needs a block).",
     ),
 ]
+DevicePrefetch = Annotated[
+    bool,
+    typer.Option(
+        "--device-prefetch",
+        help="agentkv prefetches offloaded contexts back into device blocks at the predicted "
+        "return, by the manager's rule (agentkv.prefetch_rule; the connector's device_prefetch).",
+    ),
+]
 Full = Annotated[
     bool,
     typer.Option(

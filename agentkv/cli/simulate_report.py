@@ -106,6 +106,15 @@ def results_table(results: dict[str, SimResult]) -> Any:
         ],
         *([""] if pair else []),
     )
+    if any(results[k].summary.prefetch for k in labels):
+        table.add_row(
+            "device prefetch",
+            *[
+                ", ".join(f"{k} {n}" for k, n in results[k].summary.prefetch.items()) or "-"
+                for k in labels
+            ],
+            *([""] if pair else []),
+        )
     return table
 
 

@@ -23,7 +23,8 @@ are requests.RequestTable's methods under the manager's lock, their docstrings t
   record_tier_changes, take_tier_changes, tier_keys
                                      the residency index's copy changes, for the KV events
 Any-thread primitives (the control channel): pause, resume, delete, get, status, tick,
-next_deadline. Timers (grace, lease, prefetch, job timeouts, idle expiry) fire in ``take_step``
+next_deadline, take_prefetch_work (device prefetch orders and cancels for the API server's pump:
+prefetch.py). Timers (grace, lease, prefetch, job timeouts, idle expiry) fire in ``take_step``
 on the engine thread and in ``tick``, which the adapter's control thread calls when the engine
 is idle; both paths only queue engine work (pins, jobs) that the engine thread applies.
 
@@ -34,6 +35,7 @@ The parts (each module's docstring lists its primitives):
   transitions.py  branch state transitions and the tier writes they start
   jobtable.py     jobs in flight: prepare/complete pairs, a handler per kind, late ranks
   timers.py       the timer heap and the retained branches' leases
+  prefetch.py     device prefetch: internal prefill-only requests at the predicted return
   pins.py         the ledger of pins on the engine's device blocks
   ownership.py    the trajectory table, ownership of tier keys, tombstones
   residency.py    which tier holds each key (the index), in flight included
@@ -82,6 +84,7 @@ from agentkv.manager.ownership import Namespace
 from agentkv.manager.pauses import Pauses
 from agentkv.manager.pins import PinLedger, PinOp
 from agentkv.manager.ports import BlockPinner, Clock, MonotonicClock
+from agentkv.manager.prefetch import DevicePrefetcher, PrefetchOrder
 from agentkv.manager.requests import (
     Request,
     RequestTable,
@@ -157,6 +160,9 @@ class ManagerConfig:
     # pool's forecast says vLLM keeps the unpinned blocks past the wait (policy.defer_writeback).
     # Off here (the core's unit tests drive copies directly); the plugin's setting turns it on.
     defer_writeback: bool = False
+    # Prefetch into device blocks at the predicted return (prefetch.py): the adapter issues the
+    # internal requests this manager orders (``take_prefetch_work``).
+    device_prefetch: bool = False
 
     @property
     def disk_enabled(self) -> bool:
@@ -199,6 +205,7 @@ class TrajectoryManager:
         self.transitions = Transitions(self)
         self.reqs = RequestTable(self)
         self.pauses = Pauses(self)
+        self.prefetcher = DevicePrefetcher(self)
         self.counters: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.prefetch_outcomes = PrefetchOutcomeCounter()
@@ -370,6 +377,13 @@ class TrajectoryManager:
             self.outbox.moves.append(MoveJob(job.job_id, MoveKind.FETCH, want))
             self.counters["remote_fetches"] += 1
             return job.job_id
+
+    def take_prefetch_work(self) -> tuple[list[PrefetchOrder], list[str]]:
+        """Any thread: the device prefetches to issue (internal prefill-only requests) and the
+        tickets whose requests to abort. Contract: each order and cancel is handed out once;
+        an order is still wanted when handed out (a resume or DELETE since cancelled it)."""
+        with self.lock:
+            return self.prefetcher.take_orders(), self.prefetcher.take_cancels()
 
     def job_pending(self, job_id: int) -> bool:
         with self.lock:

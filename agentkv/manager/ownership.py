@@ -107,7 +107,9 @@ class Namespace:
         traj.deleted = True
         released = 0
         for branch in traj.branches.values():
-            if branch.paused_at is not None and branch.prefetch_done_at is not None:
+            device = branch.device_prefetch is not None
+            mgr.prefetcher.forget(branch)
+            if branch.paused_at is not None and branch.prefetch_done_at is not None and not device:
                 mgr.prefetch_outcomes.record("wasted")
                 mgr.metrics.add(m.PREFETCH_OUTCOMES, outcome="wasted")
             if mgr.otel is not None:

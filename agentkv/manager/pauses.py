@@ -116,7 +116,9 @@ class Pauses:
         now: float,
     ) -> None:
         """The pause's bookkeeping: the branch's pause fields, counters, metrics, trace, log."""
+        self.m.prefetcher.forget(branch)  # a pause without a turn since: a new prediction
         branch.tool = tool
+        branch.estimate = estimate
         branch.paused_at = now
         branch.demoted_by = None
         p50 = estimate.p50 if math.isfinite(estimate.p50) else 0.0
@@ -164,7 +166,7 @@ class Pauses:
         observed = now - branch.paused_at if branch.paused_at is not None else None
         if branch.state is BranchState.OFFLOADED:
             self.m.transitions.promote(traj, branch, now)
-        self.note_resume(traj, branch, now)
+        branch.resumed_prefetch = self.note_resume(traj, branch, now)
         return 200, {
             "trajectory_id": trajectory_id,
             "branch": branch.name,
@@ -172,15 +174,18 @@ class Pauses:
             "observed_wait_s": observed,
         }
 
-    def note_resume(self, traj: Trajectory, branch: Branch, now: float) -> None:
+    def note_resume(self, traj: Trajectory, branch: Branch, now: float) -> str | None:
+        """The pause ends; returns the device prefetch's outcome (None: none planned)."""
         if branch.paused_at is None:
-            return
+            return None
         observed = now - branch.paused_at
         if branch.tool:
             self.m.predictor.observe(branch.tool, observed)
             self.m.metrics.observe(m.TOOL_WAIT_OBSERVED, observed, tool=branch.tool)
         outcome = None
-        if branch.prefetch_due is not None and branch.tier == Tier.DISK:
+        device = branch.device_prefetch is not None
+        device_outcome = self.m.prefetcher.on_resume(traj, branch, now)
+        if branch.prefetch_due is not None and branch.tier == Tier.DISK and not device:
             outcome = classify_prefetch(branch.prefetch_done_at, now)
             self.m.prefetch_outcomes.record(outcome)
             self.m.metrics.add(m.PREFETCH_OUTCOMES, outcome=outcome)
@@ -198,6 +203,7 @@ class Pauses:
         branch.paused_at = None
         branch.prefetch_due = None
         branch.prefetch_done_at = None
+        return device_outcome
 
 
 def _finite_or_none(value: float) -> float | None:

@@ -6,7 +6,9 @@ Primitives:
   Request                 a running request: its turn, its load plan, its load job and state
   RequestTable.lookup     HIT: the longest run of blocks past vLLM's own hit that a local tier
                           holds (read-pinned until loaded); MISS; PENDING while a remote fetch
-                          for a trajectory this replica never saw, or an admission wait, runs
+                          for a trajectory this replica never saw, or an admission wait, runs;
+                          an internal device-prefetch request (``RequestParams.prefetch``) is
+                          planned by prefetch.py, without a turn
   RequestTable.alloc      the lookup becomes a LOAD job on the blocks vLLM allocated
   RequestTable.fail_load  fail closed: a load every rank reports failed (vLLM recomputes)
   RequestTable.finish     the branch's context becomes the turn's trusted blocks, pinned; HELD
@@ -53,6 +55,8 @@ class RequestParams:
     branch: str = "main"
     zone_of: Callable[[int], str | None] | None = None  # token index -> zone name
     tenant: str | None = None  # the request's cache_salt: its trajectory namespace
+    # An internal device-prefetch request's ticket (prefetch.py): never a turn.
+    prefetch: str | None = None
 
     @property
     def key(self) -> str:
@@ -105,6 +109,7 @@ class Request:
     # True = it runs the forward this step, the load must happen layer by layer inside it.
     layerwise: bool = False
     key_cache: list[bytes] = field(default_factory=list)
+    prefetch: str | None = None  # the ticket of an internal device-prefetch request
 
 
 class RequestTable:
@@ -137,6 +142,10 @@ class RequestTable:
         while a remote fetch for a trajectory this replica never saw, or an admission wait,
         runs. Repeatable for one request (vLLM asks again after a failed allocation, a
         preemption or a PENDING): each call replaces the last plan."""
+        if params.prefetch is not None:
+            return self.m.prefetcher.lookup(
+                req_id, params, prompt_token_ids, block_hashes, num_computed
+            )
         now = self.m.clock.now()
         req = self.requests.get(req_id)
         if req is None:
@@ -150,14 +159,14 @@ class RequestTable:
             self._waiting.pop(req_id, None)
             req = self._start_request(req_id, params, prompt_token_ids, now)
         else:
-            self._release_plan(req)
+            self.release_plan(req)
             req.load_job = None
         req.device_hit = num_computed
         req.turn.device_hit_tokens = num_computed
         req.load_state = "none"
         req.layerwise = False
         total = max(len(prompt_token_ids), num_tokens or 0)
-        return self._plan_load(req, total, block_hashes, num_computed)
+        return self.plan_load(req, total, block_hashes, num_computed)
 
     def _waits_for_remote(
         self,
@@ -218,9 +227,12 @@ class RequestTable:
         turn = TurnStats(turn=traj.turn_count + 1, branch=params.branch, prompt_tokens=len(prompt))
         req = self.requests[req_id] = Request(req_id, traj, params.branch, turn, now)
         branch = traj.branch(params.branch)
+        if self.m.config.device_prefetch:
+            traj.salt = params.tenant  # in memory only: a device prefetch hashes like the turns
         if branch.state is not BranchState.ACTIVE:
             branch.pending = None  # a decision for the pause that this turn ends
-        self.m.pauses.note_resume(traj, branch, now)
+        resumed, branch.resumed_prefetch = branch.resumed_prefetch, None
+        turn.prefetch = self.m.pauses.note_resume(traj, branch, now) or resumed
         branch.running.add(req_id)
         self.m.transitions.set_state(traj, branch, BranchState.ACTIVE)
         if branch.token_ids:
@@ -230,7 +242,7 @@ class RequestTable:
                 turn.divergence_zone = params.zone_of(lcp) if params.zone_of else None
         return req
 
-    def _plan_load(
+    def plan_load(
         self, req: Request, prompt_len: int, block_hashes: Sequence[bytes], num_computed: int
     ) -> LookupAnswer:
         """The longest run of blocks past the device hit that a local tier holds, read-pinned
@@ -271,7 +283,7 @@ class RequestTable:
             return
         traj = req.traj
         branch = traj.branches.get(req.branch)
-        if branch is not None and branch.pinned and not traj.deleted:
+        if branch is not None and branch.pinned and not traj.deleted and req.prefetch is None:
             # The request now holds its own references to the blocks it hit.
             self.m.pins.unpin_now(branch.pinned)
             branch.pinned = []
@@ -387,7 +399,7 @@ class RequestTable:
         start = req.device_hit if req is not None else 0
         layerwise = req.layerwise if req is not None else False
         if req is not None:
-            self._release_plan(req)
+            self.release_plan(req)
             req.load_state = "failed"
         self._queue_failing_load(req_id, block_ids, start, num_external, layerwise)
 
@@ -413,7 +425,10 @@ class RequestTable:
         if req is None:
             return None
         now = self.m.clock.now()
-        self._release_plan(req)
+        self.release_plan(req)
+        if req.prefetch is not None:
+            self.m.prefetcher.finish(req, block_ids, computed_tokens, block_hashes, aborted)
+            return None
         traj = req.traj
         branch = traj.branch(req.branch)
         branch.running.discard(req_id)
@@ -492,7 +507,7 @@ class RequestTable:
             self.m.index.end_read(key)
         self.m.transitions.drain_doomed()
 
-    def _release_plan(self, req: Request) -> None:
+    def release_plan(self, req: Request) -> None:
         if req.plan is not None:
             keys, req.plan = req.plan.keys, None
             self._end_reads(keys)

@@ -20,7 +20,11 @@ import functools
 import hashlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentkv.manager.prefetch import DevicePrefetch
+    from agentkv.predict import WaitEstimate
 
 MAX_TURNS_KEPT = 256
 
@@ -61,6 +65,8 @@ class TurnStats:
     tier: str | None = None
     first_divergence_token: int | None = None
     divergence_zone: str | None = None
+    # The device prefetch of the pause this turn ended: on_time, late (prefetch.py), or None.
+    prefetch: str | None = None
 
     @property
     def hit_tokens(self) -> int:
@@ -80,6 +86,7 @@ class TurnStats:
             else 0.0,
             "first_divergence_token": self.first_divergence_token,
             "divergence_zone": self.divergence_zone,
+            "prefetch": self.prefetch,
         }
 
 
@@ -102,6 +109,10 @@ class Branch:
     predicted_return_at: float | None = None
     prefetch_due: float | None = None
     prefetch_done_at: float | None = None
+    estimate: WaitEstimate | None = None  # the pause's wait prediction
+    device_prefetch: DevicePrefetch | None = None  # a device prefetch in flight (prefetch.py)
+    # Its outcome when the client's resume ended the pause: the next turn reports it.
+    resumed_prefetch: str | None = None
     decision: dict[str, Any] | None = None
     # (action, lease_s, write-back deferred) decided while a request ran
     pending: tuple[str, float, bool] | None = None
@@ -141,6 +152,8 @@ class Branch:
             "prefetch": {
                 "due_after_pause_s": round(due, 6) if due is not None else None,
                 "done_after_pause_s": round(done, 6) if done is not None else None,
+                # ordered | loading | ready: a device prefetch (RETAINED while ready)
+                "device": self.device_prefetch.state.value if self.device_prefetch else None,
             },
         }
 
@@ -189,6 +202,9 @@ class Trajectory:
     hit_tokens: int = 0  # over turns after the first of each branch
     prompt_tokens: int = 0
     deleted: bool = False
+    # The raw cache_salt of its requests, in memory only (never in views, manifests or spans):
+    # a device prefetch's internal request must hash its blocks exactly as the turns did.
+    salt: str | None = field(default=None, repr=False)
     owned: set[bytes] = field(default_factory=set)  # tier keys this trajectory holds a reference on
     _seen_branches: set[str] = field(default_factory=set)
 

@@ -202,6 +202,10 @@ class Transitions:
         """The engine's own move off the device (a lease ran out, pool pressure, a blocked
         queue: ``urgent``)."""
         self.m.metrics.add(m.DEMOTIONS, reason=reason)
+        if branch.device_prefetch is not None:
+            # A prefetched branch's tier copy still holds it: unpin, nothing to write.
+            self.m.prefetcher.expire(traj, branch, reason)
+            return
         self.apply(traj, branch, DEMOTION_ACTION, 0.0, now, urgent=urgent)
         branch.demoted_by = reason
 
@@ -217,8 +221,10 @@ class Transitions:
         elif (
             kind is TimerKind.PREFETCH
             and branch.state is BranchState.OFFLOADED
-            and branch.tier == Tier.DISK
             and branch.prefetch_done_at is None
+            # Into device blocks when it pays (prefetch.py), else disk -> host.
+            and not self.m.prefetcher.start(traj, branch, now)
+            and branch.tier == Tier.DISK
         ):
             self.promote(traj, branch, now)
 

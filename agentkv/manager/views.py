@@ -181,6 +181,10 @@ def status_view(mgr: TrajectoryManager) -> dict[str, Any]:
         "branches_by_state": count_by_state(mgr),
         "decisions": dict(mgr.decisions),
         "prefetch": mgr.prefetch_outcomes.counts(),
+        "device_prefetch": {
+            "enabled": mgr.config.device_prefetch,
+            **mgr.prefetcher.stats.view(),
+        },
         "counters": {
             **dict.fromkeys(REPORTED_COUNTERS, 0),
             **mgr.counters,

@@ -51,6 +51,8 @@ class FleetConfig:
     mu: float = 0.5
     gamma: float = 2.0
     retain_ttl_s: float = 60.0
+    device_prefetch: bool = False
+    """agentkv prefetches paused contexts into device blocks (the manager's rule)."""
     sample_interval_s: float = 0.5
     costs: EngineCosts = field(default=BENCH_SMALL_CPU)
     admission: Admission = Admission.WHOLE
@@ -132,7 +134,7 @@ class _Fleet:
                 i,
                 costs,
                 cfg.num_blocks,
-                make_policy(cfg.policy, costs, cfg.retain_ttl_s),
+                make_policy(cfg.policy, costs, cfg.retain_ttl_s, cfg.device_prefetch),
                 cfg.host_capacity_gib,
                 cfg.disk_capacity_gib,
                 self.remote,
@@ -264,10 +266,13 @@ class _Fleet:
         if self.remote is not None:
             tiers.append(self.remote)
         decisions: dict[str, int] = {}
+        prefetch: dict[str, int] = {}
         for r in reps:
             for k, v in r.decisions.items():
                 decisions[k] = decisions.get(k, 0) + v
-        return self.rec.summary(
+            for k, v in r.prefetch.items():
+                prefetch[k] = prefetch.get(k, 0) + v
+        summary = self.rec.summary(
             self.cfg.policy,
             self.cfg.router,
             self.cfg.replicas,
@@ -281,6 +286,8 @@ class _Fleet:
             sum(r.busy_s for r in reps) / max(1e-9, len(reps) * (env.now - self.first_sent)),
             sum(r.preemptions for r in reps),
         )
+        summary.prefetch = dict(sorted(prefetch.items()))
+        return summary
 
 
 def simulate(

@@ -67,6 +67,8 @@ class Summary:
     """Fraction of the run the replicas' engines were stepping (measured utilization)."""
     preemptions: int = 0
     """Running requests preempted for blocks (recompute), CHUNK admission only."""
+    prefetch: dict[str, int] = field(default_factory=dict)
+    """Device prefetch outcomes (on_time, late, wasted) and skips (skipped_<rule>)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -65,6 +65,8 @@ class PausePlan:
     predicted_wait_s: float = 0.0
     decision: str = ""
     """The policy's own name for the decision (agentkv: decide()'s action), for the report."""
+    estimate: WaitEstimate | None = None
+    """The wait prediction behind it (device prefetch's spread rule reads it)."""
 
 
 class KVPolicy:
@@ -74,6 +76,9 @@ class KVPolicy:
     name = "base"
     high_water: float | None = None
     expiry_action: PlanAction = "cache"
+    device_prefetch: bool = False
+    """Prefetch paused contexts back into device blocks at the predicted return
+    (``agentkv.prefetch_rule``, the manager's rule)."""
     free_history: bool = False
     """Every paused history is also kept where it reloads instantly and takes no room (the
     capacity-equal bound; no real policy can do this)."""
@@ -148,7 +153,7 @@ class AgentKVPolicy(KVPolicy):
         action: PlanAction = "cache"
         if d.action is not Action.DROP:
             action = d.action
-        return PausePlan(action, d.lease_s, d.prefetch_at_s, estimate.p50, d.action)
+        return PausePlan(action, d.lease_s, d.prefetch_at_s, estimate.p50, d.action, estimate)
 
     def on_resume(self, tool: str | None, waited_s: float) -> None:
         name = tool or "tool"
@@ -200,12 +205,17 @@ class CapacityEqualPolicy(KVPolicy):
         return PausePlan("cache", decision="free")
 
 
-def make_policy(name: str, costs: EngineCosts, retain_ttl_s: float = 60.0) -> KVPolicy:
-    """A fresh policy instance of ``name`` (one per replica: each has its own predictor)."""
+def make_policy(
+    name: str, costs: EngineCosts, retain_ttl_s: float = 60.0, device_prefetch: bool = False
+) -> KVPolicy:
+    """A fresh policy instance of ``name`` (one per replica: each has its own predictor);
+    ``device_prefetch`` applies to agentkv."""
     if name == "vanilla":
         return VanillaPolicy()
     if name == "agentkv":
-        return AgentKVPolicy(costs)
+        policy = AgentKVPolicy(costs)
+        policy.device_prefetch = device_prefetch
+        return policy
     if name == "retain-always":
         return RetainAlwaysPolicy(retain_ttl_s)
     if name == "offload-always":

@@ -203,6 +203,36 @@ class BlockPool:
             self.pins[tid] = n
         return n
 
+    def fill_pinned(self, tid: str, n: int, group: str = "", prefix_blocks: int = 0) -> bool:
+        """A device prefetch: ``n`` fresh private blocks now hold the trajectory's context,
+        pinned (a shorter cached copy is superseded), after its group's ``prefix_blocks``
+        shared blocks, which are cached again where evicted (most recent in the LRU). False,
+        and nothing changes, when they do not fit in empty and evictable blocks or the
+        trajectory is pinned already."""
+        key = PREFIX + group
+        held = group in self.prefix_refs  # running requests hold the whole prefix
+        missing = (
+            0 if held or not prefix_blocks else prefix_blocks - self.prefix_cached.get(group, 0)
+        )
+        missing = max(0, missing)
+        own = self.lru.get(tid, 0)
+        if n <= 0 or tid in self.pins or n + missing > self.empty + self.cached_free - own:
+            return False
+        self._take_from_lru(tid)
+        if key in self.lru:
+            self.lru.move_to_end(key)  # evicted last
+        if n + missing > self.empty:
+            self._evict(n + missing - self.empty)
+        if missing:
+            self.lru[key] = self.lru.get(key, 0) + missing
+            self.lru.move_to_end(key)
+            self.cached_free += missing
+            self.prefix_cached[group] = prefix_blocks
+        self.pinned += n
+        self.pins[tid] = n
+        self.private[tid] = n
+        return True
+
     def unpin(self, tid: str) -> int:
         """Give a trajectory's pinned blocks back to the LRU (most recent end)."""
         n = self.pins.pop(tid, 0)

@@ -33,6 +33,7 @@ from agentkv.simulate.admission import _FILL, _HEAD, Admission, AdmissionMixin
 from agentkv.simulate.costs import EngineCosts
 from agentkv.simulate.policies import KVPolicy, PauseContext, PausePlan
 from agentkv.simulate.pool import Allocation, BlockPool
+from agentkv.simulate.prefetch import PrefetchMixin
 from agentkv.simulate.routers import RouteRequest
 from agentkv.simulate.tiers import TierStore
 from agentkv.tier import Tier
@@ -126,7 +127,7 @@ class Request:
 _DECODE = 0  # segment kinds (with _HEAD and _FILL)
 
 
-class Replica(AdmissionMixin):
+class Replica(AdmissionMixin, PrefetchMixin):
     """One engine with its pool, tiers and policy (see the module docstring)."""
 
     def __init__(
@@ -194,6 +195,7 @@ class Replica(AdmissionMixin):
         self._interruptible = False
         self._interrupted = False
         self.on_finish: Callable[[Request], None] | None = None
+        self._prefetch_init()
         self.proc = env.process(self._run())
 
     # -- what routers see ---------------------------------------------------------------------
@@ -243,6 +245,7 @@ class Replica(AdmissionMixin):
             req.finished_at = req.first_token_at = self.env.now
             req.done.succeed()
             return
+        self._prefetch_on_submit(req.tid, req.group, req.prefix_blocks)
         self.waiting.append(req)
         req.estimate_s = self.costs.prefill_s(req.prompt, 0)
         self.pending_prefill_s += req.estimate_s
@@ -480,10 +483,16 @@ class Replica(AdmissionMixin):
                 self._at(plan.lease_s, partial(self._lease_end, tid, gen))
                 self._check_high_water()
         elif plan.action == "offload_host" and self.host is not None:
-            if self.host.store(tid, blocks, now) is not None and self.remote is not None:
-                self.remote.store(tid, blocks, now)
+            if self.host.store(tid, blocks, now) is not None:
+                self._arm_device_prefetch(tid, plan, blocks)
+                if self.remote is not None:
+                    self.remote.store(tid, blocks, now)
         elif plan.action == "offload_disk" and self.disk is not None:
-            if self.disk.store(tid, blocks, now) is not None and plan.prefetch_at_s is not None:
+            if (
+                self.disk.store(tid, blocks, now) is not None
+                and plan.prefetch_at_s is not None
+                and not self._arm_device_prefetch(tid, plan, blocks)
+            ):
                 self._at(plan.prefetch_at_s, partial(self._prefetch, tid, blocks))
             if self.remote is not None:
                 self.remote.store(tid, blocks, now)
@@ -504,6 +513,7 @@ class Replica(AdmissionMixin):
             self._poke()
 
     def _demote(self, tid: str) -> None:
+        self._prefetch_on_demote(tid)
         blocks = self.copy_blocks.get(tid, self.pool.private.get(tid, 0))
         self.pool.unpin(tid)
         self.returns_at.pop(tid, None)
@@ -527,6 +537,7 @@ class Replica(AdmissionMixin):
     def close(self, tid: str) -> None:
         """The trajectory ended (agentkv's DELETE): pins go back to the LRU, tier copies go."""
         self.lease_gen[tid] = self.lease_gen.get(tid, 0) + 1
+        self._prefetch_close(tid)
         self.pool.unpin(tid)
         self.returns_at.pop(tid, None)
         self.lease_gen.pop(tid, None)

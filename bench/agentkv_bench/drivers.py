@@ -361,6 +361,7 @@ def _attach_engine_stats(turns: list[TurnRecord], stats: list[dict[str, Any]]) -
                 t.device_hit_tokens = int(s.get("device_hit_tokens") or 0)
                 t.tier_hit_tokens = int(s.get("tier_hit_tokens") or 0)
                 t.tier = s.get("tier")
+                t.prefetch = s.get("prefetch")
                 del pending[i]
                 break
 

@@ -32,6 +32,7 @@ class RequestRecord:
     device_hit_tokens: int | None = None
     tier_hit_tokens: int | None = None
     tier: str | None = None
+    prefetch: str | None = None  # agentkv's device prefetch of the pause before it
 
     @property
     def recomputed_tokens(self) -> int:

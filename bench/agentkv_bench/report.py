@@ -23,6 +23,7 @@ from typing import Any
 
 from agentkv.stats import mean, percentile
 from agentkv_bench.drivers import TrajectoryRecord, TurnRecord
+from agentkv_bench.prefetch_report import prefetch_markdown, prefetch_section
 from agentkv_bench.sampler import Sample
 
 SCHEMA = "agentkv-bench-agents/1"
@@ -275,6 +276,7 @@ def build_report(
         "native_offload": native_offload,
         "overhead": overhead,
         "connector_cpu": connector_cpu_section(configs, overhead),
+        "prefetch": prefetch_section(configs),
     }
 
 
@@ -362,6 +364,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines.append(f"{ov.get('status')}: {ov.get('reason', '')}")
     if "connector_cpu" in report:
         lines += cpu_markdown(report["connector_cpu"])
+    lines += prefetch_markdown(report.get("prefetch"))
     no = report["native_offload"]
     lines += [
         "",

@@ -66,6 +66,10 @@ class BenchOptions:
     # Run in this order (``matrix.BenchConfig`` values); vanilla and agentkv must be among them.
     configs: tuple[str, ...] = CONFIGS
     oracle_blocks: int | None = None  # the oracle's pool; None: ``oracle_blocks(workload)``
+    # agentkv configurations: every offload goes to the disk tier (--disk), and device prefetch
+    # on (--prefetch, the default) or off.
+    disk: bool = False
+    prefetch: bool = True
 
 
 def oracle_blocks(workload: Workload, block_tokens: int = BLOCK_TOKENS) -> int:
@@ -141,6 +145,7 @@ def launch_spec(
         {
             "host_capacity_gib": opts.host_capacity_gib,
             "disk_dir": str(work / f"disk-{name}{suffix}"),
+            **connector_knobs(opts),
             **cs.connector_settings,
         }
         if cs.connector
@@ -157,6 +162,15 @@ def launch_spec(
         log_path=opts.out / f"server-{name}{suffix}.log",
         run_dir=work / f"run-{name}{suffix}",
     )
+
+
+def connector_knobs(opts: Any) -> dict[str, Any]:
+    """--disk (every offload to the disk tier: a predicted wait of 0 s already goes there) and
+    --prefetch / --no-prefetch, for every agentkv configuration."""
+    knobs: dict[str, Any] = {"device_prefetch": bool(getattr(opts, "prefetch", True))}
+    if getattr(opts, "disk", False):
+        knobs["disk_after_s"] = 0.0
+    return knobs
 
 
 def _warm_up(server: RunningServer) -> None:
@@ -294,6 +308,7 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
             if SPECS[BenchConfig(name)].oracle_pool
             else opts.num_blocks,
             "agentkv_counters": status.get("counters"),
+            "device_prefetch": status.get("device_prefetch"),
             "sampler_errors": sampler.errors,
             "trajectories": [
                 {"trajectory_id": r.trajectory_id, "started_at_s": r.started_at_s, "jct_s": r.jct_s}

@@ -241,6 +241,7 @@ def _attach_engine_stats(rounds: list[RoundRecord], stats: list[Any]) -> None:
         r.device_hit_tokens = int(s.get("device_hit_tokens") or 0)
         r.tier_hit_tokens = int(s.get("tier_hit_tokens") or 0)
         r.tier = s.get("tier")
+        r.prefetch = s.get("prefetch")
 
 
 def trajectory_id(run_tag: str, index: int) -> str:

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agentkv.stats import mean, percentile
+from agentkv_bench.prefetch_report import prefetch_markdown, prefetch_section
 from agentkv_bench.sampler import Sample
 from agentkv_bench.trace_replay import RoundRecord, SessionRecord
 
@@ -410,6 +411,7 @@ def build_report(
         "trace": trace,
         "configs": {n: {"summary": summaries[n].to_dict(), **configs[n]} for n in configs},
         "stall_decomposition": stall,
+        "prefetch": prefetch_section(configs),
     }
     pairs = (("agentkv", "vanilla"), ("agentkv", "oracle"), ("vanilla", "oracle"))
     for a, b in pairs:
@@ -563,4 +565,5 @@ def to_markdown(report: dict[str, Any]) -> str:
         + ".",
         "",
     ]
+    lines += prefetch_markdown(report.get("prefetch"))
     return "\n".join(lines)

@@ -37,7 +37,7 @@ from agentkv.launch import LaunchSpec, RunningServer, running_server
 from agentkv.traces import TraceWorkload, load_trace
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.report import writebacks
-from agentkv_bench.runner import BLOCK_TOKENS, machine_info
+from agentkv_bench.runner import BLOCK_TOKENS, connector_knobs, machine_info
 from agentkv_bench.sampler import Sampler
 from agentkv_bench.trace_prompts import RoundPrompt, build_prompts, oracle_blocks
 from agentkv_bench.trace_replay import MODES, TIMEOUT, RoundRecord, SessionRecord, replay
@@ -77,6 +77,8 @@ class TraceBenchOptions:
     ready_timeout_s: float = 600.0
     sample_interval_s: float = 0.5
     command: str = "agentkv bench agents --trace"
+    disk: bool = False  # every agentkv offload to the disk tier
+    prefetch: bool = True  # device prefetch in the agentkv configurations
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ def _spec(
         {
             "host_capacity_gib": opts.host_capacity_gib,
             "disk_dir": str(work / f"disk-{name}"),
+            **connector_knobs(opts),
             **cs.connector_settings,
         }
         if cs.connector
@@ -295,6 +298,7 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
             if SPECS[BenchConfig(name)].oracle_pool
             else sizing.num_blocks,
             "agentkv_counters": (run.status.get("counters") or {}) if run.status else None,
+            "device_prefetch": run.status.get("device_prefetch") if run.status else None,
             "vllm_phases": vllm_phases(run.prom),
             "engine_counters": {
                 f"{k}{{tier={t}}}" if t else k: v for (k, t), v in run.prom.items()

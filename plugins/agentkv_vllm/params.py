@@ -54,6 +54,9 @@ class AgentKVParams(BaseModel):
     branch: BranchStr = "main"
     zones: list[Zone] = Field(default_factory=list, max_length=32)
     tool: str | None = Field(default=None, max_length=128)
+    # Set only by the plugin's own device-prefetch requests (a random ticket the manager
+    # issued); an unknown ticket is served as a vanilla request.
+    prefetch: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
 from agentkv_vllm.control import ControlClient, ControlUnavailable
 from agentkv_vllm.hooks import AgentKVHooks, HookState
 from agentkv_vllm.params import BranchStr
+from agentkv_vllm.prefetch_issuer import PrefetchIssuer
 from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.routes")
@@ -156,6 +157,7 @@ class _State:
     hooks: HookState = HookState()
     hooks_clients: list[ControlClient] = []  # noqa: RUF012 - auto-pause, one per DP rank
     background: set[asyncio.Task[Any]] = set()  # noqa: RUF012 - strong refs to nudge tasks
+    issuers: list[PrefetchIssuer] = []  # noqa: RUF012 - device prefetch, one per DP rank
 
 
 def _extra_config(args: Namespace) -> dict[str, Any]:
@@ -521,24 +523,33 @@ class AgentKVRoutes:
         _register_metrics(_State.client)
         if _State.pump is None:
             loop = asyncio.get_running_loop()
-            _State.pump = loop.create_task(_timer_pump(_State.client))
-            for client in _State.clients[1:]:
-                _State.background.add(loop.create_task(_timer_pump(client)))
+            # Each DP rank's manager orders prefetches for its own trajectories: its pump
+            # issues them to that rank.
+            _State.issuers = [
+                PrefetchIssuer(engine_client, rank if dp_size > 1 else None)
+                for rank in range(dp_size)
+            ]
+            _State.pump = loop.create_task(_timer_pump(_State.client, _State.issuers[0]))
+            for client, issuer in zip(_State.clients[1:], _State.issuers[1:], strict=True):
+                _State.background.add(loop.create_task(_timer_pump(client, issuer)))
 
 
 PUMP_MIN_S, PUMP_MAX_S = 0.02, 0.2
 
 
-async def _timer_pump(client: ControlClient) -> None:
+async def _timer_pump(client: ControlClient, issuer: PrefetchIssuer | None = None) -> None:
     """Timers fire on an idle engine: vLLM's engine loop sleeps until a request arrives, so this
     task asks the engine's control thread to fire due timers (grace, lease, prefetch, job
     timeouts) and, when that queued engine work (pins, transfers), wakes the engine loop with a
-    cheap utility call. One small local call per 20-200 ms; never raises."""
+    cheap utility call. The tick's device prefetch orders and cancels go to ``issuer``
+    (internal requests). One small local call per 20-200 ms; never raises."""
     while True:
         delay = PUMP_MAX_S
         try:
             status, body = await client.call("tick")
             if status == 200:
+                if issuer is not None:
+                    issuer.handle(body)
                 if body.get("engine_work") and _State.engine_client is not None:
                     await _State.engine_client.is_sleeping()
                 nxt = body.get("next_in_s")

@@ -186,6 +186,7 @@ class SchedulerSide:
             layerwise=layerwise,
             admission_wait=settings.admission_wait,
             defer_writeback=settings.writeback is Writeback.FORECAST,
+            device_prefetch=settings.device_prefetch,
             remote_enabled=bool(settings.remote_url),
             remote_ttl_s=settings.remote_ttl_s,
         )
@@ -198,6 +199,7 @@ class SchedulerSide:
                 max_lease_s=settings.max_lease_s,
                 lease_margin_s=settings.lease_margin_s,
                 disk_after_s=settings.disk_after_s,
+                device_prefetch_max_spread=settings.device_prefetch_max_spread,
             ),
             metrics=self.metrics,
             otel=self.otel,
@@ -331,6 +333,7 @@ class SchedulerSide:
                     params.branch,
                     zone_of=(lambda t: _zone_at(zones, t)) if zones else None,
                     tenant=getattr(request, "cache_salt", None),  # its trajectory namespace
+                    prefetch=params.prefetch,
                 ),
                 request.prompt_token_ids or [],
                 request.block_hashes,
@@ -554,7 +557,15 @@ class SchedulerSide:
             return 200, {"pong": True}
         if op == "tick":
             next_in = mgr.tick()
-            return 200, {"next_in_s": next_in, "engine_work": mgr.engine_work_pending()}
+            orders, cancels = mgr.take_prefetch_work()
+            return 200, {
+                "next_in_s": next_in,
+                "engine_work": mgr.engine_work_pending(),
+                # Device prefetches for the pump to issue as internal requests, and the
+                # tickets of those to abort (a resume or DELETE came first).
+                "prefetch": [o.to_wire() for o in orders],
+                "cancel": cancels,
+            }
         mgr.tick()
         if op == "status":
             return 200, self.status()

@@ -84,6 +84,20 @@ class ConnectorSettings(BaseModel):
     admission_wait: bool = Field(
         default=False, description="Above high water, new trajectories wait instead of evicting."
     )
+    device_prefetch: bool = Field(
+        default=ManagerConfig.device_prefetch,
+        description="At a paused trajectory's predicted return, load its KV back into device "
+        "blocks with an internal prefill-only request (one token, lowest priority, never "
+        "returned) and pin it under a short lease, so the resume is a prefix-cache hit "
+        "(docs/prefetch.md). Skipped when the queue waits on blocks, the pool is near high "
+        "water or the wait prediction is too uncertain.",
+    )
+    device_prefetch_max_spread: float = Field(
+        default=DEFAULT_POLICY.device_prefetch_max_spread,
+        gt=1,
+        description="A device prefetch is issued only when the wait prediction's p90/p10 is at "
+        "most this.",
+    )
     profile_path: str | None = None
     run_dir: str = Field(default_factory=_default_run_dir)
     control_socket: str | None = Field(

@@ -136,6 +136,28 @@ class SimEngine:
         self.requests[rid] = req
         return req
 
+    def issue_prefetches(self) -> list[SimRequest]:
+        """What the adapter's timer pump does with the manager's device-prefetch work: each
+        order becomes an internal request of its token ids (one new token, the order's
+        cache_salt, its ticket in the params); each cancel aborts its request."""
+        orders, cancels = self.mgr.take_prefetch_work()
+        out = [
+            self.new_request(
+                o.trajectory_id,
+                o.branch,
+                o.token_ids,
+                max_new=1,
+                salt=o.cache_salt,
+                prefetch=o.ticket,
+            )
+            for o in orders
+        ]
+        for ticket in cancels:
+            for req in list(self.requests.values()):
+                if req.params.prefetch == ticket and req.status != "FINISHED":
+                    self.abort(req)
+        return out
+
     def active(self, *status: str) -> list[SimRequest]:
         return [r for r in self.requests.values() if r.status in status]
 
@@ -366,7 +388,11 @@ class SimEngine:
             block_hashes=hashes,
             aborted=False,
         )
-        self.finished_contexts[(req.traj_id, req.branch)] = list(tokens)
+        if req.params.prefetch is not None:
+            if stats is not None:
+                self.violations.append(f"{req.req_id}: an internal prefetch counted as a turn")
+        else:
+            self.finished_contexts[(req.traj_id, req.branch)] = list(tokens)
         req.stats = stats
         self._release(req)
         return stats

@@ -51,6 +51,28 @@ class ManagerInvariants:
         assert not self.cascades, self.cascades
 
     @invariant()
+    def device_prefetch_states_are_consistent(self) -> None:
+        """A prefetch being ordered or loaded belongs to an OFFLOADED, idle branch of a live
+        trajectory; a ready one pins only as RETAINED (else it fell back, pinning nothing); no
+        order waits for a deleted trajectory."""
+        if self.mgr is None:
+            return
+        from agentkv.manager.prefetch import PrefetchState
+
+        for traj in self.mgr.table.values():
+            for name, b in traj.branches.items():
+                dp = b.device_prefetch
+                if dp is None:
+                    continue
+                where = f"{traj.trajectory_id}/{name} {dp.state} in {b.state}"
+                if dp.state is PrefetchState.READY:
+                    assert b.state is BranchState.RETAINED or not b.pinned, where
+                else:
+                    assert b.state is BranchState.OFFLOADED and not b.running, where
+        for traj, _, _ in self.mgr.prefetcher.orders:
+            assert not traj.deleted, traj.trajectory_id
+
+    @invariant()
     def pressure_victims_are_demoted(self) -> None:
         """Each branch pressure_victims picked left RETAINED (its pins went to a store job or
         back to vLLM), unless a newer pause decided again since."""

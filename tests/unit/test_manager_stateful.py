@@ -76,6 +76,7 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
         disk=st.booleans(),
         admission_wait=st.sampled_from([False, False, True]),
         defer=st.booleans(),
+        device_prefetch=st.booleans(),
     )
     def setup(
         self,
@@ -85,6 +86,7 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
         disk: bool,
         admission_wait: bool,
         defer: bool = False,
+        device_prefetch: bool = False,
     ) -> None:
         self.clock = FakeClock()
         self.pool = SimPool(POOL, tp)
@@ -103,6 +105,7 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
             admission_wait=admission_wait,
             remote_enabled=True,
             defer_writeback=defer,  # issue 26: offload_host copies wait for an eviction forecast
+            device_prefetch=device_prefetch,
         )
         # 1 MiB blocks: a 10-block context reloads from host in 0.1 s, from disk in 0.12 s, and
         # recomputes in 0.4 s; break-even waits are ~0.1-0.3 s, so declared waits from 0 to
@@ -289,10 +292,12 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
         if req.status == "FINISHED" and wait != "no pause":
             assert not isinstance(wait, str)
             self.mgr.pause(req.traj_id, req.branch, tool, wait, tenant=req.salt)
-        self.clock.advance(gap)
-        self._engine_loop(1, jobs, 0.01)
         if flush:
             self.flush_cache()
+        self.clock.advance(gap)
+        self._engine_loop(1, jobs, 0.01)
+        self.eng.issue_prefetches()  # the adapter's pump, while the tool runs
+        self._engine_loop(2, jobs, 0.01)
 
     agent_turn_2 = agent_turn
 
@@ -339,6 +344,12 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
                     self.workers.complete(p, True)
             eng.deliver_reports()
             self.clock.advance(dt)
+
+    @rule()
+    def issue_prefetches(self) -> None:
+        """The adapter's timer pump: device-prefetch orders become internal requests (one new
+        token, never a turn), cancels abort theirs."""
+        self.eng.issue_prefetches()
 
     @rule(i=st.integers(0, 3), adapter_error=st.sampled_from([False, False, True]))
     def schedule(self, i: int, adapter_error: bool) -> None:
@@ -608,28 +619,3 @@ ManagerMachine.TestCase.settings = settings(
 )
 TestManagerStateful = ManagerMachine.TestCase
 
-
-def test_a_queue_demotion_whose_blocks_unpin_at_once_counts_them_as_given_back() -> None:
-    """Found by the machine after issue 26's merge: a retained branch demoted for a blocked
-    queue, half of its blocks already on host, unpins those in the same step and copies the
-    rest before the forward. The loan check counted only the copies in flight (3 of 6) and saw
-    a queue still short with a grace pin kept, which the manager rightly kept: 6 blocks came
-    back for a shortfall of 4."""
-    state = ManagerMachine()
-    state.setup(tp=1, admission_wait=False, disk=False, grace=0.5, layerwise=False, defer=False)
-    turn = {"branch": "main", "cut": 0, "gap": 0.01, "jobs": 65535, "tool": "t1", "traj": 0}
-    state.agent_turn(**turn, flush=True, salt=None, tail=[1] * 5, wait=None)
-    state.new_request(
-        branch="main", cut=0, max_new=3, salt=None, system=False, tail=[1] * 6, traj=0
-    )
-    state.agent_turn(**turn, flush=False, salt=None, tail=[1], wait=None)
-    state.agent_turn(**turn, flush=False, salt=None, tail=[1], wait=None)
-    state.new_request(
-        branch="main", cut=0, max_new=0, salt="tenant-b", system=False, tail=[1], traj=0
-    )
-    state.agent_turn(**turn, flush=False, salt=None, tail=[1], wait=None)
-    state.spike(n=24)
-    state.quiet_pool(steps=4)
-    assert state.mgr is not None and state.mgr.counters["queue_demotions"] == 1
-    assert not state.eng.violations, state.eng.violations
-    state.teardown()

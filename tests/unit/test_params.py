@@ -67,3 +67,10 @@ def test_params_follow_the_shared_grammar() -> None:
     for value in ["a@b:c.d_e-f", "...", "a/b", "a b", "é", "x" * 257]:
         r = parse_request_params({"agentkv": {"trajectory_id": value, "branch": value}})
         assert (r.params is not None) == is_valid_id(value), value
+
+
+def test_a_prefetch_ticket_is_32_hex_digits_or_the_request_is_vanilla() -> None:
+    ok = parse_request_params({"agentkv": {"trajectory_id": "t1", "prefetch": "0f" * 16}})
+    assert ok.params is not None and ok.params.prefetch == "0f" * 16
+    bad = parse_request_params({"agentkv": {"trajectory_id": "t1", "prefetch": "x"}})
+    assert bad.params is None and bad.warning is not None and "prefetch" in bad.warning

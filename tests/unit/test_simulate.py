@@ -442,3 +442,38 @@ def test_vllm_s_null_block_is_not_usable() -> None:
     too_big = SimWorkload((SimTrajectory("b", 0.0, (SimTurn(0, 1100, 10),)),))
     assert simulate(fits, FleetConfig(num_blocks=9)).summary.rejected_turns == 0
     assert simulate(too_big, FleetConfig(num_blocks=9)).summary.rejected_turns == 1
+
+
+def test_device_prefetch_turns_the_disk_reload_into_a_device_hit_by_the_managers_rule() -> None:
+    """The manager's rule (agentkv.prefetch_rule) in the simulator: the slow trajectory's
+    context, evicted by the busy one and copied to disk, is back in device blocks before its
+    resume, so the resume reloads nothing; without the prefetch it reloads from the tier."""
+    turns = [SimTurn(1536, 2500, 24)]
+    turns.append(SimTurn(turns[-1].prompt_tokens + 24, 400, 24, 400.0, "human", 400.0))
+    other = [SimTurn(0, 9000, 24, 0.0), SimTurn(9024, 300, 24, 10.0, "t", 10.0)]
+    wl = SimWorkload(
+        (
+            SimTrajectory("slow", 0.0, tuple(turns), 1536, "g"),
+            SimTrajectory("busy", 60.0, tuple(other)),
+        )
+    )
+    base = FleetConfig(num_blocks=96, host_capacity_gib=1.0, disk_capacity_gib=4.0)
+    off = simulate(wl, base).summary
+    on = simulate(wl, replace(base, device_prefetch=True)).summary
+    assert off.prefetch == {}
+    assert on.prefetch.get("on_time") == on.resume_turns == 2, on.prefetch  # both resumes
+    assert on.tier_hit_tokens < off.tier_hit_tokens
+    assert on.resume_ttft_p99_s is not None and off.resume_ttft_p99_s is not None
+    assert on.resume_ttft_p99_s < off.resume_ttft_p99_s
+
+
+def test_the_simulators_prefetch_skips_a_wide_prediction() -> None:
+    """No declared wait: the cold-start prior's p90/p10 is 120, past the rule's 8."""
+    turns = [SimTurn(1536, 2500, 24)]
+    turns.append(SimTurn(turns[-1].prompt_tokens + 24, 400, 24, 400.0, "human", None))
+    wl = SimWorkload((SimTrajectory("slow", 0.0, tuple(turns), 1536, "g"),))
+    cfg = FleetConfig(
+        num_blocks=96, host_capacity_gib=1.0, disk_capacity_gib=4.0, device_prefetch=True
+    )
+    s = simulate(wl, cfg).summary
+    assert "on_time" not in s.prefetch
