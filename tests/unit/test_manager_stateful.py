@@ -612,6 +612,18 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
                 if req.status == "FINISHED":
                     break
 
+    @precondition(lambda self: self.quiet and self.workers.capacity["disk"] > 0)
+    @rule(traj=st.integers(0, 5), wait=st.sampled_from([400.0, 1e5]))
+    def long_tool_call(self, traj: int, wait: float) -> None:
+        """A human-in-the-loop wait: the pause offloads the branch to disk (or drops it when
+        the disk is full) and the engine idles meanwhile, so the store completes."""
+        assert self.mgr is not None
+        picked = self._pick_traj(traj)
+        if picked is None:
+            return
+        self.mgr.pause(picked[0], "main", "human", wait, tenant=picked[1])
+        self._engine_loop(3, 0xFFFF, 0.01)
+
     def _disk_offloaded(self) -> bool:
         mgr = self.mgr
         return (
