@@ -240,7 +240,7 @@ _INVARIANTS = sorted(
 assert _INVARIANTS, "no invariants found"
 
 DPMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("AGENTKV_STATEFUL_EXAMPLES", "60")),
+    max_examples=int(os.environ.get("AGENTKV_STATEFUL_EXAMPLES", "40")),
     stateful_step_count=int(os.environ.get("AGENTKV_STATEFUL_STEPS", "50")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

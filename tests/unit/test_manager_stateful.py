@@ -5,7 +5,13 @@ compute, finish, abort also during an async load, preemption; two cache_salts), 
 channel (pause with tiny to huge waits, resume, DELETE, GET, a control-thread tick), the workers
 (each job completes, fails a block's I/O, or fails to start, per rank; a silent rank that wakes
 late; an async load cancelled at the worker's own deadline; a damaged disk file), pool pressure
-spikes and clock jumps. The sim does only what the plugin's adapter and worker do
+spikes and clock jumps, and restarts (a clean stop writes the manifest, the disk files are pruned
+to it, a new manager restores it, as agentkv.manager.recovery does; or a restart under another
+KV identity, which restores nothing). Right after a restart: only trajectories live at the stop
+come back (nothing deleted), each restored branch is OFFLOADED on disk, and the invariants below
+hold for the new manager (its disk copies are true and on every rank, nothing unindexed).
+test_invalidation_stateful.py adds generations (a manifest written after a reset restores
+nothing), test_manager_dp_stateful.py two DP ranks behind the routes' fan-out. The sim does only what the plugin's adapter and worker do
 (sim_engine.py), on stores that behave like the real TieredStore (fake_store.py).
 
 Invariants after every step (numbers from agentkv/manager/core.py's docstring):
@@ -121,7 +127,9 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
         )
         self.config, self.costs, self.tp = config, costs, tp
         self.identity = IDENTITY
-        self.disk_root = Path(tempfile.mkdtemp(prefix="agentkv-stateful-"))
+        # The manifests' directory: tmpfs where there is one (the manifest's fsyncs are free)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.disk_root = Path(tempfile.mkdtemp(prefix="agentkv-stateful-", dir=shm))
         self.deleted_ids: set[tuple[str, str | None]] = set()  # (trajectory id, tenant)
         self.next_traj = 0
         self._start(SimWorkers(self.pool, tp, {"host": HOST, "disk": DISK if disk else 0}), {})
