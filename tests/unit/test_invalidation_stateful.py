@@ -11,6 +11,9 @@ manager's ``key_of`` records it): an upload queued before an invalidation (e.g. 
 out in the manager while the engine was idle, so it ships late) publishes an older generation's
 key with that generation's KV, which is true (no later lookup derives that key), while a key the
 manager never derived, or a copy that is not its key's KV in its generation, is a violation.
+A restart (the base machine's rule) writes the manifest under the generation then; the new
+process starts at the base generation (its weights are the files'), so a manifest written after
+an invalidation restores nothing and its files are pruned.
 Invalidations happen while no load or tier move is in flight (the RL contract: generation is
 paused around a weight update; a reset answers unclean otherwise); stores and uploads may be.
 All of ManagerMachine's invariants hold after every step, and everything drains to zero.
@@ -29,6 +32,7 @@ import tests.unit.sim_engine as sim
 import tests.unit.sim_workers as sim_workers
 import tests.unit.stateful_invariants as invariants
 import tests.unit.test_manager_stateful as base
+from agentkv.kv_identity import BASE_GENERATION
 from agentkv.manager.invalidation import invalidate_tiers
 
 _ORIGINAL = sim.key_of
@@ -85,9 +89,17 @@ class InvalidationMachine(base.ManagerMachine):
     @initialize(**_BASE_SETUP.hypothesis_stateful_initialize_rule.arguments)  # type: ignore[attr-defined]
     def setup(self, **kw: Any) -> None:
         _BASE_SETUP(self, **kw)
-        assert self.mgr is not None
-        self.mgr.key_of = self.gens.derive  # the adapter's LogicalKeys.key_of
         self.workers.published_truth = self.gens.written_under
+
+    def _configure(self, mgr: Any) -> None:
+        """A new engine process loads the weights of its files: base generation (a restart
+        after a weight update by the trainer reverts to the files' weights), keys as before."""
+        if self.gens.all[-1] != b"":
+            self.gens.all.append(b"")
+        mgr.key_of = self.gens.derive  # the adapter's LogicalKeys.key_of
+
+    def _generation(self) -> bytes:
+        return BASE_GENERATION if self.gens.all[-1] == b"" else self.gens.all[-1]
 
     def teardown(self) -> None:
         try:

@@ -5,7 +5,13 @@ compute, finish, abort also during an async load, preemption; two cache_salts), 
 channel (pause with tiny to huge waits, resume, DELETE, GET, a control-thread tick), the workers
 (each job completes, fails a block's I/O, or fails to start, per rank; a silent rank that wakes
 late; an async load cancelled at the worker's own deadline; a damaged disk file), pool pressure
-spikes and clock jumps. The sim does only what the plugin's adapter and worker do
+spikes and clock jumps, and restarts (a clean stop writes the manifest, the disk files are pruned
+to it, a new manager restores it, as agentkv.manager.recovery does; or a restart under another
+KV identity, which restores nothing). Right after a restart: only trajectories live at the stop
+come back (nothing deleted), each restored branch is OFFLOADED on disk, and the invariants below
+hold for the new manager (its disk copies are true and on every rank, nothing unindexed).
+test_invalidation_stateful.py adds generations (a manifest written after a reset restores
+nothing), test_manager_dp_stateful.py two DP ranks behind the routes' fan-out. The sim does only what the plugin's adapter and worker do
 (sim_engine.py), on stores that behave like the real TieredStore (fake_store.py).
 
 Invariants after every step (numbers from agentkv/manager/core.py's docstring):
@@ -29,7 +35,10 @@ They are in stateful_invariants.py (ManagerInvariants, a mixin of the machine); 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -42,7 +51,15 @@ from hypothesis.stateful import (
 )
 
 import agentkv.manager.core as core
+from agentkv.kv_identity import BASE_GENERATION
 from agentkv.manager import BranchState, ManagerConfig, Trajectory, TrajectoryManager
+from agentkv.manager.recovery import (
+    ManifestKeeper,
+    load_records,
+    manifest_keys,
+    manifest_path,
+    restore,
+)
 from agentkv.manager.state import scoped_id
 from agentkv.policy import CostModel, PolicyParams
 from tests.unit.sim_engine import (
@@ -61,9 +78,12 @@ WAITS = [None, 0.0, 0.001, 0.05, 2.0, 30.0, 400.0, 1e5]
 CLOCK_STEPS = [0.05, 0.3, 0.6, 3.0, 2 * TIMEOUT, 70.0, 700.0]
 SYSTEM = [7, 7, 7, 7, 9, 9, 9, 9]  # a shared system prompt: identical blocks across trajectories
 OUTCOMES = ["ok", "ok", "ok", "io_error", "start_error"]  # how one rank ends one job
+IDENTITY = bytes(range(16))  # the engine's KV identity digest (model, weights, format, layout)
 
 
 class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
+    dp_rank = 0  # the engine's DP rank: names its manifest
+
     def __init__(self) -> None:
         super().__init__()
         self.mgr: TrajectoryManager | None = None
@@ -116,25 +136,14 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
             disk_read_bytes_per_s=5e8,
             prefill_tokens_per_s=100.0,
         )
-        self.mgr = TrajectoryManager(
-            config,
-            self.pool,
-            key_of=key_of,
-            costs=costs,
-            policy=PolicyParams(disk_after_s=100.0, max_lease_s=60.0, writeback_margin_s=0.0),
-            clock=self.clock,
-        )
-        self.mgr.record_tier_changes()
-        # What a KV-event consumer believes each tier holds, from the change log alone.
-        self.announced: dict[str, set[bytes]] = {"host": set(), "disk": set()}
-        self.workers = SimWorkers(self.pool, tp, {"host": HOST, "disk": DISK if disk else 0})
-        self.eng = SimEngine(self.mgr, self.pool, self.workers)
-        self.tp = tp
-        self.deleted: list[Trajectory] = []
+        self.config, self.costs, self.tp = config, costs, tp
+        self.identity = IDENTITY
+        # The manifests' directory: tmpfs where there is one (the manifest's fsyncs are free)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.disk_root = Path(tempfile.mkdtemp(prefix="agentkv-stateful-", dir=shm))
         self.deleted_ids: set[tuple[str, str | None]] = set()  # (trajectory id, tenant)
-        self.looked_up_before_delete: set[str] = set()  # request ids
-        self.jobs_at_delete: dict[int, set[int]] = {}  # id(trajectory) -> its jobs then
         self.next_traj = 0
+        self._start(SimWorkers(self.pool, tp, {"host": HOST, "disk": DISK if disk else 0}), {})
         # pressure bookkeeping (invariant 5)
         self._orig_victims = core.pressure_victims
         core.pressure_victims = self._record_victims  # type: ignore[assignment]
@@ -143,6 +152,43 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
         # (branch, its decision then): each pressure victim picked, until the invariant checks
         # it was demoted
         self.victims: list[tuple[Any, Any]] = []
+
+    def _start(self, workers: SimWorkers, contexts: dict[tuple[str, str], list[int]]) -> None:
+        """An engine process starting: a new manager on the pool (as the adapter builds it),
+        the change log recorded from the start, the restart manifest restored
+        (scheduler_side._restore_from_disk: load_records + restore) and kept from now on."""
+        self.mgr = TrajectoryManager(
+            self.config,
+            self.pool,
+            key_of=key_of,
+            costs=self.costs,
+            policy=PolicyParams(disk_after_s=100.0, max_lease_s=60.0, writeback_margin_s=0.0),
+            clock=self.clock,
+        )
+        self._configure(self.mgr)
+        self.mgr.record_tier_changes()
+        # What a KV-event consumer believes each tier holds, from the change log alone.
+        self.announced: dict[str, set[bytes]] = {"host": set(), "disk": set()}
+        self.workers = workers
+        self.eng = SimEngine(self.mgr, self.pool, self.workers)
+        self.eng.finished_contexts = contexts  # the agents remember their contexts
+        self.deleted: list[Trajectory] = []
+        self.looked_up_before_delete: set[str] = set()  # request ids
+        self.jobs_at_delete: dict[int, set[int]] = {}  # id(trajectory) -> its jobs then
+        self.last_demotion = None
+        self.victims = []
+        path = manifest_path(self.disk_root, self.dp_rank)
+        restore(self.mgr, load_records(path, self.identity, BASE_GENERATION, BS))
+        self.keeper = ManifestKeeper(
+            self.mgr, path, lambda: (self.identity, self._generation()), interval_s=1e9
+        )
+
+    def _configure(self, mgr: TrajectoryManager) -> None:
+        """Hook: a subclass wires its own key derivation into a new manager."""
+
+    def _generation(self) -> bytes:
+        """The engine's KV generation now (a subclass that resets or updates weights bumps it)."""
+        return BASE_GENERATION
 
     def _record_victims(self, candidates: list[Any], excess: float) -> list[object]:
         for handle, *_ in candidates:  # only retained branches are demoted by pressure
@@ -189,6 +235,8 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
             self._drain_everything()
         finally:
             core.pressure_victims = self._orig_victims  # type: ignore[assignment]
+            self.keeper.close()
+            shutil.rmtree(self.disk_root, ignore_errors=True)
 
     # ------------------------------------------------------------------ helpers
     def _live_ids(self) -> list[tuple[str, str | None]]:
@@ -545,6 +593,88 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
         t.start()
         t.join()
 
+    # ------------------------------------------------------------------ restart
+    @precondition(lambda self: self.quiet)
+    @rule(identity=st.sampled_from(["same", "same", "same", "other"]), resume=st.booleans())
+    def restart(self, identity: str, resume: bool) -> None:
+        """A clean stop and a new engine process on the same disk tier, as production does it
+        (agentkv.manager.recovery): the stop writes the manifest (ManifestKeeper.close); the
+        device pool, host tier, requests, jobs and timers die with the process, the remote tier
+        (another process) and each rank's disk files survive. At start each rank keeps only the
+        files a base-generation manifest lists (prune_rank_files), the new manager restores the
+        manifest's records. ``other``: the new process runs other weights or another KV format
+        (another identity): its keys name nothing written before (a fresh remote namespace) and
+        the old files do not carry its fingerprint. ``resume``: the agent of a restored
+        trajectory sends its next turn right away (it loads the surviving files)."""
+        old = self.mgr
+        assert old is not None
+        self.eng.deliver_reports()  # the last step's reports arrive before the stop
+        self.keeper.close()
+        live = {t.trajectory_id for t in old.table.values() if not t.deleted}
+        # prune_rank_files: a file stays when its header carries this rank's identity and a
+        # base-generation manifest lists its key.
+        keep = manifest_keys(self.disk_root, BASE_GENERATION) if identity == "same" else set()
+        if identity == "other":
+            self.identity = os.urandom(16)
+        self.pool = SimPool(POOL, self.tp)  # a new device pool: nothing cached, nothing pinned
+        workers = SimWorkers(self.pool, self.tp, self.workers.capacity)
+        for rank, store in enumerate(workers.stores):
+            survived = self.workers.stores[rank]
+            store.disk = {k: v for k, v in survived.disk.items() if k in keep}
+            store.damaged = survived.damaged & set(store.disk)
+        if identity == "same":
+            workers.remote = self.workers.remote
+        workers.published_truth = self.workers.published_truth
+        self._start(workers, self.eng.finished_contexts)
+        assert self.mgr is not None
+        # Nothing of a deleted trajectory comes back; only what lived at the stop does.
+        back = set(self.mgr.table)
+        assert back <= live, sorted(back - live)
+        for tid, salt in self.deleted_ids:
+            if scoped_id(tid, salt) not in live:
+                assert self.mgr.get(tid, tenant=salt)[0] == 404, (tid, salt)
+        for traj in self.mgr.table.values():
+            for b in traj.branches.values():
+                assert b.state is BranchState.OFFLOADED and b.keys, (traj.trajectory_id, b.name)
+        restored = sorted(self.mgr.table.values(), key=lambda t: t.trajectory_id)
+        if resume and restored:
+            traj = restored[0]
+            b = traj.branches[sorted(traj.branches)[0]]
+            req = self.eng.new_request(
+                traj.name, b.name, [*b.token_ids, 1], max_new=1, salt=SALT_OF[traj.tenant]
+            )
+            for _ in range(6):
+                self._engine_loop(1, 0xFFFF, 0.01)
+                if req.status == "FINISHED":
+                    break
+
+    @precondition(lambda self: self.quiet and self.workers.capacity["disk"] > 0)
+    @rule(traj=st.integers(0, 5), wait=st.sampled_from([400.0, 1e5]))
+    def long_tool_call(self, traj: int, wait: float) -> None:
+        """A human-in-the-loop wait: the pause offloads the branch to disk (or drops it when
+        the disk is full) and the engine idles meanwhile, so the store completes."""
+        assert self.mgr is not None
+        picked = self._pick_traj(traj)
+        if picked is None:
+            return
+        self.mgr.pause(picked[0], "main", "human", wait, tenant=picked[1])
+        self._engine_loop(3, 0xFFFF, 0.01)
+
+    def _disk_offloaded(self) -> bool:
+        mgr = self.mgr
+        return (
+            mgr is not None
+            and self.quiet
+            and any(
+                b.state is BranchState.OFFLOADED and b.tier == "disk"
+                for t in mgr.table.values()
+                for b in t.branches.values()
+            )
+        )
+
+    # What a restart is about: weigh it up while some branch is offloaded to disk.
+    restart_2 = precondition(lambda self: self._disk_offloaded())(restart)
+
     # ------------------------------------------------------------------ pressure
     @precondition(lambda self: len(self.eng.spikes) < 3)
     @rule(n=st.integers(4, 24))
@@ -618,4 +748,3 @@ ManagerMachine.TestCase.settings = settings(
     phases=[Phase.explicit, Phase.reuse, Phase.generate] if PROFILE == "mutation" else list(Phase),
 )
 TestManagerStateful = ManagerMachine.TestCase
-
