@@ -202,6 +202,19 @@ def test_the_real_stores_counters_count_each_block_once() -> None:
             real.s.close()
 
 
+def test_every_disk_hit_counts() -> None:
+    """Two disk blocks loaded twice: four disk hits (a counter that only flags is wrong)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        real = Real(Path(tmp), 2, 4)
+        try:
+            real.store(KEYS[:2], [b"A", b"B"], "disk")
+            real.load(KEYS[:2])
+            real.load(KEYS[:2])
+            assert real.s.stats().counters["hits_disk"] == 4
+        finally:
+            real.s.close()
+
+
 def test_a_disk_file_removed_behind_the_stores_back_is_a_miss_not_an_error() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         real = Real(Path(tmp), 1, 2)

@@ -383,3 +383,15 @@ def test_a_client_retention_ttl_caps_the_lease() -> None:
     assert body["decision"]["action"] == "retain"
     assert body["decision"]["lease_s"] == 0.5  # the policy alone would give >= 5 s
     assert branch(rig).lease_until - now == pytest.approx(0.5)
+
+
+def test_a_pause_is_logged_with_its_decision(caplog: pytest.LogCaptureFixture) -> None:
+    """Operators read pauses in the server log: trajectory/branch, tool and the action."""
+    rig = make_rig()
+    rig.turn("t1", P1)
+    with caplog.at_level("INFO", logger="agentkv"):
+        _code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
+    lines = [r.getMessage() for r in caplog.records if "pause" in r.getMessage()]
+    assert any(
+        "t1/main" in x and "tool=fast" in x and body["decision"]["action"] in x for x in lines
+    )
