@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from agentkv.tiers import native_copy
 from agentkv.tiers.device import DeviceSegments, loaded_torch
 
 Tensor = Any
@@ -114,6 +115,18 @@ class BlockTable:
         # one ~2 us): the per-block copies below create no torch objects.
         self._arrays: list[ByteArray] = [] if self.is_cuda else [r.rows.numpy() for r in self.runs]
         self._bounds = [(run.offset, run.offset + run.size) for run in self.runs]
+        # CPU: every run as (address of block 0's piece, bytes between blocks, offset in the
+        # image, size), so one native call copies a block's pieces (native_copy.py).
+        self._bases = np.array([r.rows.data_ptr() for r in self.runs], np.int64)
+        self._strides = np.array([r.rows.stride(0) for r in self.runs], np.int64)
+        self._offsets = np.array([start for start, _ in self._bounds], np.int64)
+        self._sizes = np.array([run.size for run in self.runs], np.int64)
+        self._native = not self.is_cuda and all(
+            run.rows.dtype == loaded_torch().uint8 and (run.size <= 1 or run.rows.stride(1) == 1)
+            for run in self.runs
+        )
+        if self._native:
+            native_copy.warm_up()  # compiles on a daemon thread; numpy copies until it is ready
 
     def block(self, block_id: int) -> BlockRef:
         if not 0 <= block_id < self.num_blocks:
@@ -147,7 +160,11 @@ class BlockTable:
                 raise ValueError(
                     f"src has shape {rows.shape}, expected ({len(ids)}, {self.block_bytes})"
                 )
-            for row, block_id in zip(rows, [int(b) for b in ids], strict=True):
+            images, block_ids = list(rows), [int(b) for b in ids]
+            if self._use_native(block_ids, images):
+                native_copy.copy_pieces(*self._pieces(block_ids, images, None, to_host=False))
+                return
+            for row, block_id in zip(images, block_ids, strict=True):
                 self._scatter_block(block_id, row)
             return
         index = self._index(ids)
@@ -168,6 +185,9 @@ class BlockTable:
         run and block; the caller keeps ``sources`` alive (and pinned) until the stream is past.
         """
         if not self.is_cuda:
+            if self._use_native(ids, sources):
+                native_copy.copy_pieces(*self._pieces(ids, sources, runs, to_host=False))
+                return
             for block_id, source in zip(ids, sources, strict=True):
                 for r in runs:
                     start, stop = self._bounds[r]
@@ -199,12 +219,58 @@ class BlockTable:
         dst = (bases[None, :] + blocks[:, None] * strides[None, :]).reshape(-1)
         return src, dst, sizes.repeat(len(ids))
 
+    # --- CPU: native batched copies --------------------------------------------------------------
+
+    def _use_native(self, ids: Sequence[int], images: Sequence[ByteArray]) -> bool:
+        """True when the native kernel is ready and the raw copies are safe: every id in range
+        and every host image a C-contiguous byte array of at least ``block_bytes``."""
+        if not (self._native and native_copy.available()):
+            return False
+        if any(not 0 <= int(b) < self.num_blocks for b in ids):
+            raise IndexError(f"block id out of range (0..{self.num_blocks - 1}): {list(ids)}")
+        return all(
+            isinstance(image, np.ndarray)
+            and image.dtype == np.uint8
+            and image.flags.c_contiguous
+            and image.nbytes >= self.block_bytes
+            for image in images
+        )
+
+    def _pieces(
+        self,
+        ids: Sequence[int],
+        images: Sequence[ByteArray],
+        runs: Sequence[int] | None,
+        *,
+        to_host: bool,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(destination, source, size) of every (block, run) piece, blocks outer: between the
+        cache rows of blocks ``ids`` and their images ``images`` (host addresses)."""
+        blocks = np.asarray(ids, np.int64)[:, None]
+        hosts = np.array([image.ctypes.data for image in images], np.int64)[:, None]
+        if runs is None:
+            bases, strides, offsets, sizes = self._bases, self._strides, self._offsets, self._sizes
+        else:
+            pick = np.asarray(runs, np.int64)
+            bases, strides = self._bases[pick], self._strides[pick]
+            offsets, sizes = self._offsets[pick], self._sizes[pick]
+        cache = (bases[None, :] + blocks * strides[None, :]).reshape(-1)
+        host = (hosts + offsets[None, :]).reshape(-1)
+        every = np.tile(sizes, len(blocks))
+        return (host, cache, every) if to_host else (cache, host, every)
+
     # --- one block (BlockRef) -------------------------------------------------------------------
 
     def _gather_block(self, block_id: int, dest: ByteArray) -> None:
+        if self._use_native([block_id], [dest]) and dest.flags.writeable:
+            native_copy.copy_pieces(*self._pieces([block_id], [dest], None, to_host=True))
+            return
         np.concatenate([array[block_id] for array in self._arrays], out=dest)
 
     def _scatter_block(self, block_id: int, src: ByteArray) -> None:
+        if self._use_native([block_id], [src]):
+            native_copy.copy_pieces(*self._pieces([block_id], [src], None, to_host=False))
+            return
         for array, (start, stop) in zip(self._arrays, self._bounds, strict=True):
             array[block_id] = src[start:stop]
 
