@@ -18,7 +18,9 @@ Primitives:
                             images (pinned host arena views); CUDA: one batched pointer copy
                             (vLLM's ``swap_blocks_batch``) when the installed vLLM has it.
     BlockRef                one block of a table: ``gather_into(dest)`` / ``scatter_from(src)``
-                            copy its image with numpy (CPU), ``device_segments()`` (CUDA).
+                            copy its image (CPU: every run in one native call, native_copy.py;
+                            numpy per run until the kernel is compiled or without numba),
+                            ``device_segments()`` (CUDA).
     StagedBlocks.gather(table, ids)
                             CUDA stores: blocks ``ids`` gathered (one ``index_select`` per run)
                             into a fresh device staging region ``[n, block_bytes]`` on a copy
@@ -41,8 +43,9 @@ which then crosses PCIe one DMA per block into the (pinned) host arena; loads go
 O(blocks) large DMAs per step, never O(blocks x runs). On CPU there is no DMA and no launch: a
 torch index op costs more per row than numpy's copy loop (measured, docs/tiers.md), and a
 staging region would move every byte twice, so each block is copied once, directly between the
-KV cache and its host slot, by the store's worker threads, with numpy on precomputed 2-D views
-(no tensor or view objects per run at submit time).
+KV cache and its host slot, by the store's worker threads: one native call per block copies all
+its runs (a batched memcpy over precomputed run addresses, GIL released; numpy per run as the
+fallback), and a layer-by-layer batch is one call per layer for every block.
 
 Bytes are copied raw, whole runs only: any layout round-trips exactly into the same layout (the
 key fingerprint names the layout, so a block never lands in another one). Importing this module
