@@ -12,6 +12,7 @@ counts only the store's worker threads and puts each sample in one bucket (docs/
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import time
 
@@ -21,7 +22,7 @@ BUCKETS = (
         "waiting for the GIL",
         lambda leaf, s: bool(s & {"pthread_cond_timedwait", "pthread_cond_wait", "take_gil"}),
     ),
-    ("native kernel (memcpy)", lambda leaf, s: "copy_pieces" in s and leaf.startswith("0x")),
+    ("native kernel (memcpy)", lambda leaf, s: "copy_runs" in s and leaf.startswith("0x")),
     (
         "memcpy (numpy)",
         lambda leaf, s: (
@@ -43,7 +44,7 @@ BUCKETS = (
     ),
     (
         "address arrays (per block)",
-        lambda leaf, s: bool(s & {"BlockTable._pieces", "BlockTable._use_native"}),
+        lambda leaf, s: bool(s & {"BlockTable._copy_native", "BlockTable._use_native"}),
     ),
     ("other native", lambda leaf, s: leaf.startswith("0x")),
     ("python bookkeeping (store index, locks, results)", lambda leaf, s: True),
@@ -59,7 +60,8 @@ def run(batch: int, reps: int) -> None:
 
     native_copy.warm_up(background=False)
     block, total = 1 << 20, 128 << 20
-    with TieredStore(total, None, 0, block, workers=4) as store:
+    workers = int(os.environ.get("WORKERS", "4"))
+    with TieredStore(total, None, 0, block, workers=workers) as store:
         wall, cpu = time.perf_counter(), time.process_time()
         rates = _measure_device(store, torch, "cpu", block, total, "host", reps, 32, "p", batch)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu

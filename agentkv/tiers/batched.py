@@ -124,6 +124,8 @@ class BlockTable:
         self._strides = np.array([r.rows.stride(0) for r in self.runs], np.int64)
         self._offsets = np.array([start for start, _ in self._bounds], np.int64)
         self._sizes = np.array([run.size for run in self.runs], np.int64)
+        self._geometry = (self._bases, self._strides, self._offsets, self._sizes)
+        self._all_runs = np.arange(len(self.runs), dtype=np.int64)
         self._native = not self.is_cuda and all(
             run.rows.dtype == loaded_torch().uint8 and (run.size <= 1 or run.rows.stride(1) == 1)
             for run in self.runs
@@ -165,7 +167,7 @@ class BlockTable:
                 )
             images, block_ids = list(rows), [int(b) for b in ids]
             if self._use_native(block_ids, images):
-                native_copy.copy_pieces(*self._pieces(block_ids, images, None, to_host=False))
+                self._copy_native(block_ids, images, None, to_host=False)
                 return
             for row, block_id in zip(images, block_ids, strict=True):
                 self._scatter_block(block_id, row)
@@ -189,7 +191,7 @@ class BlockTable:
         """
         if not self.is_cuda:
             if self._use_native(ids, sources):
-                native_copy.copy_pieces(*self._pieces(ids, sources, runs, to_host=False))
+                self._copy_native(ids, sources, runs, to_host=False)
                 return
             for block_id, source in zip(ids, sources, strict=True):
                 for r in runs:
@@ -239,40 +241,32 @@ class BlockTable:
             for image in images
         )
 
-    def _pieces(
+    def _copy_native(
         self,
         ids: Sequence[int],
         images: Sequence[ByteArray],
         runs: Sequence[int] | None,
         *,
         to_host: bool,
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """(destination, source, size) of every (block, run) piece, blocks outer: between the
-        cache rows of blocks ``ids`` and their images ``images`` (host addresses)."""
-        blocks = np.asarray(ids, np.int64)[:, None]
-        hosts = np.array([image.ctypes.data for image in images], np.int64)[:, None]
-        if runs is None:
-            bases, strides, offsets, sizes = self._bases, self._strides, self._offsets, self._sizes
-        else:
-            pick = np.asarray(runs, np.int64)
-            bases, strides = self._bases[pick], self._strides[pick]
-            offsets, sizes = self._offsets[pick], self._sizes[pick]
-        cache = (bases[None, :] + blocks * strides[None, :]).reshape(-1)
-        host = (hosts + offsets[None, :]).reshape(-1)
-        every = np.tile(sizes, len(blocks))
-        return (host, cache, every) if to_host else (cache, host, every)
+    ) -> None:
+        """Runs ``runs`` (None: all) of blocks ``ids`` between the cache and their host images,
+        one native call (the kernel computes each piece's addresses from the table's arrays)."""
+        hosts = np.array([image.__array_interface__["data"][0] for image in images], np.int64)
+        blocks = np.array(ids, np.int64)
+        which = self._all_runs if runs is None else np.array(runs, np.int64)
+        native_copy.copy_runs(hosts, blocks, self._geometry, which, to_host)
 
     # --- one block (BlockRef) -------------------------------------------------------------------
 
     def _gather_block(self, block_id: int, dest: ByteArray) -> None:
         if self._use_native([block_id], [dest]) and dest.flags.writeable:
-            native_copy.copy_pieces(*self._pieces([block_id], [dest], None, to_host=True))
+            self._copy_native([block_id], [dest], None, to_host=True)
             return
         np.concatenate([array[block_id] for array in self._arrays], out=dest)
 
     def _scatter_block(self, block_id: int, src: ByteArray) -> None:
         if self._use_native([block_id], [src]):
-            native_copy.copy_pieces(*self._pieces([block_id], [src], None, to_host=False))
+            self._copy_native([block_id], [src], None, to_host=False)
             return
         for array, (start, stop) in zip(self._arrays, self._bounds, strict=True):
             array[block_id] = src[start:stop]

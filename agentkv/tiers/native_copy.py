@@ -6,12 +6,15 @@ Primitives:
                                Without numba (or with ``AGENTKV_NATIVE_COPY=off``) it never
                                becomes available and callers keep their numpy path.
     available()                True once the kernel is compiled. Must not block.
-    copy_pieces(dst, src, sizes)
-                               for every i, copy ``sizes[i]`` bytes from address ``src[i]`` to
-                               address ``dst[i]`` (int64 numpy arrays of one length), in one call
-                               with the GIL released. The caller guarantees every range is live
-                               memory it may read / write and that no destination overlaps a
-                               source; nothing is checked here (raw addresses).
+    copy_runs(hosts, blocks, table, runs, to_host)
+                               for every block i and run r in ``runs``: copy ``sizes[r]`` bytes
+                               between the cache piece at ``bases[r] + blocks[i] * strides[r]``
+                               and the host image at ``hosts[i] + offsets[r]`` (``table`` is the
+                               tuple (bases, strides, offsets, sizes); every argument an int64
+                               numpy array), cache -> host when ``to_host``; one call, the GIL
+                               released, the addresses computed in the kernel. The caller
+                               guarantees every range is live memory it may read / write and that
+                               no destination overlaps a source; nothing is checked here.
 
 Why: the CPU data path copies a KV block as one piece per run (2 x layers pieces of 4-64 KiB from
 separate tensors). Through numpy each piece costs a view, a dispatch and a GIL release/reacquire
@@ -55,14 +58,37 @@ def _compile() -> None:
         memcpy.restype = ctypes.c_void_p
 
         @numba.njit(nogil=True, cache=False)  # type: ignore[untyped-decorator,misc]
-        def copy_all(dst: Any, src: Any, sizes: Any) -> None:  # pragma: no cover - compiled
-            for i in range(dst.shape[0]):
-                memcpy(dst[i], src[i], sizes[i])
+        def copy_all(
+            hosts: Any,
+            blocks: Any,
+            bases: Any,
+            strides: Any,
+            offsets: Any,
+            sizes: Any,
+            runs: Any,
+            to_host: bool,
+        ) -> None:  # pragma: no cover - compiled
+            for i in range(blocks.shape[0]):
+                for r in runs:
+                    cache = bases[r] + blocks[i] * strides[r]
+                    host = hosts[i] + offsets[r]
+                    if to_host:
+                        memcpy(host, cache, sizes[r])
+                    else:
+                        memcpy(cache, host, sizes[r])
 
-        one = np.zeros(1, np.uint8)
-        probe = np.ones(1, np.uint8)
-        address = np.array([one.ctypes.data], np.int64)
-        copy_all(address, np.array([probe.ctypes.data], np.int64), np.ones(1, np.int64))
+        one, probe = np.zeros(2, np.uint8), np.array([0, 1], np.uint8)
+        every = np.zeros(1, np.int64)
+        copy_all(
+            np.array([one.ctypes.data], np.int64),
+            np.ones(1, np.int64),
+            np.array([probe.ctypes.data], np.int64),
+            np.ones(1, np.int64),
+            every,
+            np.ones(1, np.int64),
+            every,
+            True,
+        )
         if one[0] != 1:
             raise RuntimeError("the compiled copy kernel did not copy")
         _kernel = copy_all
@@ -93,9 +119,16 @@ def available() -> bool:
     return _kernel is not None
 
 
-def copy_pieces(dst: Addresses, src: Addresses, sizes: Addresses) -> None:
-    """Copy every piece (see module docstring). RuntimeError when the kernel is not compiled."""
+def copy_runs(
+    hosts: Addresses,
+    blocks: Addresses,
+    table: tuple[Addresses, Addresses, Addresses, Addresses],
+    runs: Addresses,
+    to_host: bool,
+) -> None:
+    """Copy runs ``runs`` of every block (see module docstring). RuntimeError when the kernel is
+    not compiled."""
     kernel = _kernel
     if kernel is None:
         raise RuntimeError("native copies are not available; check available() first")
-    kernel(dst, src, sizes)
+    kernel(hosts, blocks, *table, runs, to_host)

@@ -220,13 +220,13 @@ def test_native_copies_move_a_block_in_one_call_and_a_layer_of_a_batch_in_one_ca
     if not native_copy.available():
         pytest.skip("numba is not installed: no native copies")
     calls: list[int] = []
-    real = native_copy.copy_pieces
+    real = native_copy.copy_runs
 
-    def counting(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
-        calls.append(len(dst))
-        real(dst, src, sizes)
+    def counting(hosts: np.ndarray, blocks: np.ndarray, *rest: object) -> None:
+        calls.append(len(blocks) * len(rest[1]))  # type: ignore[arg-type]
+        real(hosts, blocks, *rest)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(native_copy, "copy_pieces", counting)
+    monkeypatch.setattr(native_copy, "copy_runs", counting)
     caches, dim = _caches("flash_attn")
     before = {name: t.clone() for name, t in caches.items()}
     views = BlockViews(caches, NUM_BLOCKS)
