@@ -90,7 +90,7 @@ def tiers(
     host->device load of torch-tensor blocks through the plugin's batched data path, in calls of
     --batch shuffled blocks, next to a memcpy (CPU) or a pinned torch copy (CUDA) of the same
     bytes (CPU: also the cpu ratio, bytes per CPU-second over the memcpy's, which other
-    processes on the cores hardly move), and device<->disk next to sequential I/O. Targets: ratio >= 0.70 for blocks of 1 MiB
+    processes on the cores move less), and device<->disk next to sequential I/O. Targets: ratio >= 0.70 for blocks of 1 MiB
     and up (0.80 for device<->host at batches of 8+). With --remote, remote put/get next to a raw pipelined SET/GET of
     the same values with a plain client (no target: the link decides).
     """
@@ -222,7 +222,7 @@ def _print_report(report: Any, total_mib: int, workers: int, *, embedded: bool) 
             how = "one native call per block (numba)" if report.native_copies else "numpy per run"
             console.print(
                 f"cpu copies: {how}; cpu ratio = bytes per CPU-second of the process over the "
-                "memcpy's (insensitive to other processes on the cores)"
+                "memcpy's (less sensitive to other processes on the cores)"
             )
         if report.skipped:
             console.print(f"skipped (raise --total-mib): {', '.join(report.skipped)}")

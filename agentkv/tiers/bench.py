@@ -79,8 +79,9 @@ class Measurement:
     """Blocks per call (the device path); None for one call of every block."""
     cpu_ratio: float | None = None
     """Device path on CPU: bytes per CPU-second of this process (every thread) over the
-    memcpy's, best run of each. Other processes taking the cores change the wall-clock ratio,
-    hardly this one (the copy's cost, not its share of a shared machine)."""
+    memcpy's, best run of each. Other processes taking the cores move it less than the
+    wall-clock ratio (the copy's cost, not its share of the cores); ones taking memory bandwidth
+    still move it."""
 
 
 @dataclass(slots=True)
