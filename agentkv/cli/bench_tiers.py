@@ -89,7 +89,8 @@ def tiers(
     mode, O_DIRECT or buffered (disk). With --device cpu|cuda, also device->host store and
     host->device load of torch-tensor blocks through the plugin's batched data path, in calls of
     --batch shuffled blocks, next to a memcpy (CPU) or a pinned torch copy (CUDA) of the same
-    bytes, and device<->disk next to sequential I/O. Targets: ratio >= 0.70 for blocks of 1 MiB
+    bytes (CPU: also the cpu ratio, bytes per CPU-second over the memcpy's, which other
+    processes on the cores move less), and device<->disk next to sequential I/O. Targets: ratio >= 0.70 for blocks of 1 MiB
     and up (0.80 for device<->host at batches of 8+). With --remote, remote put/get next to a raw pipelined SET/GET of
     the same values with a plain client (no target: the link decides).
     """
@@ -184,6 +185,7 @@ def _print_report(report: Any, total_mib: int, workers: int, *, embedded: bool) 
         "baseline",
         "baseline GB/s",
         "ratio",
+        "cpu ratio",
         "target",
     )
     for column in columns:
@@ -198,6 +200,7 @@ def _print_report(report: Any, total_mib: int, workers: int, *, embedded: bool) 
             m.baseline,
             f"{m.baseline_gbps:.2f}",
             f"{m.ratio:.2f}",
+            "-" if m.cpu_ratio is None else f"{m.cpu_ratio:.2f}",
             f">= {m.target:.2f} {verdict}" if m.target is not None else "-",
         )
     console = Console()
@@ -215,6 +218,12 @@ def _print_report(report: Any, total_mib: int, workers: int, *, embedded: bool) 
             f"device path: {report.device} tensors, {report.layers} layers x 2 segments per "
             f"block; host arena {pinned}; GPUDirect Storage {gds}; batch = blocks per call"
         )
+        if report.native_copies is not None:
+            how = "one native call per block (numba)" if report.native_copies else "numpy per run"
+            console.print(
+                f"cpu copies: {how}; cpu ratio = bytes per CPU-second of the process over the "
+                "memcpy's (less sensitive to other processes on the cores)"
+            )
         if report.skipped:
             console.print(f"skipped (raise --total-mib): {', '.join(report.skipped)}")
 

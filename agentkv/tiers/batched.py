@@ -18,7 +18,9 @@ Primitives:
                             images (pinned host arena views); CUDA: one batched pointer copy
                             (vLLM's ``swap_blocks_batch``) when the installed vLLM has it.
     BlockRef                one block of a table: ``gather_into(dest)`` / ``scatter_from(src)``
-                            copy its image with numpy (CPU), ``device_segments()`` (CUDA).
+                            copy its image (CPU: every run in one native call, native_copy.py;
+                            numpy per run until the kernel is compiled or without numba),
+                            ``device_segments()`` (CUDA).
     StagedBlocks.gather(table, ids)
                             CUDA stores: blocks ``ids`` gathered (one ``index_select`` per run)
                             into a fresh device staging region ``[n, block_bytes]`` on a copy
@@ -41,8 +43,9 @@ which then crosses PCIe one DMA per block into the (pinned) host arena; loads go
 O(blocks) large DMAs per step, never O(blocks x runs). On CPU there is no DMA and no launch: a
 torch index op costs more per row than numpy's copy loop (measured, docs/tiers.md), and a
 staging region would move every byte twice, so each block is copied once, directly between the
-KV cache and its host slot, by the store's worker threads, with numpy on precomputed 2-D views
-(no tensor or view objects per run at submit time).
+KV cache and its host slot, by the store's worker threads: one native call per block copies all
+its runs (a batched memcpy over precomputed run addresses, GIL released; numpy per run as the
+fallback), and a layer-by-layer batch is one call per layer for every block.
 
 Bytes are copied raw, whole runs only: any layout round-trips exactly into the same layout (the
 key fingerprint names the layout, so a block never lands in another one). Importing this module
@@ -59,6 +62,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from agentkv.tiers import native_copy
 from agentkv.tiers.device import DeviceSegments, loaded_torch
 
 Tensor = Any
@@ -114,6 +118,20 @@ class BlockTable:
         # one ~2 us): the per-block copies below create no torch objects.
         self._arrays: list[ByteArray] = [] if self.is_cuda else [r.rows.numpy() for r in self.runs]
         self._bounds = [(run.offset, run.offset + run.size) for run in self.runs]
+        # CPU: every run as (address of block 0's piece, bytes between blocks, offset in the
+        # image, size), so one native call copies a block's pieces (native_copy.py).
+        self._bases = np.array([r.rows.data_ptr() for r in self.runs], np.int64)
+        self._strides = np.array([r.rows.stride(0) for r in self.runs], np.int64)
+        self._offsets = np.array([start for start, _ in self._bounds], np.int64)
+        self._sizes = np.array([run.size for run in self.runs], np.int64)
+        self._geometry = (self._bases, self._strides, self._offsets, self._sizes)
+        self._all_runs = np.arange(len(self.runs), dtype=np.int64)
+        self._native = not self.is_cuda and all(
+            run.rows.dtype == loaded_torch().uint8 and (run.size <= 1 or run.rows.stride(1) == 1)
+            for run in self.runs
+        )
+        if self._native:
+            native_copy.warm_up()  # compiles on a daemon thread; numpy copies until it is ready
 
     def block(self, block_id: int) -> BlockRef:
         if not 0 <= block_id < self.num_blocks:
@@ -147,7 +165,11 @@ class BlockTable:
                 raise ValueError(
                     f"src has shape {rows.shape}, expected ({len(ids)}, {self.block_bytes})"
                 )
-            for row, block_id in zip(rows, [int(b) for b in ids], strict=True):
+            images, block_ids = list(rows), [int(b) for b in ids]
+            if self._use_native(block_ids, images):
+                self._copy_native(block_ids, images, None, to_host=False)
+                return
+            for row, block_id in zip(images, block_ids, strict=True):
                 self._scatter_block(block_id, row)
             return
         index = self._index(ids)
@@ -168,6 +190,9 @@ class BlockTable:
         run and block; the caller keeps ``sources`` alive (and pinned) until the stream is past.
         """
         if not self.is_cuda:
+            if self._use_native(ids, sources):
+                self._copy_native(ids, sources, runs, to_host=False)
+                return
             for block_id, source in zip(ids, sources, strict=True):
                 for r in runs:
                     start, stop = self._bounds[r]
@@ -199,12 +224,50 @@ class BlockTable:
         dst = (bases[None, :] + blocks[:, None] * strides[None, :]).reshape(-1)
         return src, dst, sizes.repeat(len(ids))
 
+    # --- CPU: native batched copies --------------------------------------------------------------
+
+    def _use_native(self, ids: Sequence[int], images: Sequence[ByteArray]) -> bool:
+        """True when the native kernel is ready and the raw copies are safe: every id in range
+        and every host image a C-contiguous byte array of at least ``block_bytes``."""
+        if not (self._native and native_copy.available()):
+            return False
+        if any(not 0 <= int(b) < self.num_blocks for b in ids):
+            raise IndexError(f"block id out of range (0..{self.num_blocks - 1}): {list(ids)}")
+        return all(
+            isinstance(image, np.ndarray)
+            and image.dtype == np.uint8
+            and image.flags.c_contiguous
+            and image.nbytes >= self.block_bytes
+            for image in images
+        )
+
+    def _copy_native(
+        self,
+        ids: Sequence[int],
+        images: Sequence[ByteArray],
+        runs: Sequence[int] | None,
+        *,
+        to_host: bool,
+    ) -> None:
+        """Runs ``runs`` (None: all) of blocks ``ids`` between the cache and their host images,
+        one native call (the kernel computes each piece's addresses from the table's arrays)."""
+        hosts = np.array([image.__array_interface__["data"][0] for image in images], np.int64)
+        blocks = np.array(ids, np.int64)
+        which = self._all_runs if runs is None else np.array(runs, np.int64)
+        native_copy.copy_runs(hosts, blocks, self._geometry, which, to_host)
+
     # --- one block (BlockRef) -------------------------------------------------------------------
 
     def _gather_block(self, block_id: int, dest: ByteArray) -> None:
+        if self._use_native([block_id], [dest]) and dest.flags.writeable:
+            self._copy_native([block_id], [dest], None, to_host=True)
+            return
         np.concatenate([array[block_id] for array in self._arrays], out=dest)
 
     def _scatter_block(self, block_id: int, src: ByteArray) -> None:
+        if self._use_native([block_id], [src]):
+            self._copy_native([block_id], [src], None, to_host=False)
+            return
         for array, (start, stop) in zip(self._arrays, self._bounds, strict=True):
             array[block_id] = src[start:stop]
 

@@ -47,8 +47,10 @@ from agentkv.tier import Tier
 from agentkv.tiers.batched import BlockTable, Run, StagedBlocks, staging_budget
 from agentkv.tiers.bench_baselines import (
     best_of,
+    best_with_cpu,
     gbps,
     memory_copy_baseline,
+    memory_copy_rates,
     raw_remote_baseline,
     sequential_file_baseline,
     torch_copy_baseline,
@@ -85,6 +87,11 @@ class Measurement:
     passed: bool | None
     batch: int | None = None
     """Blocks per call (the device path); None for one call of every block."""
+    cpu_ratio: float | None = None
+    """Device path on CPU: bytes per CPU-second of this process (every thread) over the
+    memcpy's, best run of each. Other processes taking the cores move it less than the
+    wall-clock ratio (the copy's cost, not its share of the cores); ones taking memory bandwidth
+    still move it."""
 
 
 @dataclass(slots=True)
@@ -102,6 +109,8 @@ class TierBenchReport:
     """The remote tier's URL (no credentials), when measured."""
     skipped: list[str] = field(default_factory=list)
     """Device-path batch sizes larger than the blocks one run holds (raise total_bytes)."""
+    native_copies: bool | None = None
+    """Device path on CPU: whether blocks moved through the native batched copy (numba)."""
 
 
 def _measure_store(
@@ -244,9 +253,10 @@ def _measure_device(
     layers: int,
     salt: str,
     batch: int,
-) -> tuple[float, float]:
-    """(store GB/s, load GB/s) moving every block in calls of ``batch`` shuffled block ids, each
-    call submitted and waited for in turn, through the plugin's data path (batched.py)."""
+) -> tuple[float, float, float, float]:
+    """(store GB/s, load GB/s, store and load GB per CPU-second) moving every block in calls of
+    ``batch`` shuffled block ids, each call submitted and waited for in turn, through the
+    plugin's data path (batched.py)."""
     count = max(1, total_bytes // block_bytes)
     keys = _bench_keys(ModelFingerprint("bench", "uint8", 16, layers), salt, count)
     kv = _DeviceBlocks(torch, device, count, block_bytes, _layers_for(block_bytes, layers))
@@ -281,13 +291,18 @@ def _measure_device(
         kv.sync()
         return time.perf_counter() - start
 
-    store_s = best_of(repeats, store_once)
-    load_s = best_of(repeats, load_once)
+    store_s, store_cpu = best_with_cpu(repeats, store_once)
+    load_s, load_cpu = best_with_cpu(repeats, load_once)
     kv.sync()
     if not kv.exact():
         raise RuntimeError("bench device round trip was not bit-exact")
     store.drop(keys)
-    return gbps(nbytes, store_s), gbps(nbytes, load_s)
+    return (
+        gbps(nbytes, store_s),
+        gbps(nbytes, load_s),
+        gbps(nbytes, store_cpu),
+        gbps(nbytes, load_cpu),
+    )
 
 
 def _device_torch(device: str) -> Any:
@@ -351,7 +366,7 @@ def _measure_device_host(
                     report.skipped.append(f"{block_bytes >> 10} KiB x {batch} blocks per call")
                     continue
                 step(f"host tier from {device} tensors, {block_bytes >> 10} KiB x {batch}")
-                stored, loaded = _measure_device(
+                stored, loaded, stored_cpu, loaded_cpu = _measure_device(
                     store,
                     torch,
                     device,
@@ -364,24 +379,27 @@ def _measure_device_host(
                     batch,
                 )
                 target = batch >= DEVICE_TARGET_MIN_BATCH
+                copy_cpu = 0.0
                 if device == "cpu":  # re-measured next to each run: shared machines drift
-                    down_gbps = up_gbps = memory_copy_baseline(total_bytes, repeats)
-                for operation, gbps, name, base in (
-                    ("device->host store", stored, down_name, down_gbps),
-                    ("host->device load", loaded, up_name, up_gbps),
+                    down_gbps, copy_cpu = memory_copy_rates(total_bytes, repeats)
+                    up_gbps = down_gbps
+                for operation, gbps, cpu_gbps, name, base in (
+                    ("device->host store", stored, stored_cpu, down_name, down_gbps),
+                    ("host->device load", loaded, loaded_cpu, up_name, up_gbps),
                 ):
-                    report.measurements.append(
-                        _measurement(
-                            operation,
-                            block_bytes,
-                            gbps,
-                            name,
-                            base,
-                            target,
-                            batch=batch,
-                            target_ratio=DEVICE_TARGET_RATIO,
-                        )
+                    measured = _measurement(
+                        operation,
+                        block_bytes,
+                        gbps,
+                        name,
+                        base,
+                        target,
+                        batch=batch,
+                        target_ratio=DEVICE_TARGET_RATIO,
                     )
+                    if copy_cpu > 0:
+                        measured = dataclasses.replace(measured, cpu_ratio=cpu_gbps / copy_cpu)
+                    report.measurements.append(measured)
 
 
 def _disk_store(
@@ -487,7 +505,7 @@ def _measure_device_disk(
         label = " (gds)" if gds else ""
         step(f"disk tier from {device} tensors{label}, {block_bytes >> 10} KiB blocks")
         with _disk_store(work, count, block_bytes, workers, direct_io, gds) as store:
-            wrote, read = _measure_device(
+            wrote, read, _, _ = _measure_device(
                 store,
                 torch,
                 device,
@@ -548,6 +566,11 @@ def run_tier_bench(
     copy_gbps = memory_copy_baseline(total_bytes, repeats)
     if torch is not None and device is not None:
         report.device, report.layers = device, layers
+        if device == "cpu":  # compile the batched copy now: the runs measure the steady state
+            from agentkv.tiers import native_copy
+
+            native_copy.warm_up(background=False)
+            report.native_copies = native_copy.available()
         if device == "cuda":
             step("pinned torch copy baseline (cuda)")
             down_gbps, up_gbps = torch_copy_baseline(torch, device, total_bytes, repeats)

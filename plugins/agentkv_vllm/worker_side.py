@@ -50,7 +50,7 @@ import numpy as np
 
 from agentkv.errors import CorruptBlockError
 from agentkv.kv_identity import KVIdentity
-from agentkv.manager.jobs import LoadJob, StoreJob, WorkerReport
+from agentkv.manager.jobs import LoadJob, MoveKind, StoreJob, TransferKind, WorkerReport
 from agentkv.manager.recovery import prune_rank_files
 from agentkv.tier import Tier
 from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
@@ -126,6 +126,7 @@ class _Pending:
     load: LoadJob | None = None
     deadline: float = math.inf
     staged: StagedBlocks | None = None  # CUDA: the device staging this job copies to or from
+    move: MoveKind | None = None  # a tier move (fetch/upload/promote/demote); None: store/load
 
 
 @dataclass
@@ -263,7 +264,7 @@ class WorkerSide:
                     now,
                     len(keys) * self.views.block_bytes,
                     job.job_id,
-                    ("offload", job.tier, f"job-{job.job_id}"),
+                    (TransferKind.OFFLOAD, job.tier, f"job-{job.job_id}"),
                     [b.key for b in job.blocks],
                     staged=staging,
                 )
@@ -274,12 +275,13 @@ class WorkerSide:
         for move in plan.moves:
             keys = [self.rank_key(k) for k in move.keys]
             try:
+                kind = MoveKind(move.kind)  # the plan crossed a process boundary: normalise
                 moving: TransferHandle | Future[list[Any]]
-                if move.kind == "fetch":
+                if kind is MoveKind.FETCH:
                     moving = self._fetch_pool().submit(self._fetch_remote, keys)
-                elif move.kind == "upload":
+                elif kind is MoveKind.UPLOAD:
                     moving = store.copy_to_remote(keys)
-                elif move.kind == "promote":
+                elif kind is MoveKind.PROMOTE:
                     moving = store.promote(keys)
                 else:
                     moving = store.copy_to_disk(keys)
@@ -287,15 +289,16 @@ class WorkerSide:
                 log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
                 self._done(move.job_id, ok=False)
                 continue
-            tier = {"demote": "disk", "upload": "remote"}.get(move.kind, "host")
+            tier = {MoveKind.DEMOTE: Tier.DISK, MoveKind.UPLOAD: Tier.REMOTE}.get(kind, Tier.HOST)
             self._jobs.append(
                 _Pending(
                     moving,
                     now,
                     len(keys) * self.views.block_bytes,
                     move.job_id,
-                    (move.kind, tier, f"job-{move.job_id}"),
+                    (kind, tier, f"job-{move.job_id}"),
                     list(move.keys),
+                    move=kind,
                 )
             )
         layerwise = [load for load in plan.loads if load.layerwise]
@@ -333,7 +336,7 @@ class WorkerSide:
                     now,
                     len(keys) * self.views.block_bytes,
                     load.job_id,
-                    ("reload", "host", f"req-{load.req_id}"),
+                    (TransferKind.RELOAD, Tier.HOST, f"req-{load.req_id}"),
                     [b.key for b in load.blocks],
                     load=load,
                     deadline=now + timeout,
@@ -403,7 +406,7 @@ class WorkerSide:
             read = store.acquire_host(keys)
             ids = [b.block_id for b in load.blocks]
             for i in read.missing:
-                if store.tier_of(keys[i]) == "disk":
+                if store.tier_of(keys[i]) is Tier.DISK:
                     from_disk.append((keys[i], ids[i], load.blocks[i].key, load.job_id))
                 else:  # not where the scheduler said: vLLM recomputes it
                     self._load_errors.add(ids[i])
@@ -493,7 +496,7 @@ class WorkerSide:
             self._done(job_id, ok=job_id not in failed)
         # Timed by the copier itself: the step's wall time includes the forward it overlaps,
         # and the online bandwidth estimate must not read that as a slow link.
-        self._report.transfers[("reload", "host", step.ref)] = (step.nbytes, seconds)
+        self._report.transfers[(TransferKind.RELOAD, Tier.HOST, step.ref)] = (step.nbytes, seconds)
 
     def poll(self) -> set[str]:
         """Collect finished transfers; returns request ids whose async loads are complete.
@@ -506,7 +509,7 @@ class WorkerSide:
                 still.append(p)
                 continue
             results = p.handle.result()
-            if p.ref[0] == "fetch":
+            if p.move is MoveKind.FETCH:
                 # Best effort: blocks the remote tier lacks are this rank's misses, not a
                 # failed job (the manager indexes the rest).
                 missing = [k for r, k in zip(results, p.keys, strict=True) if not r.ok]
@@ -516,19 +519,19 @@ class WorkerSide:
                 got = len(results) - len(missing)
                 if got:
                     nbytes = got * (self.views.block_bytes if self.views is not None else 0)
-                    self._report.transfers[("reload", "remote", p.ref[2])] = (
+                    self._report.transfers[(TransferKind.RELOAD, Tier.REMOTE, p.ref[2])] = (
                         nbytes,
                         now - p.started,
                     )
                 continue
             ok = all(r.ok for r in results)
-            if p.ref[0] == "upload":
+            if p.move is MoveKind.UPLOAD:
                 # The remote tier failed, not the local copy: nothing local is lost (the remote
                 # client logs the cause, rate-limited); the manager counts the failed job.
                 self._done(p.job_id, ok)
                 if any(r.ok for r in results):
                     sent = p.nbytes * sum(r.ok for r in results) // len(results)
-                    self._report.transfers[("offload", "remote", p.ref[2])] = (
+                    self._report.transfers[(TransferKind.OFFLOAD, Tier.REMOTE, p.ref[2])] = (
                         sent,
                         now - p.started,
                     )
@@ -580,8 +583,8 @@ class WorkerSide:
                     log.warning("agentkv: scatter of load %s failed: %s", p.load.req_id, exc)
                     ok = False
                     self._load_errors.update(b.block_id for b in p.load.blocks)
-            tier = "disk" if any(r.tier == "disk" for r in results) else "host"
-            self._report.transfers[("reload", tier, f"req-{p.load.req_id}")] = (
+            tier = Tier.DISK if any(r.tier == Tier.DISK for r in results) else Tier.HOST
+            self._report.transfers[(TransferKind.RELOAD, tier, f"req-{p.load.req_id}")] = (
                 p.nbytes,
                 now - (getattr(p.handle, "started_at", None) or p.started),
             )

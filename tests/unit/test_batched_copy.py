@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from agentkv.tiers import native_copy  # noqa: E402
 from agentkv.tiers.batched import BlockRef, BlockTable, Run, StagedBlocks, staging_budget  # noqa: E402
 from agentkv.tiers.disk import HEADER_BYTES  # noqa: E402
 from agentkv.tiers.keys import ModelFingerprint  # noqa: E402
@@ -56,6 +57,18 @@ def _layer(layout: str, seed: int) -> tuple[torch.Tensor, int]:
 LAYOUTS = ["cpu", "flash_attn", "flash_attn_hnd", "flashinfer", "flashinfer_hnd", "mla"]
 
 
+@pytest.fixture(params=["native", "numpy"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both CPU copy paths: the batched native kernel (numba) and the numpy fallback."""
+    if request.param == "native":
+        native_copy.warm_up(background=False)
+        if not native_copy.available():
+            pytest.skip("numba is not installed: no native copies")
+    else:
+        monkeypatch.setattr(native_copy, "_kernel", None)
+    return str(request.param)
+
+
 def _caches(layout: str) -> tuple[dict[str, torch.Tensor], int]:
     layers = {f"model.layers.{i}.attn": _layer(layout, seed=i) for i in range(LAYERS)}
     dim = next(iter(layers.values()))[1]
@@ -82,7 +95,9 @@ def _assert_moved(
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_batched_gather_then_scatter_of_shuffled_ids_round_trips_exactly(layout: str) -> None:
+def test_batched_gather_then_scatter_of_shuffled_ids_round_trips_exactly(
+    layout: str, copy_path: str
+) -> None:
     caches, dim = _caches(layout)
     before = {name: t.clone() for name, t in caches.items()}
     views = BlockViews(caches, NUM_BLOCKS)
@@ -100,7 +115,7 @@ def test_batched_gather_then_scatter_of_shuffled_ids_round_trips_exactly(layout:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_staged_load_writes_only_the_rows_that_loaded(layout: str) -> None:
+def test_staged_load_writes_only_the_rows_that_loaded(layout: str, copy_path: str) -> None:
     caches, dim = _caches(layout)
     before = {name: t.clone() for name, t in caches.items()}
     table = BlockViews(caches, NUM_BLOCKS).table
@@ -137,7 +152,7 @@ def store(tmp_path: Path) -> Iterator[object]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_block_refs_round_trip_shuffled_ids_through_the_store(
-    store, layout: str, tier: str
+    store, layout: str, tier: str, copy_path: str
 ) -> None:  # type: ignore[no-untyped-def]
     caches, dim = _caches(layout)
     before = {name: t.clone() for name, t in caches.items()}
@@ -152,7 +167,7 @@ def test_block_refs_round_trip_shuffled_ids_through_the_store(
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layer_by_layer_copies_from_host_images_round_trip(layout: str) -> None:
+def test_layer_by_layer_copies_from_host_images_round_trip(layout: str, copy_path: str) -> None:
     caches, dim = _caches(layout)
     before = {name: t.clone() for name, t in caches.items()}
     views = BlockViews(caches, NUM_BLOCKS)
@@ -194,3 +209,57 @@ def test_a_table_rejects_runs_that_do_not_tile_the_image() -> None:
     table = BlockTable([Run(rows, 0)])
     with pytest.raises(ValueError, match="shape"):
         table.gather([0, 1], torch.empty(3, 8, dtype=torch.uint8))
+
+
+def test_native_copies_move_a_block_in_one_call_and_a_layer_of_a_batch_in_one_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CPU data path's submit cost: one native call per block (store and load through the
+    store's BlockRefs) and one per layer for a whole layer-by-layer batch, not one per run."""
+    native_copy.warm_up(background=False)
+    if not native_copy.available():
+        pytest.skip("numba is not installed: no native copies")
+    calls: list[int] = []
+    real = native_copy.copy_runs
+
+    def counting(hosts: np.ndarray, blocks: np.ndarray, *rest: object) -> None:
+        calls.append(len(blocks) * len(rest[1]))  # type: ignore[arg-type]
+        real(hosts, blocks, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native_copy, "copy_runs", counting)
+    caches, dim = _caches("flash_attn")
+    before = {name: t.clone() for name, t in caches.items()}
+    views = BlockViews(caches, NUM_BLOCKS)
+    runs = 2 * LAYERS
+    images = [np.empty(views.block_bytes, np.uint8) for _ in SRC]
+    for b, image in zip(SRC, images, strict=True):
+        views.block(b).gather_into(image)
+    assert calls == [runs] * len(SRC)  # every run of a block in one call
+    calls.clear()
+    for _name, segs in views.layer_slices():
+        views.table.copy_runs_from_host(DST, images, [index for index, _, _ in segs])
+    assert calls == [2 * len(DST)] * LAYERS  # one call per layer, every block of the batch
+    _assert_moved(before, caches, dim, set(range(NUM_BLOCKS)) - set(DST))
+
+
+def test_native_copies_refuse_out_of_range_ids_and_fall_back_for_odd_buffers() -> None:
+    """Raw addresses are only computed for checked input: an id outside the cache raises (numpy
+    would wrap a negative one), a non-contiguous or short host image takes the numpy path."""
+    native_copy.warm_up(background=False)
+    if not native_copy.available():
+        pytest.skip("numba is not installed: no native copies")
+    caches, _ = _caches("flashinfer")
+    table = BlockViews(caches, NUM_BLOCKS).table
+    image = np.zeros(table.block_bytes, np.uint8)
+    for bad in (-1, NUM_BLOCKS):
+        with pytest.raises(IndexError):
+            table.copy_runs_from_host([bad], [image], [0])
+        with pytest.raises(IndexError):
+            table._scatter_block(bad, image)
+    strided = np.zeros(2 * table.block_bytes, np.uint8)[::2]
+    table.block(3).gather_into(strided)  # numpy path: still exact
+    want = np.empty(table.block_bytes, np.uint8)
+    table.block(3).gather_into(want)
+    assert np.array_equal(strided, want)
+    with pytest.raises(ValueError):  # too short for the numpy path as well: never a raw copy
+        table.block(3).gather_into(np.zeros(table.block_bytes - 1, np.uint8))

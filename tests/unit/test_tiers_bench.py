@@ -78,6 +78,9 @@ def test_bench_tiers_device_cpu_reports_batched_path_ratios_per_batch(tmp_path: 
             assert m["gbps"] > 0 and m["baseline_gbps"] > 0
             assert m["ratio"] == pytest.approx(m["gbps"] / m["baseline_gbps"])
             assert m["target"] is None  # below 1 MiB, or fewer than 8 blocks per call
+            assert m["cpu_ratio"] > 0  # CPU: the copy's cost next to the memcpy's
+    assert report["native_copies"] in (True, False)  # the bench says which CPU path it measured
+    assert all(m["cpu_ratio"] is None for m in report["measurements"] if m["batch"] is None)
     assert report["skipped"] == ["1024 KiB x 8 blocks per call", "1024 KiB x 32 blocks per call"]
     for op, baseline in (
         ("device->disk store", "sequential write"),

@@ -47,3 +47,46 @@ def test_aggregate_counts_ranks_per_job_and_merges_failures() -> None:
     # aggregation must not mutate its inputs (vLLM may reuse them)
     assert r0.report.jobs_done == {1: 1, 2: 1}
     assert r0.report.transfers == {("offload", "host", "job-1"): (10, 0.5)}
+
+
+def test_move_kinds_arrive_as_plain_strings_and_an_unknown_one_fails_its_job() -> None:
+    """The plan crosses a process boundary: a move kind may arrive as its string. The worker
+    runs it as its MoveKind (a demote lands on disk and is reported under the enum's key); a
+    kind it does not know fails that job and never raises into the engine."""
+    torch = pytest.importorskip("torch")
+    from agentkv.manager.jobs import BlockTransfer, MoveJob, StepPlan, StoreJob, TransferKind
+    from agentkv.tier import Tier
+    from agentkv_vllm.metadata import AgentKVStepMetadata
+    from agentkv_vllm.settings import ConnectorSettings
+    from agentkv_vllm.worker_side import WorkerSide
+
+    caches = {f"model.layers.{i}.attn": torch.ones(4, 2, 16, 8) * i for i in range(2)}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as disk:
+        worker = WorkerSide(
+            settings=ConnectorSettings(host_capacity_gib=0.01, disk_dir=disk, run_dir=disk),
+            model_id="sim",
+            tp_rank=0,
+            tp_size=1,
+            num_blocks=4,
+        )
+        worker.register_kv_caches(caches)
+
+        def run(**plan: object) -> None:
+            worker.start_step(AgentKVStepMetadata(StepPlan(**plan)))  # type: ignore[arg-type]
+            for pending in worker._jobs:
+                pending.handle.result()
+            worker.poll()
+
+        run(stores=[StoreJob(1, Tier.HOST, [BlockTransfer(b"k", 1)], "t")])
+        run(moves=[MoveJob(2, "demote", [b"k"]), MoveJob(3, "teleport", [b"k"])])  # type: ignore[arg-type]
+        report = worker.take_report()
+        assert report is not None
+        assert report.report.jobs_done == {1: 1, 2: 1, 3: 1}
+        assert report.report.jobs_failed == {3}
+        assert worker.store is not None and worker.store.tier_of(worker.rank_key(b"k")) == Tier.HOST
+        assert worker.store.stats().disk is not None and worker.store.stats().disk.blocks == 1
+        assert ("demote", Tier.DISK, "job-2") in report.report.transfers
+        assert (TransferKind.OFFLOAD, Tier.HOST, "job-1") in report.report.transfers
+        worker.shutdown()
