@@ -37,6 +37,11 @@ def server_spec(work: Path) -> LaunchSpec:
             "disk_dir": str(work / "disk"),
             "host_capacity_gib": 1,
             "grace_s": 0.5,
+            # The demo's cache flush stands in for memory pressure, but a flush comes without
+            # the warning real pressure gives: the default write-back rule ("forecast") would
+            # still be waiting for an eviction forecast and copy nothing. "eager" copies at the
+            # pause, so turn 3 shows the host tier.
+            "writeback": "eager",
         },
         kv_space_gib=1,
         max_model_len=8192,
