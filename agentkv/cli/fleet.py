@@ -165,11 +165,26 @@ def up(
             _print_router_command(spec, port)
             return
         typer.echo(f"starting {plan.replicas} replicas and vllm-router (logs in {logs}) ...")
+        stop_on_terminate()
         _run(spec, restart)
     except KeyboardInterrupt:
         typer.echo("stopping")
     except AgentKVError as exc:
         fail(str(exc))
+
+
+def stop_on_terminate() -> None:
+    """SIGTERM and SIGHUP (a service manager's stop, a closed terminal, ``kill``) stop the fleet
+    as Ctrl-C does: the running fleet's context exits and takes every process group it started
+    down with it. Python's default for SIGTERM ends the process at once and would leave the
+    replicas, the router and Valkey running."""
+    import signal
+
+    def _interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
 
 
 def _print_router_command(spec: FleetSpec, port: int) -> None:
@@ -193,7 +208,7 @@ def _run(spec: FleetSpec, restart: bool) -> None:
             typer.echo(f"replica:  {url}  (KV events {events})")
         if fleet.remote_url:
             typer.echo(f"remote:   {fleet.remote_url}")
-        typer.echo("Ctrl-C stops everything.")
+        typer.echo("Ctrl-C (or SIGTERM) stops everything.")
         _watch(fleet, restart)
 
 
