@@ -75,7 +75,9 @@ def run(batch: int, reps: int) -> None:
 
 def summary(path: str) -> None:
     counts: collections.Counter[str] = collections.Counter()
-    for line in open(path):
+    with open(path) as lines:
+        raw = list(lines)
+    for line in raw:
         stack, _, count = line.rstrip().rpartition(" ")
         frames = [frame.split(" (")[0] for frame in stack.split(";")]
         if not any(frame.endswith("run_chunk") for frame in frames):
