@@ -323,16 +323,21 @@ def test_a_remote_tier_serves_a_resume_routed_to_another_replica() -> None:
     assert (shared.resume_hit_rate or 0) > (local.resume_hit_rate or 1)
 
 
-def test_long_declared_waits_go_to_disk_and_come_back_through_the_prefetch() -> None:
+def _slow_and_busy() -> SimWorkload:
+    """A slow trajectory (a 400 s human wait) whose context a busy one evicts meanwhile."""
     turns = [SimTurn(1536, 2500, 24)]
     turns.append(SimTurn(turns[-1].prompt_tokens + 24, 400, 24, 400.0, "human", 400.0))
     other = [SimTurn(0, 9000, 24, 0.0), SimTurn(9024, 300, 24, 10.0, "t", 10.0)]
-    wl = SimWorkload(
+    return SimWorkload(
         (
             SimTrajectory("slow", 0.0, tuple(turns), 1536, "g"),
             SimTrajectory("busy", 60.0, tuple(other)),
         )
     )
+
+
+def test_long_declared_waits_go_to_disk_and_come_back_through_the_prefetch() -> None:
+    wl = _slow_and_busy()
     cfg = FleetConfig(num_blocks=96, host_capacity_gib=1.0, disk_capacity_gib=4.0)
     s = simulate(wl, cfg).summary
     assert s.decisions.get("offload_disk") == 1
@@ -448,15 +453,7 @@ def test_device_prefetch_turns_the_disk_reload_into_a_device_hit_by_the_managers
     """The manager's rule (agentkv.prefetch_rule) in the simulator: the slow trajectory's
     context, evicted by the busy one and copied to disk, is back in device blocks before its
     resume, so the resume reloads nothing; without the prefetch it reloads from the tier."""
-    turns = [SimTurn(1536, 2500, 24)]
-    turns.append(SimTurn(turns[-1].prompt_tokens + 24, 400, 24, 400.0, "human", 400.0))
-    other = [SimTurn(0, 9000, 24, 0.0), SimTurn(9024, 300, 24, 10.0, "t", 10.0)]
-    wl = SimWorkload(
-        (
-            SimTrajectory("slow", 0.0, tuple(turns), 1536, "g"),
-            SimTrajectory("busy", 60.0, tuple(other)),
-        )
-    )
+    wl = _slow_and_busy()
     base = FleetConfig(num_blocks=96, host_capacity_gib=1.0, disk_capacity_gib=4.0)
     off = simulate(wl, base).summary
     on = simulate(wl, replace(base, device_prefetch=True)).summary
