@@ -63,7 +63,14 @@ def fleet(
         kv_space_gib=1,
         max_model_len=8192,
         remote_url=valkey.url,
-        connector_config={"host_capacity_gib": 0.5, "grace_s": 0.2, "job_timeout_s": 20},
+        # Eager write-back: these tests measure reuse through the remote tier, which the
+        # production rule ("forecast") would not write in a pool this roomy (issue 26).
+        connector_config={
+            "host_capacity_gib": 0.5,
+            "grace_s": 0.2,
+            "job_timeout_s": 20,
+            "writeback": "eager",
+        },
         extra_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "AGENTKV_PROFILE": "/nonexistent"},
         # A dead replica is noticed at the next failed request, not a minute later.
         router_args=(

@@ -10,6 +10,7 @@ uses tool names of its own (the server learns waits per tool name).
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -204,8 +205,11 @@ def test_malformed_hints_are_vanilla_with_one_warning(server: Server) -> None:
     for key, n in (("malformed.x-session-id", 2), ("malformed.agentic_context", 2)):
         assert after.get(key, 0) - before.get(key, 0) == n, (key, after)
     log = server.log_path.read_text(errors="replace")
-    assert "'bad session 1' is not a trajectory id" in log
-    assert "'bad session 2'" not in log  # the same kind of problem is warned once
+    # Warned once per kind per process: other modules on this shared server (the APIs test's
+    # 'has space') may have spent the x-session-id warning first, so count, don't name.
+    warned = re.findall(r"x-session-id '[^']*' is not a trajectory id", log)
+    assert len(warned) == 1, warned
+    assert "'bad session 2'" not in log
 
 
 def test_openai_client_wrapper_two_turns_and_a_tool_wait(server: Server) -> None:
