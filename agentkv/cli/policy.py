@@ -160,8 +160,9 @@ def decide_cmd(
     ),
 ) -> None:
     """Price one pause and decide: retain, offload to host or disk, or drop and recompute."""
+    from agentkv.costs import CostModel
     from agentkv.errors import ConfigError
-    from agentkv.policy import CostModel, decide
+    from agentkv.policy import decide
 
     try:
         if (prefill_flops is None) == (prefill_tokens_per_s is None):

@@ -77,6 +77,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from agentkv import metrics as m
 from agentkv.admission import NO_QUEUE, Admission, PoolTrend
+from agentkv.costs import CostModel
 from agentkv.manager import views
 from agentkv.manager.jobs import MoveJob, MoveKind, StepPlan, TransferKind, WorkerReport
 from agentkv.manager.jobtable import Job, JobKind, JobTable
@@ -95,7 +96,7 @@ from agentkv.manager.timers import BRANCH_TIMERS, Leases, Timer, TimerHeap, Time
 from agentkv.manager.transitions import Transitions
 from agentkv.manager.writeback import DeferredWritebacks
 from agentkv.metrics import MetricsRecorder
-from agentkv.policy import HIGH_WATER, Action, CostModel, PolicyParams
+from agentkv.policy import HIGH_WATER, Action, PolicyParams
 from agentkv.policy import pressure_victims as pressure_victims
 from agentkv.predict import PrefetchOutcomeCounter, WaitPredictor
 from agentkv.tier import Tier

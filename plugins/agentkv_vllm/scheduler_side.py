@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentkv.admission import Admission
+from agentkv.costs import CostModel
 from agentkv.idempotency import KEY_FIELD, ReplayCache
 from agentkv.kv_identity import LogicalKeys
 from agentkv.manager import ManagerConfig, RequestParams, TrajectoryManager
@@ -50,7 +51,7 @@ from agentkv.manager.recovery import ManifestKeeper, load_records, manifest_path
 from agentkv.metrics import MetricsRecorder, Snapshot
 from agentkv.online_profile import OnlineProfile
 from agentkv.otel_export import OTelExport
-from agentkv.policy import CostModel, PolicyParams
+from agentkv.policy import PolicyParams
 from agentkv.profile import load_profile
 from agentkv.tier import LOCAL_TIERS
 from agentkv_vllm import plugin

@@ -9,8 +9,9 @@ import math
 import pytest
 
 from agentkv.admission import Admission, PoolTrend
+from agentkv.costs import CostModel
 from agentkv.manager import BranchState
-from agentkv.policy import Action, CostModel, PolicyParams, decide
+from agentkv.policy import Action, PolicyParams, decide
 from tests.unit.sim_engine import Rig, key_of, make_rig
 
 P1 = [7, 7, 7, 7, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 17 tokens: 4 full blocks
