@@ -11,7 +11,8 @@ Modules:
                (policy_inputs: its inputs made safe)
   predict      per-tool wait prediction and prefetch timing
   tiers        host (RAM arena) and disk block stores, GPUDirect Storage when present
-  diagnostics  prefix-stability analysis (where and why a prefix broke)
+  diagnostics  prefix-stability analysis (where and why a prefix broke): a package of
+               trajectory (input), prompts (rendering), causes (the rules), replay (the report)
   telemetry    metric and span names, OpenTelemetry set-up
   modelgen     the embedded random-weight model and tokenizer (no hub)
   cli          the ``agentkv`` command
