@@ -50,7 +50,7 @@ import numpy as np
 
 from agentkv.errors import CorruptBlockError
 from agentkv.kv_identity import KVIdentity
-from agentkv.manager.jobs import LoadJob, MoveKind, StoreJob, TransferKind, WorkerReport
+from agentkv.manager.jobs import LoadJob, MoveJob, MoveKind, StoreJob, TransferKind, WorkerReport
 from agentkv.manager.recovery import prune_rank_files
 from agentkv.tier import Tier
 from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
@@ -234,12 +234,25 @@ class WorkerSide:
                     self._recving_done.add(load.req_id)
                 self._done(load.job_id, ok=False)
             return
-        store = self.store
         for drop in plan.drops:
-            store.drop([self.rank_key(k) for k in drop.keys], tier=drop.tier)
+            self.store.drop([self.rank_key(k) for k in drop.keys], tier=drop.tier)
         now = time.monotonic()
-        timeout = self.settings.job_timeout_s
-        stores = [job for job in plan.stores if not self._silent(job)]
+        self._start_stores(plan.stores, now)
+        for move in plan.moves:
+            self._start_move(move, now)
+        layerwise = [load for load in plan.loads if load.layerwise]
+        if layerwise:
+            self._start_layerwise(layerwise)
+        for load in plan.loads:
+            if not load.layerwise:
+                self._start_load(load, now)
+
+    def _start_stores(self, jobs: list[StoreJob], now: float) -> None:
+        """Device -> tier copies of the step's store jobs (a silent rank's test knob skips its
+        own); a preemption save (``before_forward``) is waited for here."""
+        assert self.store is not None and self.views is not None
+        store = self.store
+        stores = [job for job in jobs if not self._silent(job)]
         staged = self._stage_stores(stores)
         # Preemption saves read blocks vLLM already freed (maybe reallocated this step): they
         # are copied before anything of this step writes the device (loads below, the forward).
@@ -270,79 +283,84 @@ class WorkerSide:
                 )
             )
         for handle in before_forward:
-            if not handle.wait(timeout):
+            if not handle.wait(self.settings.job_timeout_s):
                 handle.cancel()  # reported failed when polled: the index never lists it
-        for move in plan.moves:
-            keys = [self.rank_key(k) for k in move.keys]
-            try:
-                kind = MoveKind(move.kind)  # the plan crossed a process boundary: normalise
-                moving: TransferHandle | Future[list[Any]]
-                if kind is MoveKind.FETCH:
-                    moving = self._fetch_pool().submit(self._fetch_remote, keys)
-                elif kind is MoveKind.UPLOAD:
-                    moving = store.copy_to_remote(keys)
-                elif kind is MoveKind.PROMOTE:
-                    moving = store.promote(keys)
-                else:
-                    moving = store.copy_to_disk(keys)
-            except Exception as exc:
-                log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
-                self._done(move.job_id, ok=False)
-                continue
-            tier = {MoveKind.DEMOTE: Tier.DISK, MoveKind.UPLOAD: Tier.REMOTE}.get(kind, Tier.HOST)
-            self._jobs.append(
-                _Pending(
-                    moving,
-                    now,
-                    len(keys) * self.views.block_bytes,
-                    move.job_id,
-                    (kind, tier, f"job-{move.job_id}"),
-                    list(move.keys),
-                    move=kind,
-                )
+
+    def _start_move(self, move: MoveJob, now: float) -> None:
+        """A tier move: remote -> host (fetch, on the fetch thread), host -> remote (upload),
+        disk -> host (promote) or host -> disk (demote)."""
+        assert self.store is not None and self.views is not None
+        store = self.store
+        keys = [self.rank_key(k) for k in move.keys]
+        try:
+            kind = MoveKind(move.kind)  # the plan crossed a process boundary: normalise
+            moving: TransferHandle | Future[list[Any]]
+            if kind is MoveKind.FETCH:
+                moving = self._fetch_pool().submit(self._fetch_remote, keys)
+            elif kind is MoveKind.UPLOAD:
+                moving = store.copy_to_remote(keys)
+            elif kind is MoveKind.PROMOTE:
+                moving = store.promote(keys)
+            else:
+                moving = store.copy_to_disk(keys)
+        except Exception as exc:
+            log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
+            self._done(move.job_id, ok=False)
+            return
+        tier = {MoveKind.DEMOTE: Tier.DISK, MoveKind.UPLOAD: Tier.REMOTE}.get(kind, Tier.HOST)
+        self._jobs.append(
+            _Pending(
+                moving,
+                now,
+                len(keys) * self.views.block_bytes,
+                move.job_id,
+                (kind, tier, f"job-{move.job_id}"),
+                list(move.keys),
+                move=kind,
             )
-        layerwise = [load for load in plan.loads if load.layerwise]
-        if layerwise:
-            self._start_layerwise(layerwise)
-        for load in plan.loads:
-            if load.layerwise:
-                continue
-            keys = [self.rank_key(b.key) for b in load.blocks]
-            staging = None
-            try:
-                ids = [b.block_id for b in load.blocks]
-                if staging_budget(self.views.table, len(ids)) == len(ids):
-                    staging = StagedBlocks.for_load(self.views.table, ids)
-                    targets: list[Any] = list(staging.rows)
-                else:
-                    targets = [self.views.block(bid) for bid in ids]
-                pending: TransferHandle | _DelayedLoad
-                if self.settings.debug_load_delay_s > 0:
-                    pending = _DelayedLoad(
-                        self.settings.debug_load_delay_s,
-                        lambda keys=keys, targets=targets: store.submit_load(keys, targets),
-                    )
-                else:
-                    pending = store.submit_load(keys, targets)
-            except Exception as exc:
-                log.warning("agentkv: load for %s failed to start: %s", load.req_id, exc)
-                self._load_errors.update(b.block_id for b in load.blocks)
-                self._recving_done.add(load.req_id)
-                self._done(load.job_id, ok=False)
-                continue
-            self._loads.append(
-                _Pending(
-                    pending,
-                    now,
-                    len(keys) * self.views.block_bytes,
-                    load.job_id,
-                    (TransferKind.RELOAD, Tier.HOST, f"req-{load.req_id}"),
-                    [b.key for b in load.blocks],
-                    load=load,
-                    deadline=now + timeout,
-                    staged=staging,
+        )
+
+    def _start_load(self, load: LoadJob, now: float) -> None:
+        """An async tier -> device load (into staging rows on CUDA when they fit), reported
+        finished by ``poll``; one that cannot start fails its blocks so vLLM recomputes them."""
+        assert self.store is not None and self.views is not None
+        store = self.store
+        keys = [self.rank_key(b.key) for b in load.blocks]
+        staging = None
+        try:
+            ids = [b.block_id for b in load.blocks]
+            if staging_budget(self.views.table, len(ids)) == len(ids):
+                staging = StagedBlocks.for_load(self.views.table, ids)
+                targets: list[Any] = list(staging.rows)
+            else:
+                targets = [self.views.block(bid) for bid in ids]
+            pending: TransferHandle | _DelayedLoad
+            if self.settings.debug_load_delay_s > 0:
+                pending = _DelayedLoad(
+                    self.settings.debug_load_delay_s,
+                    lambda keys=keys, targets=targets: store.submit_load(keys, targets),
                 )
+            else:
+                pending = store.submit_load(keys, targets)
+        except Exception as exc:
+            log.warning("agentkv: load for %s failed to start: %s", load.req_id, exc)
+            self._load_errors.update(b.block_id for b in load.blocks)
+            self._recving_done.add(load.req_id)
+            self._done(load.job_id, ok=False)
+            return
+        self._loads.append(
+            _Pending(
+                pending,
+                now,
+                len(keys) * self.views.block_bytes,
+                load.job_id,
+                (TransferKind.RELOAD, Tier.HOST, f"req-{load.req_id}"),
+                [b.key for b in load.blocks],
+                load=load,
+                deadline=now + self.settings.job_timeout_s,
+                staged=staging,
             )
+        )
 
     def _stage_stores(self, jobs: list[StoreJob]) -> dict[int, StagedBlocks]:
         """CUDA: gather the step's store jobs into device staging, one ``index_select`` per run
@@ -510,46 +528,11 @@ class WorkerSide:
                 continue
             results = p.handle.result()
             if p.move is MoveKind.FETCH:
-                # Best effort: blocks the remote tier lacks are this rank's misses, not a
-                # failed job (the manager indexes the rest).
-                missing = [k for r, k in zip(results, p.keys, strict=True) if not r.ok]
-                if missing:
-                    self._report.fetch_missing[p.job_id] = missing
-                self._done(p.job_id, ok=True)
-                got = len(results) - len(missing)
-                if got:
-                    nbytes = got * (self.views.block_bytes if self.views is not None else 0)
-                    self._report.transfers[(TransferKind.RELOAD, Tier.REMOTE, p.ref[2])] = (
-                        nbytes,
-                        now - p.started,
-                    )
-                continue
-            ok = all(r.ok for r in results)
-            if p.move is MoveKind.UPLOAD:
-                # The remote tier failed, not the local copy: nothing local is lost (the remote
-                # client logs the cause, rate-limited); the manager counts the failed job.
-                self._done(p.job_id, ok)
-                if any(r.ok for r in results):
-                    sent = p.nbytes * sum(r.ok for r in results) // len(results)
-                    self._report.transfers[(TransferKind.OFFLOAD, Tier.REMOTE, p.ref[2])] = (
-                        sent,
-                        now - p.started,
-                    )
-                continue
-            for r, logical in zip(results, p.keys, strict=True):
-                if not r.ok:
-                    self._bad(logical, r)
-            if not ok:
-                log.warning(
-                    "agentkv: %s job %d: %d/%d blocks failed (%s)",
-                    p.ref[0],
-                    p.job_id,
-                    sum(not r.ok for r in results),
-                    len(results),
-                    [str(r.error) for r in results if not r.ok][:1],
-                )
-            self._done(p.job_id, ok)
-            self._report.transfers[p.ref] = (p.nbytes, now - p.started)
+                self._fetch_done(p, results, now)
+            elif p.move is MoveKind.UPLOAD:
+                self._upload_done(p, results, now)
+            else:
+                self._job_done(p, results, now)
         self._jobs = still
         still = []
         for p in self._loads:
@@ -564,35 +547,84 @@ class WorkerSide:
                 self._recving_done.add(p.load.req_id)
                 self._done(p.job_id, ok=False)
                 continue
-            results = p.handle.result()
-            if results is None:  # cancelled before it started
-                self._load_errors.update(b.block_id for b in p.load.blocks)
-                self._done(p.job_id, ok=False)
-                self._recving_done.add(p.load.req_id)
-                continue
-            ok = True
-            for r, b in zip(results, p.load.blocks, strict=True):
-                if not r.ok:
-                    ok = False
-                    self._load_errors.add(b.block_id)
-                    self._bad(b.key, r)
-            if p.staged is not None:
-                try:  # queued on the engine's stream: the request's next forward runs after it
-                    p.staged.scatter([r.ok for r in results])
-                except Exception as exc:
-                    log.warning("agentkv: scatter of load %s failed: %s", p.load.req_id, exc)
-                    ok = False
-                    self._load_errors.update(b.block_id for b in p.load.blocks)
-            tier = Tier.DISK if any(r.tier == Tier.DISK for r in results) else Tier.HOST
-            self._report.transfers[(TransferKind.RELOAD, tier, f"req-{p.load.req_id}")] = (
-                p.nbytes,
-                now - (getattr(p.handle, "started_at", None) or p.started),
-            )
-            self._done(p.job_id, ok)
-            self._recving_done.add(p.load.req_id)
+            self._load_done(p, p.handle.result(), now)
         self._loads = still
         done, self._recving_done = self._recving_done, set()
         return done
+
+    def _fetch_done(self, p: _Pending, results: list[Any], now: float) -> None:
+        """Best effort: blocks the remote tier lacks are this rank's misses, not a failed job
+        (the manager indexes the rest)."""
+        missing = [k for r, k in zip(results, p.keys, strict=True) if not r.ok]
+        if missing:
+            self._report.fetch_missing[p.job_id] = missing
+        self._done(p.job_id, ok=True)
+        got = len(results) - len(missing)
+        if got:
+            nbytes = got * (self.views.block_bytes if self.views is not None else 0)
+            self._report.transfers[(TransferKind.RELOAD, Tier.REMOTE, p.ref[2])] = (
+                nbytes,
+                now - p.started,
+            )
+
+    def _upload_done(self, p: _Pending, results: list[Any], now: float) -> None:
+        """The remote tier failed, not the local copy: nothing local is lost (the remote client
+        logs the cause, rate-limited); the manager counts the failed job."""
+        self._done(p.job_id, all(r.ok for r in results))
+        if any(r.ok for r in results):
+            sent = p.nbytes * sum(r.ok for r in results) // len(results)
+            self._report.transfers[(TransferKind.OFFLOAD, Tier.REMOTE, p.ref[2])] = (
+                sent,
+                now - p.started,
+            )
+
+    def _job_done(self, p: _Pending, results: list[Any], now: float) -> None:
+        """A store, promote or demote finished: its bad keys, its result and its timing."""
+        ok = all(r.ok for r in results)
+        for r, logical in zip(results, p.keys, strict=True):
+            if not r.ok:
+                self._bad(logical, r)
+        if not ok:
+            log.warning(
+                "agentkv: %s job %d: %d/%d blocks failed (%s)",
+                p.ref[0],
+                p.job_id,
+                sum(not r.ok for r in results),
+                len(results),
+                [str(r.error) for r in results if not r.ok][:1],
+            )
+        self._done(p.job_id, ok)
+        self._report.transfers[p.ref] = (p.nbytes, now - p.started)
+
+    def _load_done(self, p: _Pending, results: list[Any] | None, now: float) -> None:
+        """A finished load: failed blocks go to ``load_error_block_ids`` (vLLM recomputes them),
+        CUDA staging is scattered into the blocks, and the request is reported finished."""
+        assert p.load is not None
+        if results is None:  # cancelled before it started
+            self._load_errors.update(b.block_id for b in p.load.blocks)
+            self._done(p.job_id, ok=False)
+            self._recving_done.add(p.load.req_id)
+            return
+        ok = True
+        for r, b in zip(results, p.load.blocks, strict=True):
+            if not r.ok:
+                ok = False
+                self._load_errors.add(b.block_id)
+                self._bad(b.key, r)
+        if p.staged is not None:
+            try:  # queued on the engine's stream: the request's next forward runs after it
+                p.staged.scatter([r.ok for r in results])
+            except Exception as exc:
+                log.warning("agentkv: scatter of load %s failed: %s", p.load.req_id, exc)
+                ok = False
+                self._load_errors.update(b.block_id for b in p.load.blocks)
+        tier = Tier.DISK if any(r.tier == Tier.DISK for r in results) else Tier.HOST
+        self._report.transfers[(TransferKind.RELOAD, tier, f"req-{p.load.req_id}")] = (
+            p.nbytes,
+            now - (getattr(p.handle, "started_at", None) or p.started),
+        )
+        self._done(p.job_id, ok)
+        self._recving_done.add(p.load.req_id)
 
     def _fetch_pool(self) -> ThreadPoolExecutor:
         if self._fetcher is None:
