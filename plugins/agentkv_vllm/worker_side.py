@@ -20,11 +20,11 @@ fingerprint, so shards never mix. Loads of a request are reported finished only 
 has a result; a failed block is also reported through ``load_error_block_ids`` so vLLM recomputes
 it instead of reading garbage.
 
-Layer-by-layer loads (``LoadJob.layerwise``): vLLM has already scheduled the request in this step.
-The host copies are pinned in place (``TieredStore.acquire_host``) and one copier thread writes
-them layer after layer in forward order while the model runs; each attention layer waits only
-for its own layer (``wait_for_layer``). A block missing from host, or any copy error, goes to
-``load_error_block_ids``: vLLM then discards the step's output for that request and recomputes.
+Layer-by-layer loads (``LoadJob.layerwise``, the ``layerwise_loads.LayerwiseLoads`` mixin):
+vLLM has already scheduled the request in this step; the host copies are pinned in place and one
+copier thread writes them layer after layer in forward order while the model runs; each
+attention layer waits only for its own layer (``wait_for_layer``). A block missing from host, or
+any copy error, goes to ``load_error_block_ids`` and vLLM recomputes.
 
 Data path (agentkv.tiers.batched): a block is handed to the store as a BlockRef (O(1), no
 per-layer tensors). CUDA: a step's store jobs are gathered together into device staging (one
@@ -53,30 +53,16 @@ from agentkv.kv_identity import KVIdentity
 from agentkv.manager.jobs import LoadJob, MoveJob, MoveKind, StoreJob, TransferKind, WorkerReport
 from agentkv.manager.recovery import prune_rank_files
 from agentkv.tier import Tier
-from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
+from agentkv.tiers import BlockResult, BlockStatus, TieredStore, TransferHandle
 from agentkv.tiers.batched import StagedBlocks, staging_budget
 from agentkv.tiers.keys import BlockKey, rank_key
 from agentkv_vllm.block_copy import BlockViews
-from agentkv_vllm.device_copy import LayerCopier
+from agentkv_vllm.layerwise_loads import LayerwiseLoads, LayerwiseStep
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.worker")
 GiB = 1 << 30
-# A layer copy that takes this long is stuck (host memcpy runs at GB/s): stop waiting, recompute.
-LAYER_WAIT_TIMEOUT_S = 60.0
-
-
-@dataclass
-class _LayerwiseStep:
-    """This step's layer-by-layer loads: per layer, an event set once its segments are copied."""
-
-    events: dict[str, threading.Event]
-    future: Future[float]  # the copy's own duration (not the forward it overlaps)
-    block_ids: list[int]
-    nbytes: int
-    started: float
-    ref: str
 
 
 class _DelayedLoad:
@@ -130,7 +116,7 @@ class _Pending:
 
 
 @dataclass
-class WorkerSide:
+class WorkerSide(LayerwiseLoads):
     settings: ConnectorSettings
     model_id: str
     tp_rank: int
@@ -146,7 +132,7 @@ class WorkerSide:
     _load_errors: set[int] = field(default_factory=set)
     _report: WorkerReport = field(default_factory=WorkerReport)
     _key_cache: dict[bytes, BlockKey] = field(default_factory=dict)
-    _layerwise: _LayerwiseStep | None = None
+    _layerwise: LayerwiseStep | None = None
     _copier: ThreadPoolExecutor | None = None
     _layers: list[tuple[str, list[tuple[int, int, int]]]] = field(default_factory=list)
     # this step's layerwise load job ids, and those that failed
@@ -407,114 +393,6 @@ class WorkerSide:
             self._report.bad_keys.setdefault(logical, "miss")
         else:
             self._report.bad_keys.setdefault(logical, "error")
-
-    def _start_layerwise(self, loads: list[LoadJob]) -> None:
-        assert self.store is not None and self.views is not None
-        self.finish_step()  # never two steps' copies at once
-        store = self.store
-        table = self.views.table
-        jobs: list[tuple[HostRead, list[int]]] = []
-        block_ids: list[int] = []
-        failed_jobs: set[int] = set()
-        # Blocks the host does not hold but disk does (a prefetch still in flight): read whole,
-        # checksummed, before the first layer is released.
-        from_disk: list[tuple[BlockKey, int, bytes, int]] = []
-        for load in loads:
-            keys = [self.rank_key(b.key) for b in load.blocks]
-            read = store.acquire_host(keys)
-            ids = [b.block_id for b in load.blocks]
-            for i in read.missing:
-                if store.tier_of(keys[i]) is Tier.DISK:
-                    from_disk.append((keys[i], ids[i], load.blocks[i].key, load.job_id))
-                else:  # not where the scheduler said: vLLM recomputes it
-                    self._load_errors.add(ids[i])
-                    self._bad(load.blocks[i].key, None)
-                    failed_jobs.add(load.job_id)
-            jobs.append((read, ids))
-            block_ids += ids
-        # One batch for the whole step: per layer, one copy call over every block of every job.
-        host_ids = [
-            bid
-            for read, ids in jobs
-            for v, bid in zip(read.views, ids, strict=True)
-            if v is not None
-        ]
-        host_views = [v for read, _ in jobs for v in read.views if v is not None]
-        copier = LayerCopier(self.views.device, [name for name, _ in self._layers])
-        events = copier.events  # CUDA: each also carries its layer's copy-done CUDA event
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
-        started = time.monotonic()
-        nbytes = self.views.block_bytes * (len(from_disk) + len(host_ids))
-        job_ids = [load.job_id for load in loads]
-
-        def copy_layers() -> float:
-            begin = time.monotonic()
-            try:
-                if from_disk:
-                    results = store.submit_load(
-                        [k for k, _, _, _ in from_disk],
-                        [self.views.block(bid) for _, bid, _, _ in from_disk],  # type: ignore[union-attr]
-                    ).result(timeout=LAYER_WAIT_TIMEOUT_S)
-                    for r, (_, bid, logical, job_id) in zip(results, from_disk, strict=True):
-                        if not r.ok:
-                            self._load_errors.add(bid)
-                            self._bad(logical, r)
-                            failed_jobs.add(job_id)
-                for name, segs in self._layers:
-                    if host_ids:
-                        copier.copy_runs(table, host_ids, host_views, [i for i, _, _ in segs])
-                    events[name].set()
-            except Exception:
-                log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
-                self._load_errors.update(block_ids)
-                failed_jobs.update(job_ids)
-            finally:
-                for ev in events.values():
-                    ev.set()  # a failure must not leave the forward pass waiting
-                copier.synchronize()  # the DMA reads the host copies until it completes
-                for read, _ in jobs:
-                    store.release_host(read)
-            return time.monotonic() - begin
-
-        future = self._copier.submit(copy_layers)
-        self._layerwise = _LayerwiseStep(
-            events, future, block_ids, nbytes, started, f"layerwise-{loads[0].req_id}"
-        )
-        self._layerwise_jobs = (job_ids, failed_jobs)
-
-    def wait_for_layer(self, layer_name: str) -> None:
-        """Block until this step's layerwise loads have copied ``layer_name``; must be fast."""
-        step = self._layerwise
-        if step is None:
-            return
-        event = step.events.get(layer_name)
-        if event is None:
-            # A layer we did not see at registration: wait for all of them to be safe.
-            step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
-            return
-        if not event.wait(LAYER_WAIT_TIMEOUT_S):
-            log.error("agentkv: layer %s not loaded in time; vLLM recomputes", layer_name)
-            self._load_errors.update(step.block_ids)
-
-    def finish_step(self) -> None:
-        """Wait for the step's layer copier (all layers were waited for already) and clear it."""
-        step, self._layerwise = self._layerwise, None
-        if step is None:
-            return
-        job_ids, failed = self._layerwise_jobs
-        self._layerwise_jobs = ([], set())
-        try:
-            seconds = step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
-        except Exception:
-            self._load_errors.update(step.block_ids)
-            failed = set(job_ids)
-            seconds = time.monotonic() - step.started
-        for job_id in job_ids:
-            self._done(job_id, ok=job_id not in failed)
-        # Timed by the copier itself: the step's wall time includes the forward it overlaps,
-        # and the online bandwidth estimate must not read that as a slow link.
-        self._report.transfers[(TransferKind.RELOAD, Tier.HOST, step.ref)] = (step.nbytes, seconds)
 
     def poll(self) -> set[str]:
         """Collect finished transfers; returns request ids whose async loads are complete.
