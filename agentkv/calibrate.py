@@ -7,6 +7,7 @@ Primitives:
     measure_host_device    host->device and device->host rates (torch, pinned memory), None w/o GPU
     measure_disk           sequential write+fsync and read rates in a directory (O_DIRECT if allowed)
     measure_prefill        prefill rate of an OpenAI-compatible server (two /v1/completions calls)
+    served_model           the model an OpenAI-compatible server serves and its max_model_len
     calibrate              all of the above into a HardwareProfile
 
 Memory copies report the median of their repeats after a warm-up pass, so one scheduler hiccup
@@ -388,7 +389,7 @@ def measure_prefill(
     owns = client is None
     http = client or httpx.Client(base_url=server.rstrip("/"), timeout=timeout_s, headers=headers)
     try:
-        model, limit = _served_model(http, server, model)
+        model, limit = served_model(http, server, model)
         target = prompt_tokens if not limit else min(prompt_tokens, int(limit) - 16)
         short_words = 16
         long_words = max(target - 8, short_words * 4)
@@ -417,7 +418,7 @@ def measure_prefill(
     )
 
 
-def _served_model(http: Any, server: str, model: str | None) -> tuple[str, int | None]:
+def served_model(http: Any, server: str, model: str | None) -> tuple[str, int | None]:
     """(the model to measure, its ``max_model_len`` when ``/v1/models`` reports one); ``model``
     defaults to the first listed. EngineUnavailableError when the list cannot be read or is empty."""
     import httpx

@@ -18,7 +18,9 @@ Primitives:
 
 The costs the decision weighs (``CostModel``, ``reload_seconds`` M/B, ``round_trip_seconds`` 2M/B,
 ``recompute_seconds``, ``hold_cost``) are ``agentkv.costs``'s; ``CostModel`` is re-exported here
-because callers of ``decide`` pass one. The inputs' sanitizers (every unusable number becomes a
+because callers of ``decide`` pass one. The break-even wait and the lease stay here: they turn
+those costs into a decision with ``PolicyParams``' knobs (price ratio, stall tolerance, margins).
+The inputs' sanitizers (every unusable number becomes a
 named fallback) are ``agentkv.policy_inputs``'s.
 
 The model is the reference text's "Retain, Evict, Recompute, or Offload". Freeing device memory
