@@ -7,6 +7,7 @@ Primitives:
     measure_host_device    host->device and device->host rates (torch, pinned memory), None w/o GPU
     measure_disk           sequential write+fsync and read rates in a directory (O_DIRECT if allowed)
     measure_prefill        prefill rate of an OpenAI-compatible server (two /v1/completions calls)
+    served_model           the model an OpenAI-compatible server serves and its max_model_len
     calibrate              all of the above into a HardwareProfile
 
 Memory copies report the median of their repeats after a warm-up pass, so one scheduler hiccup
@@ -388,51 +389,16 @@ def measure_prefill(
     owns = client is None
     http = client or httpx.Client(base_url=server.rstrip("/"), timeout=timeout_s, headers=headers)
     try:
-        try:
-            models = http.get("/v1/models").raise_for_status().json().get("data", [])
-        except (httpx.HTTPError, ValueError) as exc:
-            raise EngineUnavailableError(f"cannot list models at {server}: {exc}") from exc
-        if model is None:
-            if not models:
-                raise EngineUnavailableError(f"{server} serves no model")
-            model = str(models[0]["id"])
-        limit = next(
-            (
-                m.get("max_model_len")
-                for m in models
-                if m.get("id") == model and m.get("max_model_len")
-            ),
-            None,
-        )
+        model, limit = served_model(http, server, model)
         target = prompt_tokens if not limit else min(prompt_tokens, int(limit) - 16)
         short_words = 16
         long_words = max(target - 8, short_words * 4)
-
-        def timed(words: int) -> tuple[int, float]:
-            body = {
-                "model": model,
-                "prompt": _random_prompt(words),
-                "max_tokens": 1,
-                "temperature": 0.0,
-                "cache_salt": secrets.token_hex(8),
-            }
-            start = time.perf_counter()
-            try:
-                response = http.post("/v1/completions", json=body).raise_for_status()
-            except httpx.HTTPError as exc:
-                raise EngineUnavailableError(
-                    f"completion request to {server} failed: {exc}"
-                ) from exc
-            elapsed = time.perf_counter() - start
-            usage = response.json().get("usage") or {}
-            return int(usage.get("prompt_tokens") or words), elapsed
-
         progress("prefill: warm-up")
-        timed(short_words)
+        _timed_completion(http, server, model, short_words)
         progress(f"prefill: short prompt ({short_words} words)")
-        short_n, short_s = timed(short_words)
+        short_n, short_s = _timed_completion(http, server, model, short_words)
         progress(f"prefill: long prompt ({long_words} words)")
-        long_n, long_s = timed(long_words)
+        long_n, long_s = _timed_completion(http, server, model, long_words)
     finally:
         if owns:
             http.close()
@@ -450,6 +416,48 @@ def measure_prefill(
         short_s=short_s,
         long_s=long_s,
     )
+
+
+def served_model(http: Any, server: str, model: str | None) -> tuple[str, int | None]:
+    """(the model to measure, its ``max_model_len`` when ``/v1/models`` reports one); ``model``
+    defaults to the first listed. EngineUnavailableError when the list cannot be read or is empty."""
+    import httpx
+
+    try:
+        models = http.get("/v1/models").raise_for_status().json().get("data", [])
+    except (httpx.HTTPError, ValueError) as exc:
+        raise EngineUnavailableError(f"cannot list models at {server}: {exc}") from exc
+    if model is None:
+        if not models:
+            raise EngineUnavailableError(f"{server} serves no model")
+        model = str(models[0]["id"])
+    limit = next(
+        (m.get("max_model_len") for m in models if m.get("id") == model and m.get("max_model_len")),
+        None,
+    )
+    return model, limit
+
+
+def _timed_completion(http: Any, server: str, model: str, words: int) -> tuple[int, float]:
+    """(prompt tokens the server counted, seconds) of one max_tokens=1 completion of a random
+    ``words``-word prompt under a fresh ``cache_salt`` (nothing of it is cached)."""
+    import httpx
+
+    body = {
+        "model": model,
+        "prompt": _random_prompt(words),
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "cache_salt": secrets.token_hex(8),
+    }
+    start = time.perf_counter()
+    try:
+        response = http.post("/v1/completions", json=body).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise EngineUnavailableError(f"completion request to {server} failed: {exc}") from exc
+    elapsed = time.perf_counter() - start
+    usage = response.json().get("usage") or {}
+    return int(usage.get("prompt_tokens") or words), elapsed
 
 
 def calibrate(

@@ -24,7 +24,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from agentkv.policy import CostModel
+from agentkv.costs import CostModel
 
 ONLINE = "measured online"
 

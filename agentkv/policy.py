@@ -6,17 +6,22 @@ Primitives:
     ACTIONS           every action's name (the settings and control validators derive from it)
     DEMOTION_ACTION   what the engine does on its own to a lease that ran out or pool pressure
     Defaults          LEASE_MARGIN_S, HIGH_WATER: the one place these numbers are written
-    CostModel         per-engine constants: link and disk bandwidths, prefill rate, model size
     PolicyParams      the knobs: DRAM/HBM shadow-price ratio, stall tolerance, disk threshold
-    reload_seconds    M / B
-    round_trip_seconds  2M / B (out and back over one link)
-    recompute_seconds   (2PS + 4 L S^2 d_model) / R_prefill, or S / (tokens per second)
-    break_even_wait   T* = round_trip / (1 - r(U)) + stall tolerance, r(U) = r_idle * (1 - U)
-    hold_cost         M * T_wait, in byte-seconds
-    Decision          the action, its lease and prefetch time, and every number behind it
-    decide            pure, cheap and never raising: inputs -> Decision
+    shadow_price_ratio  r(U) = r_idle * (1 - U)
+    break_even_wait   T* = round_trip / (1 - r(U)) + stall tolerance
+    lease_seconds     a retained trajectory's lease: T*, at least p50 + margin, at most the cap
+    pressure_victims  which retained trajectories one pressure event demotes
     defer_writeback   whether an offload_host copy waits for an eviction forecast (the pool keeps
                       the blocks past the predicted resume: a copy now is one nobody reads)
+    Decision          the action, its lease and prefetch time, and every number behind it
+    decide            pure, cheap and never raising: inputs -> Decision
+
+The costs the decision weighs (``CostModel``, ``reload_seconds`` M/B, ``round_trip_seconds`` 2M/B,
+``recompute_seconds``, ``hold_cost``) are ``agentkv.costs``'s; ``CostModel`` is re-exported here
+because callers of ``decide`` pass one. The break-even wait and the lease stay here: they turn
+those costs into a decision with ``PolicyParams``' knobs (price ratio, stall tolerance, margins).
+The inputs' sanitizers (every unusable number becomes a
+named fallback) are ``agentkv.policy_inputs``'s.
 
 The model is the reference text's "Retain, Evict, Recompute, or Offload". Freeing device memory
 for a wait is only possible when the wait exceeds the round trip 2M/B; beyond that, holding costs
@@ -44,14 +49,21 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from agentkv.admission import Admission
+from agentkv.costs import CostModel as CostModel
+from agentkv.costs import hold_cost, reload_seconds
+from agentkv.policy_inputs import (
+    bandwidth_ok,
+    has_room,
+    sanitize_forecast,
+    sanitize_fraction,
+    sanitize_wait,
+)
 from agentkv.predict import WaitEstimate, prefetch_at
 from agentkv.tier import Tier
 
-if TYPE_CHECKING:
-    from agentkv.profile import HardwareProfile
+_INF = math.inf
 
 
 class Action(enum.StrEnum):
@@ -75,80 +87,6 @@ HIGH_WATER = 0.88
 LEASE_MARGIN_S = 2.0
 """A lease lasts at least the predicted median wait plus this (a tool's return jitters)."""
 
-_INF = math.inf
-
-
-def _positive(value: float | None) -> bool:
-    return value is not None and not math.isnan(value) and value > 0 and not math.isinf(value)
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """What moving or rebuilding a trajectory's KV costs on this engine.
-
-    Bandwidths are bytes per second; None (or a non-positive number) means the path is unusable.
-    Recompute uses ``prefill_tokens_per_s`` when measured, else ``prefill_flops_per_s`` with
-    ``model_params`` (plus the attention term when ``num_layers`` and ``hidden_size`` are known);
-    with neither, recompute time is unknown and taken as infinite (never drop to save time).
-    """
-
-    host_link_bytes_per_s: float | None
-    """Device <-> host copy rate (the host memcpy rate when the "device" is CPU memory)."""
-    disk_write_bytes_per_s: float | None = None
-    disk_read_bytes_per_s: float | None = None
-    prefill_tokens_per_s: float | None = None
-    prefill_flops_per_s: float | None = None
-    model_params: float | None = None
-    num_layers: int = 0
-    hidden_size: int = 0
-    copy_uses_compute: bool = False
-    """The "device" is CPU memory: a copy's memcpy runs on the cores decoding runs on."""
-
-    @classmethod
-    def from_profile(
-        cls,
-        profile: HardwareProfile,
-        *,
-        model_params: float | None = None,
-        num_layers: int = 0,
-        hidden_size: int = 0,
-    ) -> CostModel:
-        """Cost model from a measured (or default) hardware profile and the served model's size.
-
-        Contract: the host link is the slower of the two host<->device directions when a GPU was
-        measured, else the host copy rate (vLLM on CPU keeps its KV cache in host memory).
-        """
-        directions = [
-            v
-            for v in (profile.host_to_device_bytes_per_s, profile.device_to_host_bytes_per_s)
-            if v is not None and _positive(v)
-        ]
-        link = min(directions) if directions else profile.host_copy_bytes_per_s
-        return cls(
-            copy_uses_compute=not directions,
-            host_link_bytes_per_s=link,
-            disk_write_bytes_per_s=profile.disk_write_bytes_per_s,
-            disk_read_bytes_per_s=profile.disk_read_bytes_per_s,
-            prefill_tokens_per_s=profile.prefill_tokens_per_s,
-            model_params=model_params,
-            num_layers=num_layers,
-            hidden_size=hidden_size,
-        )
-
-    def recompute_seconds(self, tokens: float) -> float:
-        """Time to rebuild ``tokens`` tokens of KV by prefill; inf when no prefill rate is known."""
-        if _positive(self.prefill_tokens_per_s):
-            return recompute_seconds(tokens, prefill_tokens_per_s=self.prefill_tokens_per_s)
-        if _positive(self.prefill_flops_per_s) and _positive(self.model_params):
-            return recompute_seconds(
-                tokens,
-                params=self.model_params,
-                prefill_flops_per_s=self.prefill_flops_per_s,
-                num_layers=self.num_layers,
-                hidden_size=self.hidden_size,
-            )
-        return _INF
-
 
 @dataclass(frozen=True)
 class PolicyParams:
@@ -163,12 +101,12 @@ class PolicyParams:
     prefetch_margin_s: float = 0.05
     """Reload finishes this long before the predicted p10 of the wait."""
     max_lease_s: float = 600.0
+    """Upper bound on any lease, so a bad estimate cannot pin memory for hours."""
     writeback_horizon_s: float = 1.0
     """A deferred write-back is copied once eviction is forecast within this many seconds."""
     writeback_margin_s: float = 2.0
     """A host copy is deferred only when eviction is forecast at least this long after the
     wait's p90 (the forecast is a rate; a burst can beat it)."""
-    """Upper bound on any lease, so a bad estimate cannot pin memory for hours."""
     device_prefetch_max_spread: float = 8.0
     """A device prefetch is issued only when the wait prediction's p90 / p10 is at most this
     (a declared wait gives 4; the cold-start prior 120): a wide spread would pin blocks long."""
@@ -180,42 +118,6 @@ class PolicyParams:
 
 
 DEFAULT_POLICY = PolicyParams()
-
-
-def reload_seconds(kv_bytes: float, bytes_per_s: float) -> float:
-    """M / B: one-way transfer time. Contract: inf when the link is unusable (<= 0, NaN)."""
-    return kv_bytes / bytes_per_s if _positive(bytes_per_s) else _INF
-
-
-def round_trip_seconds(kv_bytes: float, bytes_per_s: float) -> float:
-    """2M / B: out and back over one link. Contract: inf when the link is unusable."""
-    return 2.0 * reload_seconds(kv_bytes, bytes_per_s)
-
-
-def recompute_seconds(
-    tokens: float,
-    *,
-    params: float | None = None,
-    prefill_flops_per_s: float | None = None,
-    num_layers: int = 0,
-    hidden_size: int = 0,
-    prefill_tokens_per_s: float | None = None,
-) -> float:
-    """Prefill time to rebuild ``tokens`` tokens of KV.
-
-    Contract: with ``prefill_tokens_per_s`` (a measured rate) returns S / T; otherwise
-    (2*P*S + 4*L*S^2*d_model) / R, the attention term counted only when ``num_layers`` and
-    ``hidden_size`` are given. Returns inf when the needed rate or parameter count is missing,
-    zero or NaN.
-    """
-    if _positive(prefill_tokens_per_s):
-        assert prefill_tokens_per_s is not None
-        return tokens / prefill_tokens_per_s
-    if not (_positive(params) and _positive(prefill_flops_per_s)):
-        return _INF
-    assert params is not None and prefill_flops_per_s is not None
-    flops = 2.0 * params * tokens + 4.0 * num_layers * tokens * tokens * hidden_size
-    return flops / prefill_flops_per_s
 
 
 def shadow_price_ratio(pressure: float, idle_ratio: float) -> float:
@@ -280,11 +182,6 @@ def defer_writeback(wait_p90_s: float, eviction_in_s: float, params: PolicyParam
     return eviction_in_s > wait_p90_s + max(params.writeback_margin_s, 0.0)
 
 
-def hold_cost(kv_bytes: float, wait_s: float) -> float:
-    """M * T_wait: device memory withheld from the pool, in byte-seconds."""
-    return kv_bytes * wait_s
-
-
 @dataclass(frozen=True)
 class Decision:
     """What to do with one paused trajectory, and the numbers that decided it.
@@ -340,66 +237,6 @@ def _fmt_s(value: float) -> str:
     if value < 1.0:
         return f"{value * 1e3:.1f} ms"
     return f"{value:.3g} s"
-
-
-def _sanitize_wait(
-    wait: WaitEstimate | float | None, notes: list[str]
-) -> tuple[WaitEstimate | None, str]:
-    if isinstance(wait, WaitEstimate):
-        if wait.is_valid():
-            return wait, wait.source
-        notes.append(f"wait estimate {wait.p10}/{wait.p50}/{wait.p90} is unusable; wait unknown")
-        return None, "unknown"
-    if wait is None:
-        notes.append("no wait estimate; wait unknown")
-        return None, "unknown"
-    try:
-        w = float(wait)
-    except (TypeError, ValueError):
-        notes.append(f"wait {wait!r} is not a number; wait unknown")
-        return None, "unknown"
-    if math.isnan(w) or w < 0:
-        notes.append(f"wait {w} s is negative or NaN; wait unknown")
-        return None, "unknown"
-    return WaitEstimate.point(w), "declared"
-
-
-def _sanitize_fraction(value: float, name: str, default: float, notes: list[str]) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        notes.append(f"{name} {value!r} is not a number; assumed {default}")
-        return default
-    if math.isnan(v):
-        notes.append(f"{name} is NaN; assumed {default}")
-        return default
-    if v < 0.0 or v > 1.0:
-        clamped = min(max(v, 0.0), 1.0)
-        notes.append(f"{name} {v} outside [0, 1]; clamped to {clamped}")
-        return clamped
-    return v
-
-
-def _room(free_bytes: float | None, kv_bytes: float, name: str, notes: list[str]) -> bool:
-    if free_bytes is None:
-        return True
-    try:
-        free = float(free_bytes)
-    except (TypeError, ValueError):
-        notes.append(f"{name} free bytes {free_bytes!r} unusable; tier treated as full")
-        return False
-    if math.isnan(free) or free < 0:
-        notes.append(f"{name} free bytes {free} unusable; tier treated as full")
-        return False
-    return free >= kv_bytes
-
-
-def _bandwidth_ok(value: float | None, name: str, notes: list[str], required: bool) -> bool:
-    if _positive(value):
-        return True
-    if value is not None or required:
-        notes.append(f"{name} bandwidth {value} unusable; that path is off")
-    return False
 
 
 def _safe_drop(tokens: int, kv_bytes: float, notes: list[str], pressure: float) -> Decision:
@@ -578,21 +415,21 @@ def _decide(
     notes: list[str] = []
     queue_blocked = admission is not None and admission.blocked
     queue_text = admission.describe() if admission is not None else "queue not seen"
-    u = _sanitize_fraction(pressure, "pressure", 1.0, notes)
+    u = sanitize_fraction(pressure, "pressure", 1.0, notes)
     m = float(kv_bytes)
     s = float(tokens)
     if math.isnan(m) or math.isinf(m) or m < 0 or math.isnan(s) or math.isinf(s) or s < 0:
         notes.append(f"tokens {tokens} / kv_bytes {kv_bytes} unusable")
         return _safe_drop(0, 0.0, notes, u)
-    estimate, source = _sanitize_wait(wait, notes)
+    estimate, source = sanitize_wait(wait, notes)
 
-    host_ok = _bandwidth_ok(costs.host_link_bytes_per_s, "host link", notes, required=True)
-    disk_ok = _bandwidth_ok(
+    host_ok = bandwidth_ok(costs.host_link_bytes_per_s, "host link", notes, required=True)
+    disk_ok = bandwidth_ok(
         costs.disk_write_bytes_per_s, "disk write", notes, required=False
-    ) and _bandwidth_ok(costs.disk_read_bytes_per_s, "disk read", notes, required=False)
+    ) and bandwidth_ok(costs.disk_read_bytes_per_s, "disk read", notes, required=False)
     host_link = costs.host_link_bytes_per_s if host_ok else None
-    host_room = host_ok and _room(host_free_bytes, m, "host", notes)
-    disk_room = disk_ok and _room(disk_free_bytes, m, "disk", notes)
+    host_room = host_ok and has_room(host_free_bytes, m, "host", notes)
+    disk_room = disk_ok and has_room(disk_free_bytes, m, "disk", notes)
 
     host_reload = reload_seconds(m, host_link or 0.0)
     host_rt = 2.0 * host_reload
@@ -633,21 +470,10 @@ def _decide(
         ref_rt=host_rt if ref_host else disk_rt,
         queue_blocked=queue_blocked,
         queue_text=queue_text,
-        eviction_in=_sanitize_forecast(eviction_in_s, notes),
+        eviction_in=sanitize_forecast(eviction_in_s, notes),
         copy_uses_compute=costs.copy_uses_compute,
     )
     return _choose(numbers, params)
-
-
-def _sanitize_forecast(value: float, notes: list[str]) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = math.nan
-    if math.isnan(v) or v < 0:
-        notes.append(f"eviction forecast {value!r} unusable; eviction assumed now")
-        return 0.0
-    return v
 
 
 def _choose(n: _Numbers, params: PolicyParams) -> Decision:

@@ -60,18 +60,9 @@ def agents(
     agentkv bench agents --trace multi_session_large.csv --token-scale 0.5 --num-blocks 160
     """
     if trace is not None:
-        clash = [
-            flag
-            for flag, given in (
-                ("--trajectories", trajectories is not None),
-                ("--turns", turns is not None),
-                ("--fork-prob", fork_prob is not None),
-                ("--overhead", overhead),
-            )
-            if given
-        ]
-        if clash:
-            fail(f"{', '.join(clash)} shape the generated workload; they do not apply with --trace")
+        _reject_generator_flags(
+            trajectories=trajectories, turns=turns, fork_prob=fork_prob, overhead=overhead
+        )
         _trace(
             trace,
             configs=configs,
@@ -107,6 +98,24 @@ def agents(
         disk=disk,
         prefetch=prefetch,
     )
+
+
+def _reject_generator_flags(
+    *, trajectories: int | None, turns: int | None, fork_prob: float | None, overhead: bool
+) -> None:
+    """Fail when a flag that shapes the generated workload comes with --trace."""
+    clash = [
+        flag
+        for flag, given in (
+            ("--trajectories", trajectories is not None),
+            ("--turns", turns is not None),
+            ("--fork-prob", fork_prob is not None),
+            ("--overhead", overhead),
+        )
+        if given
+    ]
+    if clash:
+        fail(f"{', '.join(clash)} shape the generated workload; they do not apply with --trace")
 
 
 def _synthetic(

@@ -18,6 +18,7 @@ from typing import Any
 
 import typer
 
+from agentkv.cli import policy_options as options
 from agentkv.cli.common import fail
 
 
@@ -95,89 +96,38 @@ def _resolve_inputs(
 
 
 def decide_cmd(
-    tokens: int = typer.Option(..., "--tokens", help="Tokens S of the paused trajectory."),
-    model: Path | None = typer.Option(
-        None,
-        "--model",
-        help="HF config.json (or its folder) of the served model: gives KV bytes, parameters, "
-        "layers and hidden size. Excludes --kv-bytes.",
-    ),
-    kv_dtype: str | None = typer.Option(
-        None, "--kv-dtype", help="KV element type with --model: bf16, fp16, fp8, int8, fp32."
-    ),
-    tp: int = typer.Option(
-        1, "--tp", min=1, help="Tensor parallel ranks with --model: KV bytes per rank."
-    ),
-    kv_bytes: str | None = typer.Option(
-        None, "--kv-bytes", help="KV bytes M held by the trajectory (10.7GB, 5GiB, 1e10)."
-    ),
-    params: float | None = typer.Option(
-        None,
-        "--params",
-        help="Model parameters P (70.6e9); needed with --prefill-flops unless --model gives it.",
-    ),
-    prefill_flops: float | None = typer.Option(
-        None,
-        "--prefill-flops",
-        help="Sustained prefill FLOP/s R: recompute = (2PS + 4LS^2d)/R. Excludes "
-        "--prefill-tokens-per-s.",
-    ),
-    prefill_tokens_per_s: float | None = typer.Option(
-        None,
-        "--prefill-tokens-per-s",
-        help="Measured prefill tokens/s T (agentkv calibrate --server): recompute = S/T.",
-    ),
-    link: str = typer.Option(
-        ...,
-        "--link-bytes-per-s",
-        help="Device<->host bandwidth B per second (512e9, 50GB, 25GiB): reload = M/B.",
-    ),
-    wait: float = typer.Option(
-        ..., "--wait", help="Expected tool wait W in seconds (inf for 'indefinitely')."
-    ),
-    pressure: float = typer.Option(
-        1.0,
-        "--pressure",
-        help="Device KV pool use U in [0, 1]. Default 1: a constrained pool, where T* equals the "
-        "round trip as in the reference's worked examples.",
-    ),
-    disk_write: str | None = typer.Option(
-        None,
-        "--disk-write-bytes-per-s",
-        help="Disk write bandwidth per second; with --disk-read-bytes-per-s enables the disk tier.",
-    ),
-    disk_read: str | None = typer.Option(
-        None, "--disk-read-bytes-per-s", help="Disk read bandwidth per second."
-    ),
-    host_free: str | None = typer.Option(
-        None, "--host-free", help="Free bytes in the host tier (default: unlimited)."
-    ),
-    disk_free: str | None = typer.Option(
-        None, "--disk-free", help="Free bytes in the disk tier (default: unlimited)."
-    ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print the decision as JSON on stdout (nothing else)."
-    ),
+    *,
+    tokens: options.Tokens,
+    model: options.Model = None,
+    kv_dtype: options.KvDtype = None,
+    tp: options.Tp = 1,
+    kv_bytes: options.KvBytes = None,
+    params: options.Params = None,
+    prefill_flops: options.PrefillFlops = None,
+    prefill_tokens_per_s: options.PrefillTokensPerS = None,
+    link: options.Link,
+    wait: options.Wait,
+    pressure: options.Pressure = 1.0,
+    disk_write: options.DiskWrite = None,
+    disk_read: options.DiskRead = None,
+    host_free: options.HostFree = None,
+    disk_free: options.DiskFree = None,
+    as_json: options.AsJson = False,
 ) -> None:
     """Price one pause and decide: retain, offload to host or disk, or drop and recompute."""
+    from agentkv.costs import CostModel
     from agentkv.errors import ConfigError
-    from agentkv.policy import CostModel, decide
+    from agentkv.policy import decide
 
     try:
-        if (prefill_flops is None) == (prefill_tokens_per_s is None):
-            raise ConfigError("give exactly one of --prefill-flops and --prefill-tokens-per-s")
-        for flag, value in (
-            ("--prefill-flops", prefill_flops),
-            ("--prefill-tokens-per-s", prefill_tokens_per_s),
-        ):
-            if value is not None and (not math.isfinite(value) or value <= 0):
-                raise ConfigError(f"{flag} must be a positive finite number, got {value}")
-        if math.isnan(wait) or wait < 0:
-            raise ConfigError(f"--wait must be a non-negative number of seconds, got {wait}")
-        if math.isnan(pressure) or not 0.0 <= pressure <= 1.0:
-            raise ConfigError(f"--pressure must lie in [0, 1], got {pressure}")
-        if (disk_write is None) != (disk_read is None):
-            raise ConfigError("give both --disk-write-bytes-per-s and --disk-read-bytes-per-s")
+        _check_decide_flags(
+            prefill_flops=prefill_flops,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            wait=wait,
+            pressure=pressure,
+            disk_write=disk_write,
+            disk_read=disk_read,
+        )
         m, p, layers, hidden = _resolve_inputs(
             tokens=tokens, model=model, kv_dtype=kv_dtype, tp=tp, kv_bytes=kv_bytes, params=params
         )
@@ -208,6 +158,35 @@ def decide_cmd(
         typer.echo(json.dumps(decision.to_dict()))
         return
     _print_decision(decision.to_dict())
+
+
+def _check_decide_flags(
+    *,
+    prefill_flops: float | None,
+    prefill_tokens_per_s: float | None,
+    wait: float,
+    pressure: float,
+    disk_write: str | None,
+    disk_read: str | None,
+) -> None:
+    """ConfigError unless exactly one prefill rate, positive and finite, a wait >= 0, a pressure
+    in [0, 1] and both disk bandwidths or neither were given."""
+    from agentkv.errors import ConfigError
+
+    if (prefill_flops is None) == (prefill_tokens_per_s is None):
+        raise ConfigError("give exactly one of --prefill-flops and --prefill-tokens-per-s")
+    for flag, value in (
+        ("--prefill-flops", prefill_flops),
+        ("--prefill-tokens-per-s", prefill_tokens_per_s),
+    ):
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise ConfigError(f"{flag} must be a positive finite number, got {value}")
+    if math.isnan(wait) or wait < 0:
+        raise ConfigError(f"--wait must be a non-negative number of seconds, got {wait}")
+    if math.isnan(pressure) or not 0.0 <= pressure <= 1.0:
+        raise ConfigError(f"--pressure must lie in [0, 1], got {pressure}")
+    if (disk_write is None) != (disk_read is None):
+        raise ConfigError("give both --disk-write-bytes-per-s and --disk-read-bytes-per-s")
 
 
 def _print_decision(d: dict[str, Any]) -> None:
@@ -246,54 +225,19 @@ def _print_decision(d: dict[str, Any]) -> None:
 
 
 def calibrate_cmd(
-    disk_dir: Path | None = typer.Option(
-        None,
-        "--disk-dir",
-        help="Directory to measure disk write/read in (use the disk tier's directory). "
-        "Default: the profile's directory.",
-    ),
-    no_disk: bool = typer.Option(False, "--no-disk", help="Skip the disk measurement."),
-    server: str | None = typer.Option(
-        None,
-        "--server",
-        help="OpenAI-compatible server URL (http://127.0.0.1:8000) to measure prefill tokens/s.",
-    ),
-    model: str | None = typer.Option(
-        None, "--model", help="Served model name for --server (default: the first listed)."
-    ),
-    api_key: str | None = typer.Option(
-        None, "--api-key", envvar="AGENTKV_API_KEY", help="API key for --server."
-    ),
-    prompt_tokens: int = typer.Option(
-        2048, "--prompt-tokens", help="Length of the long prefill prompt (capped by the model)."
-    ),
-    size: str = typer.Option(
-        "256MiB", "--size", help="Buffer and disk file size per measurement (256MiB, 1GiB)."
-    ),
-    output: Path | None = typer.Option(
-        None,
-        "--output",
-        "-o",
-        help="Where to write the profile. Default: $AGENTKV_PROFILE or "
-        "~/.cache/agentkv/profile.json.",
-    ),
-    no_save: bool = typer.Option(False, "--no-save", help="Measure and print; write nothing."),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print the profile as JSON on stdout (progress goes to stderr)."
-    ),
-    load: bool = typer.Option(
-        False,
-        "--load",
-        help="With --server: measure the engine under load (prefill vs chunk and context, "
-        "decode step vs batch and context, admission) and write an engine profile for "
-        "`agentkv simulate --calibration` (docs/simulate.md) to --output.",
-    ),
-    max_batched_tokens: int = typer.Option(
-        2048, "--max-batched-tokens", help="With --load: the server's max_num_batched_tokens."
-    ),
-    quick: bool = typer.Option(
-        False, "--quick", help="With --load: short prompts and small batches (minutes)."
-    ),
+    disk_dir: options.DiskDir = None,
+    no_disk: options.NoDisk = False,
+    server: options.Server = None,
+    model: options.CalibrateModel = None,
+    api_key: options.ApiKey = None,
+    prompt_tokens: options.PromptTokens = 2048,
+    size: options.Size = "256MiB",
+    output: options.Output = None,
+    no_save: options.NoSave = False,
+    as_json: options.CalibrateAsJson = False,
+    load: options.Load = False,
+    max_batched_tokens: options.MaxBatchedTokens = 2048,
+    quick: options.Quick = False,
 ) -> None:
     """Measure this machine (host copy, host<->device, disk, prefill) and save the profile."""
     from rich.console import Console

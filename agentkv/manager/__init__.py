@@ -11,7 +11,7 @@ Primitives (each in its own module):
     TimerKind                               timers and leases (timers.py)
     PinOp                                   the pin ledger's queued ops (pins.py)
     ResidencyIndex                          tier residency (residency.py)
-    BranchState, Branch, Trajectory, TurnStats  trajectory state (state.py)
+    BranchState, Branch, Trajectory, TurnStats, DemotedBy  trajectory state (state.py)
 The other parts (transitions.py, pauses.py, ownership.py, views.py) are the facade's own;
 core.py's docstring maps them.
 
@@ -38,7 +38,14 @@ from agentkv.manager.pins import PinOp
 from agentkv.manager.ports import BlockPinner, Clock, MonotonicClock
 from agentkv.manager.requests import LookupAnswer, LookupStatus, RequestParams
 from agentkv.manager.residency import ResidencyIndex
-from agentkv.manager.state import PAUSED_STATES, Branch, BranchState, Trajectory, TurnStats
+from agentkv.manager.state import (
+    PAUSED_STATES,
+    Branch,
+    BranchState,
+    DemotedBy,
+    Trajectory,
+    TurnStats,
+)
 from agentkv.manager.timers import TimerKind
 
 __all__ = [
@@ -48,6 +55,7 @@ __all__ = [
     "Branch",
     "BranchState",
     "Clock",
+    "DemotedBy",
     "DropOp",
     "JobKind",
     "LoadJob",

@@ -77,6 +77,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from agentkv import metrics as m
 from agentkv.admission import NO_QUEUE, Admission, PoolTrend
+from agentkv.costs import CostModel
 from agentkv.manager import views
 from agentkv.manager.jobs import MoveJob, MoveKind, StepPlan, TransferKind, WorkerReport
 from agentkv.manager.jobtable import Job, JobKind, JobTable
@@ -90,12 +91,12 @@ from agentkv.manager.requests import (
     RequestTable,
 )
 from agentkv.manager.residency import ResidencyIndex
-from agentkv.manager.state import Branch, BranchState, Trajectory, scoped_id
+from agentkv.manager.state import Branch, BranchState, DemotedBy, Trajectory, scoped_id
 from agentkv.manager.timers import BRANCH_TIMERS, Leases, Timer, TimerHeap, TimerKind
 from agentkv.manager.transitions import Transitions
 from agentkv.manager.writeback import DeferredWritebacks
 from agentkv.metrics import MetricsRecorder
-from agentkv.policy import HIGH_WATER, Action, CostModel, PolicyParams
+from agentkv.policy import HIGH_WATER, Action, PolicyParams
 from agentkv.policy import pressure_victims as pressure_victims
 from agentkv.predict import PrefetchOutcomeCounter, WaitPredictor
 from agentkv.tier import Tier
@@ -524,11 +525,11 @@ class TrajectoryManager:
             short -= len(branch.pinned)
             if excess > 0:
                 self.counters["pressure_demotions"] += 1
-                self.transitions.demote(traj, branch, "pressure", now)
+                self.transitions.demote(traj, branch, DemotedBy.PRESSURE, now)
             else:
                 self.counters["queue_demotions"] += 1
                 self.last_queue_demotion_step = self.steps
-                self.transitions.demote(traj, branch, "queue_blocked", now, urgent=True)
+                self.transitions.demote(traj, branch, DemotedBy.QUEUE_BLOCKED, now, urgent=True)
         if short > 0:
             self._end_grace_early(short, now)
 
@@ -548,11 +549,11 @@ class TrajectoryManager:
                 continue
             short -= len(branch.pinned)
             self.counters["grace_shortened"] += 1
-            self.metrics.add(m.DEMOTIONS, reason="queue_blocked")
+            self.metrics.add(m.DEMOTIONS, reason=DemotedBy.QUEUE_BLOCKED)
             self.last_queue_demotion_step = self.steps
             action = Action(self.config.default_action)
             self.transitions.apply(traj, branch, action, 0.0, now, urgent=True)
-            branch.demoted_by = "queue_blocked"
+            branch.demoted_by = DemotedBy.QUEUE_BLOCKED
 
     def _apply_pin_ops(self) -> None:
         """Engine thread: apply what other threads queued (pins must not race the scheduler)."""
@@ -571,7 +572,7 @@ class TrajectoryManager:
             if not ids:
                 # Evicted between the decision and now: fall back to the tier copy, if any.
                 self.leases.release(traj, branch)
-                self.transitions.fall_back(traj, branch, "evicted")
+                self.transitions.fall_back(traj, branch, DemotedBy.EVICTED)
 
     # ================================================================== views and metrics
 

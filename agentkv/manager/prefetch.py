@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentkv import metrics as m
-from agentkv.manager.state import Branch, BranchState, Trajectory, TurnStats
+from agentkv.manager.state import Branch, BranchState, DemotedBy, Trajectory, TurnStats
 from agentkv.prefetch_rule import SkipReason, device_prefetch_skip, prefetch_lease_until
 
 if TYPE_CHECKING:
@@ -387,7 +387,7 @@ class DevicePrefetcher:
         self._outcome(branch, DeviceOutcome.LATE)
         return DeviceOutcome.LATE
 
-    def expire(self, traj: Trajectory, branch: Branch, reason: str) -> None:
+    def expire(self, traj: Trajectory, branch: Branch, reason: DemotedBy) -> None:
         """An unused READY prefetch leaves the device again: its tier copy still holds it."""
         dp, branch.device_prefetch = branch.device_prefetch, None
         if dp is not None:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentkv.kv_identity import BASE_GENERATION
-from agentkv.manager.state import BranchState
+from agentkv.manager.state import BranchState, DemotedBy
 from agentkv.tier import Tier
 from agentkv.tiers.disk import BlockFiles
 from agentkv.tiers.keys import BlockKey
@@ -131,7 +131,7 @@ def restore(manager: TrajectoryManager, records: Sequence[TrajectoryRecord]) -> 
             branch.hashes = list(rec.hashes[:n])
             branch.block_ids = []
             branch.tier = Tier.DISK
-            branch.demoted_by = "restart"
+            branch.demoted_by = DemotedBy.RESTART
             manager.transitions.set_state(traj, branch, BranchState.OFFLOADED)
             restored += 1
         manager.counters["trajectories_restored"] += restored

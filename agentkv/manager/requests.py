@@ -33,7 +33,14 @@ from agentkv import metrics as m
 from agentkv.manager import views
 from agentkv.manager.jobs import BlockTransfer, LoadJob, StoreJob
 from agentkv.manager.jobtable import JobKind
-from agentkv.manager.state import Branch, BranchState, Trajectory, TurnStats, scoped_id
+from agentkv.manager.state import (
+    Branch,
+    BranchState,
+    DemotedBy,
+    Trajectory,
+    TurnStats,
+    scoped_id,
+)
 from agentkv.manager.timers import TimerKind
 from agentkv.policy import Action
 from agentkv.tier import Tier
@@ -450,7 +457,7 @@ class RequestTable:
                 # context (and its tier copies) instead of shrinking it.
                 traj.last_active = now
                 if not branch.running:
-                    self.m.transitions.fall_back(traj, branch, "aborted")
+                    self.m.transitions.fall_back(traj, branch, DemotedBy.ABORTED)
                 return stats
         self._keep_context(req, branch, block_ids, token_ids, block_hashes, trusted)
         traj.last_active = now

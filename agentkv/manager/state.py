@@ -3,6 +3,8 @@
 Primitives:
   BranchState   ACTIVE -> HELD -> {RETAINED, CACHED, OFFLOADING -> OFFLOADED, DROPPED} -> ACTIVE
                 (a deleted trajectory leaves the table: a tombstone, not a state)
+  DemotedBy     why the engine moved a paused branch off the device on its own (a StrEnum: its
+                values are GET's ``demoted_by`` and the ``reason`` label of the demotions counter)
   Branch        one branch (a forked continuation): its last finished context (tokens, tier
                 keys, vLLM block hashes and ids), the device blocks pinned for it, the pause it is
                 in (tool, decision, lease, prefetch), the requests running on it
@@ -39,6 +41,20 @@ class BranchState(str, enum.Enum):
     # copied to host once the pool forecasts eviction (policy.defer_writeback)
     CACHED = "cached"
     DROPPED = "dropped"  # paused; nothing kept beyond what vLLM's cache happens to hold
+
+
+class DemotedBy(enum.StrEnum):
+    """Why the engine, not a client's decision, moved a paused branch off the device."""
+
+    GRACE_EXPIRED = "grace_expired"  # no pause decision came within the grace period
+    LEASE_EXPIRED = "lease_expired"  # a retained branch's lease ran out
+    PRESSURE = "pressure"  # the pool went over its high-water mark
+    QUEUE_BLOCKED = "queue_blocked"  # waiting requests were short of blocks
+    JOB_TIMEOUT = "job_timeout"  # the offload's copy timed out: nothing kept
+    STORE_FAILED = "store_failed"  # the offload's copy failed: nothing kept
+    EVICTED = "evicted"  # vLLM evicted the unpinned device copy
+    ABORTED = "aborted"  # a turn was aborted: its device copy is gone
+    RESTART = "restart"  # restored from the disk manifest after an engine restart
 
 
 PAUSED_STATES = frozenset(
@@ -118,9 +134,9 @@ class Branch:
     pending: tuple[str, float, bool] | None = None
     tier: str | None = None
     store_job: int | None = None
-    # Why the engine moved it off the device on its own (grace_expired, lease_expired, pressure,
-    # job_timeout, evicted); None after a client decision. Operators ask "why was this offloaded?".
-    demoted_by: str | None = None
+    # Why the engine moved it off the device on its own; None after a client decision.
+    # Operators ask "why was this offloaded?".
+    demoted_by: DemotedBy | None = None
     timer_token: int = 0  # bumps on every state change: stale timers are ignored
 
     @property

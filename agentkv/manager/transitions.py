@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from agentkv import metrics as m
 from agentkv.manager.jobs import BlockTransfer, DropOp, MoveJob, MoveKind, StoreJob
 from agentkv.manager.jobtable import Job, JobKind
-from agentkv.manager.state import Branch, BranchState, Trajectory
+from agentkv.manager.state import Branch, BranchState, DemotedBy, Trajectory
 from agentkv.manager.timers import TimerKind
 from agentkv.policy import DEMOTION_ACTION, Action
 from agentkv.tier import Tier
@@ -79,7 +79,7 @@ class Transitions:
                 branch.prefetch_due, TimerKind.PREFETCH, (traj, branch), branch.timer_token
             )
 
-    def fall_back(self, traj: Trajectory, branch: Branch, why: str) -> None:
+    def fall_back(self, traj: Trajectory, branch: Branch, why: DemotedBy) -> None:
         """The device copy is gone (evicted, an aborted turn): OFFLOADED when a tier still has
         the context, DROPPED otherwise."""
         branch.demoted_by = why
@@ -188,7 +188,7 @@ class Transitions:
         if n < len(branch.block_ids):
             self.m.counters["writebacks_deferred_lost_blocks"] += len(branch.block_ids) - n
         if n == 0:
-            self.fall_back(traj, branch, "evicted")
+            self.fall_back(traj, branch, DemotedBy.EVICTED)
             return
         ids = branch.block_ids[:n]
         self.m.pins.pin_now(ids)
@@ -197,7 +197,7 @@ class Transitions:
         self.offload(traj, branch, tier, urgent=self.m.admission.blocked)
 
     def demote(
-        self, traj: Trajectory, branch: Branch, reason: str, now: float, urgent: bool = False
+        self, traj: Trajectory, branch: Branch, reason: DemotedBy, now: float, urgent: bool = False
     ) -> None:
         """The engine's own move off the device (a lease ran out, pool pressure, a blocked
         queue: ``urgent``)."""
@@ -212,12 +212,12 @@ class Transitions:
     def fire(self, kind: TimerKind, traj: Trajectory, branch: Branch, now: float) -> None:
         if kind is TimerKind.GRACE and branch.state is BranchState.HELD:
             self.m.counters["grace_expired"] += 1
-            self.m.metrics.add(m.DEMOTIONS, reason="grace_expired")
-            branch.demoted_by = "grace_expired"
+            self.m.metrics.add(m.DEMOTIONS, reason=DemotedBy.GRACE_EXPIRED)
+            branch.demoted_by = DemotedBy.GRACE_EXPIRED
             self.apply(traj, branch, Action(self.m.config.default_action), 0.0, now)
         elif kind is TimerKind.LEASE and branch.state is BranchState.RETAINED:
             self.m.counters["lease_expired_demotions"] += 1
-            self.demote(traj, branch, "lease_expired", now)
+            self.demote(traj, branch, DemotedBy.LEASE_EXPIRED, now)
         elif (
             kind is TimerKind.PREFETCH
             and branch.state is BranchState.OFFLOADED
@@ -252,7 +252,7 @@ class Transitions:
                 self._drop_host_copies(traj, job.keys)
             self.set_state(traj, branch, BranchState.OFFLOADED)
         else:
-            branch.demoted_by = "job_timeout" if timed_out else "store_failed"
+            branch.demoted_by = DemotedBy.JOB_TIMEOUT if timed_out else DemotedBy.STORE_FAILED
             branch.tier = None
             self.set_state(traj, branch, BranchState.DROPPED)
         pending, branch.pending = branch.pending, None

@@ -33,8 +33,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from agentkv.costs import CostModel, recompute_seconds
 from agentkv.errors import ConfigError
-from agentkv.policy import CostModel, recompute_seconds
 
 CALIBRATION_SCHEMA = "agentkv-simulate-calibration/1"
 ENGINE_PROFILE_SCHEMA = "agentkv-engine-profile/1"

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from agentkv.calibrate import served_model
 from agentkv.errors import EngineUnavailableError
 from agentkv.simulate.costs import ENGINE_PROFILE_SCHEMA, EngineCosts, Provenance
 from agentkv.simulate.fit import fit_decode, fit_prefill
@@ -212,15 +213,7 @@ def measure_under_load(
     http = client or httpx.Client(base_url=server.rstrip("/"), timeout=600.0)
     rng = random.Random(f"{seed}:calibrate-load")
     try:
-        try:
-            models = http.get("/v1/models").raise_for_status().json().get("data", [])
-        except (httpx.HTTPError, ValueError) as exc:
-            raise EngineUnavailableError(f"cannot list models at {server}: {exc}") from exc
-        if model is None:
-            if not models:
-                raise EngineUnavailableError(f"{server} serves no model")
-            model = str(models[0]["id"])
-        limit = next((m.get("max_model_len") for m in models if m.get("id") == model), None)
+        model, limit = served_model(http, server, model)
         eng = _Engine(http, model, clock)
         s = LoadSamples(server, model, max_batched_tokens=max_batched_tokens, load_batch=load_batch)
         s.max_model_len = int(limit) if limit else None

@@ -3,8 +3,11 @@
 Modules:
   plugin        ``vllm.general_plugins`` entry point: registers AgentKVConnector (idempotent)
   connector     AgentKVConnector(KVConnectorBase_V1): dispatches to the scheduler or worker side
-  scheduler_side  trajectory table, pins, pause decisions, tier index, load/store job planning
+  scheduler_side  thin adapter from vLLM's scheduler hooks to agentkv.manager.TrajectoryManager
+  control_ops   the control thread's ops (pause, resume, end, get, status, metrics, tick)
+  engine_config what the scheduler side derives from vLLM's config and the connector settings
   worker_side   executes store/load jobs between vLLM's KV cache and the tier store
+  layerwise_loads  the worker's layer-by-layer loads (a copier thread racing the forward pass)
   block_copy    the one layout-specific piece: torch byte views of whole engine blocks
   device_copy   layer-by-layer copies into the KV cache with per-layer completion (CUDA events)
   params        the request contract (``kv_transfer_params.agentkv``), validated with pydantic

@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agentkv.idempotency import KEY_FIELD, KEY_HEADER, MAX_KEY_LEN, validate_key
 from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
 from agentkv_vllm.control import ControlClient, ControlUnavailable
+from agentkv_vllm.control_ops import REPLAYED_FIELD
 from agentkv_vllm.hooks import AgentKVHooks, HookState
 from agentkv_vllm.params import BranchStr
 from agentkv_vllm.prefetch_issuer import PrefetchIssuer
@@ -229,8 +230,6 @@ def _tenant(request: Request) -> dict[str, str]:
     return {"cache_salt": salt} if salt else {}
 
 
-# Set by the engine in an answer that replays an earlier one (agentkv_vllm.scheduler_side).
-REPLAYED_FIELD = "_idempotent_replayed"
 REPLAYED_HEADER = "Idempotent-Replayed"
 
 

@@ -23,9 +23,12 @@ agentkv params, before any lock):
   take_events()                        -> vLLM KV events for tier copies (kv_events.py), when
                                           the server runs with --kv-events-config
 Primitives (control thread): ``handle(op)`` with ops pause, resume, end, get, status, metrics,
-tick (fire due timers; says whether the engine must be woken and when the next timer is due).
+tick (fire due timers; says whether the engine must be woken and when the next timer is due),
+from the ``control_ops.ControlOps`` mixin; ``status()`` and ``metrics_snapshot()`` here.
 A pause, resume or end carrying ``idempotency_key`` is applied once: a retry with the same key
 (same tenant) answers the first answer again (``agentkv.idempotency.ReplayCache``).
+What the side derives from vLLM's config and the settings (manager config, costs, tier sizes,
+load mode) is ``engine_config``'s.
 
 Pins use the block pool's own reference counts (``touch`` / ``free_blocks``): a pinned block can't
 be evicted, and once unpinned it goes back to vLLM's prefix cache with its hash, still reusable
@@ -42,37 +45,41 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentkv.admission import Admission
-from agentkv.idempotency import KEY_FIELD, ReplayCache
+from agentkv.idempotency import ReplayCache
 from agentkv.kv_identity import LogicalKeys
-from agentkv.manager import ManagerConfig, RequestParams, TrajectoryManager
+from agentkv.manager import RequestParams, TrajectoryManager
 from agentkv.manager.invalidation import Invalidation, invalidate_tiers
 from agentkv.manager.recovery import ManifestKeeper, load_records, manifest_path, restore
 from agentkv.metrics import MetricsRecorder, Snapshot
 from agentkv.online_profile import OnlineProfile
 from agentkv.otel_export import OTelExport
-from agentkv.policy import CostModel, PolicyParams
 from agentkv.profile import load_profile
 from agentkv.tier import LOCAL_TIERS
 from agentkv_vllm import plugin
+from agentkv_vllm.control_ops import REPLAYED_FIELD as REPLAYED_FIELD
+from agentkv_vllm.control_ops import ControlOps
+from agentkv_vllm.engine_config import (
+    cost_model,
+    layerwise,
+    manager_config,
+    policy_params,
+    spec_layout,
+    tier_blocks,
+)
 from agentkv_vllm.kv_events import TierEvents
 from agentkv_vllm.kv_identity import identity_from_config
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.params import AgentKVParams, parse_request_params
 from agentkv_vllm.preemption import PreemptionNotes
-from agentkv_vllm.settings import ConnectorSettings, LoadMode, Writeback
+from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.scheduler")
-GiB = 1 << 30
 # A step counts as a prefill sample when it scheduled at least this many prompt tokens and they
 # were most of the step (decode tokens cost far less each).
 PREFILL_SAMPLE_MIN_TOKENS = 32
 PREFILL_SAMPLE_MAX_S = 30.0
 # The adapter's own counters, always in /status (0 until they happen).
 ADAPTER_COUNTERS = ("malformed_params", "unsupported_requests", "load_failed_blocks")
-# Control ops a retry must not apply twice (GET, status and metrics are safe already).
-REPLAYABLE_OPS = frozenset({"pause", "resume", "end"})
-# Set in a control answer that replays an earlier answer; the route turns it into a header.
-REPLAYED_FIELD = "_idempotent_replayed"
 
 
 class VllmBlockPinner:
@@ -126,7 +133,7 @@ class _CpuClock:
         }
 
 
-class SchedulerSide:
+class SchedulerSide(ControlOps):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> None:
         self.settings = settings
         self.block_size: int = vllm_config.cache_config.block_size
@@ -143,26 +150,17 @@ class SchedulerSide:
             identity_from_config(
                 vllm_config,
                 num_layers=num_layers,
-                layout=f"logical-v3:{_spec_layout(groups)}",
+                layout=f"logical-v3:{spec_layout(groups)}",
                 tp_rank=-1,
                 block_size=self.block_size,
             )
         )
-        host_blocks = int(settings.host_capacity_gib * GiB) // max(1, self.block_bytes_per_rank)
-        disk_blocks = (
-            int(settings.disk_capacity_gib * GiB) // max(1, self.block_bytes_per_rank + 8192)
-            if settings.disk_dir
-            else 0
-        )
+        host_blocks, disk_blocks = tier_blocks(settings, self.block_bytes_per_rank)
         self.metrics = MetricsRecorder()
         self.otel = OTelExport.from_env(self._gauges)
         self.metrics.sink = self.otel
         self.profile = load_profile(settings.profile_path)
-        costs = _cost_model(self.profile, model_config)
-        device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
-        layerwise = settings.load_mode is LoadMode.LAYERWISE or (
-            settings.load_mode is LoadMode.AUTO and device == "cpu"
-        )
+        costs = cost_model(self.profile, model_config)
         self.base_costs = costs
         self.online = OnlineProfile(
             "calibrate file" if getattr(self.profile, "source", "") == "measured" else "default"
@@ -170,49 +168,28 @@ class SchedulerSide:
         self._step_sample: tuple[float, int] | None = None
         self._step_tokens = 0
         self.pinner = VllmBlockPinner()
-        config = ManagerConfig(
+        config = manager_config(
+            settings,
             block_size=self.block_size,
             block_bytes=self.block_bytes_total,
             tp_size=self.tp_size,
-            host_capacity_blocks=host_blocks,
-            disk_capacity_blocks=disk_blocks,
-            grace_s=settings.grace_s,
-            default_action=settings.default_action,
-            policy_override=settings.policy_override,
-            high_water=settings.high_water,
-            job_timeout_s=settings.job_timeout_s,
-            idle_ttl_s=settings.idle_ttl_s,
-            max_trajectories=settings.max_trajectories,
-            layerwise=layerwise,
-            admission_wait=settings.admission_wait,
-            defer_writeback=settings.writeback is Writeback.FORECAST,
-            device_prefetch=settings.device_prefetch,
-            remote_enabled=bool(settings.remote_url),
-            remote_ttl_s=settings.remote_ttl_s,
+            host_blocks=host_blocks,
+            disk_blocks=disk_blocks,
+            layerwise=layerwise(settings, vllm_config),
         )
         self.manager = TrajectoryManager(
             config,
             self.pinner,
             key_of=self._key_of,
             costs=costs,
-            policy=PolicyParams(
-                max_lease_s=settings.max_lease_s,
-                lease_margin_s=settings.lease_margin_s,
-                disk_after_s=settings.disk_after_s,
-                device_prefetch_max_spread=settings.device_prefetch_max_spread,
-            ),
+            policy=policy_params(settings),
             metrics=self.metrics,
             otel=self.otel,
         )
         self.lock = self.manager.lock
         self.replays = ReplayCache(self.manager.clock.now)
-        kv_events_config = getattr(vllm_config, "kv_events_config", None)
-        self.events: TierEvents | None = None
+        self.events = self._tier_events(vllm_config, host_blocks + disk_blocks)
         self._reannounce = False
-        if kv_events_config is not None and kv_events_config.enable_kv_cache_events:
-            # notes for every tier copy plus the blocks of requests still running or in grace
-            self.events = TierEvents(self.block_size, 2 * (host_blocks + disk_blocks) + 8192)
-            self.manager.record_tier_changes()
         self.cpu = _CpuClock()
         self.worker_pids: dict[int, int] = {}
         self.kv_cache_manager: Any = None  # bound by the connector (bind_kv_cache_manager)
@@ -224,15 +201,25 @@ class SchedulerSide:
         self.counters: Counter[str] = Counter()
         # request id -> parsed params, for agentkv requests only (plain ones never enter)
         self._params: dict[str, AgentKVParams] = {}
-        # The request the scheduler looked up this step and has not allocated for (vLLM stops
-        # at the first request it cannot allocate): (request id, blocks it needs).
         # (request id, new blocks it needs, request, vLLM's local hit) of the request the
-        # scheduler looked up last this step: not allocated by build_step, it heads a blocked queue
+        # scheduler looked up last this step and has not allocated for (vLLM stops at the first
+        # request it cannot allocate): not allocated by build_step, it heads a blocked queue
         self._unadmitted: tuple[str, int, Any, int] | None = None
         self.started_at = time.time()
         self.manifest: ManifestKeeper | None = None
         if settings.disk_dir:
             self._restore_from_disk(vllm_config)
+
+    def _tier_events(self, vllm_config: Any, n_blocks: int) -> TierEvents | None:
+        """KV events for the tier copies when the server runs with --kv-events-config (the
+        manager then records its tier changes for them); None otherwise."""
+        kv_events_config = getattr(vllm_config, "kv_events_config", None)
+        if kv_events_config is None or not kv_events_config.enable_kv_cache_events:
+            return None
+        # notes for every tier copy plus the blocks of requests still running or in grace
+        events = TierEvents(self.block_size, 2 * n_blocks + 8192)
+        self.manager.record_tier_changes()
+        return events
 
     @property
     def block_pool(self) -> Any:
@@ -546,64 +533,6 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ control ops
 
-    def handle(self, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        op = req.get("op")
-        mgr = self.manager
-        tid = str(req.get("trajectory_id"))
-        branch = str(req.get("branch") or "main")
-        # The trajectory's tenant (its requests' cache_salt); none: the unsalted namespace.
-        tenant = str(req["cache_salt"]) if req.get("cache_salt") else None
-        if op == "ping":
-            return 200, {"pong": True}
-        if op == "tick":
-            next_in = mgr.tick()
-            orders, cancels = mgr.take_prefetch_work()
-            return 200, {
-                "next_in_s": next_in,
-                "engine_work": mgr.engine_work_pending(),
-                # Device prefetches for the pump to issue as internal requests, and the
-                # tickets of those to abort (a resume or DELETE came first).
-                "prefetch": [o.to_wire() for o in orders],
-                "cancel": cancels,
-            }
-        mgr.tick()
-        if op == "status":
-            return 200, self.status()
-        if op == "metrics":
-            return 200, self.metrics_snapshot()
-        if op in REPLAYABLE_OPS and req.get(KEY_FIELD):
-            # A retried call with the same key answers the first call's answer (the route's
-            # 503 on a timeout does not mean the engine did not apply it).
-            status, body, replayed = self.replays.run(
-                str(req[KEY_FIELD]), tenant, req, lambda: self._apply(op, req, tid, branch, tenant)
-            )
-            return status, {**body, REPLAYED_FIELD: True} if replayed else body
-        return self._apply(op, req, tid, branch, tenant)
-
-    def _apply(
-        self, op: object, req: dict[str, Any], tid: str, branch: str, tenant: str | None
-    ) -> tuple[int, dict[str, Any]]:
-        mgr = self.manager
-        if op == "pause":
-            wait = req.get("expected_wait_s")
-            cap = req.get("max_lease_s")
-            tools = req.get("tools")
-            return mgr.pause(
-                tid,
-                branch,
-                [str(t) for t in tools] if tools else str(req.get("tool") or "unknown"),
-                float(wait) if wait is not None else None,
-                max_lease_s=float(cap) if cap is not None else None,
-                tenant=tenant,
-            )
-        if op == "resume":
-            return mgr.resume(tid, branch, tenant=tenant)
-        if op == "end":
-            return mgr.delete(tid, tenant=tenant)
-        if op == "get":
-            return mgr.get(tid, tenant=tenant)
-        return 400, {"detail": f"unknown op {op!r}"}
-
     def _gauges(self) -> list[Any]:
         return self.manager.gauges() if hasattr(self, "manager") else []
 
@@ -640,35 +569,6 @@ class SchedulerSide:
                 "live": self.online.view(self.base_costs),
             }
         return body
-
-
-def _spec_layout(groups: Sequence[Any]) -> str:
-    """The attention layout the scheduler sees: per KV cache group, the spec's kind and shape."""
-    parts = []
-    for g in groups:
-        spec = g.kv_cache_spec
-        parts.append(
-            f"{type(spec).__name__}/{getattr(spec, 'num_kv_heads', '')}x"
-            f"{getattr(spec, 'head_size', '')}/{spec.page_size_bytes}/{len(g.layer_names)}"
-        )
-    return ";".join(parts)
-
-
-def _cost_model(profile: Any, model_config: Any) -> CostModel:
-    """The policy's costs: the hardware profile plus the served model's size when known."""
-    params = None
-    try:
-        from agentkv.geometry import ModelGeometry
-
-        geom = ModelGeometry.from_hf_config(model_config.hf_config.to_dict())
-        params = geom.num_parameters
-        layers, hidden = geom.num_layers, geom.hidden_size
-    except Exception as exc:  # sizing is best effort; decisions fall back safely
-        log.info("agentkv: model size unknown (%s); recompute cost from the profile only", exc)
-        layers, hidden = 0, 0
-    return CostModel.from_profile(
-        profile, model_params=params, num_layers=layers, hidden_size=hidden
-    )
 
 
 def _zone_at(zones: Sequence[Any], token: int) -> str | None:

@@ -20,11 +20,11 @@ fingerprint, so shards never mix. Loads of a request are reported finished only 
 has a result; a failed block is also reported through ``load_error_block_ids`` so vLLM recomputes
 it instead of reading garbage.
 
-Layer-by-layer loads (``LoadJob.layerwise``): vLLM has already scheduled the request in this step.
-The host copies are pinned in place (``TieredStore.acquire_host``) and one copier thread writes
-them layer after layer in forward order while the model runs; each attention layer waits only
-for its own layer (``wait_for_layer``). A block missing from host, or any copy error, goes to
-``load_error_block_ids``: vLLM then discards the step's output for that request and recomputes.
+Layer-by-layer loads (``LoadJob.layerwise``, the ``layerwise_loads.LayerwiseLoads`` mixin):
+vLLM has already scheduled the request in this step; the host copies are pinned in place and one
+copier thread writes them layer after layer in forward order while the model runs; each
+attention layer waits only for its own layer (``wait_for_layer``). A block missing from host, or
+any copy error, goes to ``load_error_block_ids`` and vLLM recomputes.
 
 Data path (agentkv.tiers.batched): a block is handed to the store as a BlockRef (O(1), no
 per-layer tensors). CUDA: a step's store jobs are gathered together into device staging (one
@@ -50,33 +50,19 @@ import numpy as np
 
 from agentkv.errors import CorruptBlockError
 from agentkv.kv_identity import KVIdentity
-from agentkv.manager.jobs import LoadJob, MoveKind, StoreJob, TransferKind, WorkerReport
+from agentkv.manager.jobs import LoadJob, MoveJob, MoveKind, StoreJob, TransferKind, WorkerReport
 from agentkv.manager.recovery import prune_rank_files
 from agentkv.tier import Tier
-from agentkv.tiers import BlockResult, BlockStatus, HostRead, TieredStore, TransferHandle
+from agentkv.tiers import BlockResult, BlockStatus, TieredStore, TransferHandle
 from agentkv.tiers.batched import StagedBlocks, staging_budget
 from agentkv.tiers.keys import BlockKey, rank_key
 from agentkv_vllm.block_copy import BlockViews
-from agentkv_vllm.device_copy import LayerCopier
+from agentkv_vllm.layerwise_loads import LayerwiseLoads, LayerwiseStep
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
 from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.worker")
 GiB = 1 << 30
-# A layer copy that takes this long is stuck (host memcpy runs at GB/s): stop waiting, recompute.
-LAYER_WAIT_TIMEOUT_S = 60.0
-
-
-@dataclass
-class _LayerwiseStep:
-    """This step's layer-by-layer loads: per layer, an event set once its segments are copied."""
-
-    events: dict[str, threading.Event]
-    future: Future[float]  # the copy's own duration (not the forward it overlaps)
-    block_ids: list[int]
-    nbytes: int
-    started: float
-    ref: str
 
 
 class _DelayedLoad:
@@ -130,7 +116,7 @@ class _Pending:
 
 
 @dataclass
-class WorkerSide:
+class WorkerSide(LayerwiseLoads):
     settings: ConnectorSettings
     model_id: str
     tp_rank: int
@@ -146,7 +132,7 @@ class WorkerSide:
     _load_errors: set[int] = field(default_factory=set)
     _report: WorkerReport = field(default_factory=WorkerReport)
     _key_cache: dict[bytes, BlockKey] = field(default_factory=dict)
-    _layerwise: _LayerwiseStep | None = None
+    _layerwise: LayerwiseStep | None = None
     _copier: ThreadPoolExecutor | None = None
     _layers: list[tuple[str, list[tuple[int, int, int]]]] = field(default_factory=list)
     # this step's layerwise load job ids, and those that failed
@@ -234,12 +220,25 @@ class WorkerSide:
                     self._recving_done.add(load.req_id)
                 self._done(load.job_id, ok=False)
             return
-        store = self.store
         for drop in plan.drops:
-            store.drop([self.rank_key(k) for k in drop.keys], tier=drop.tier)
+            self.store.drop([self.rank_key(k) for k in drop.keys], tier=drop.tier)
         now = time.monotonic()
-        timeout = self.settings.job_timeout_s
-        stores = [job for job in plan.stores if not self._silent(job)]
+        self._start_stores(plan.stores, now)
+        for move in plan.moves:
+            self._start_move(move, now)
+        layerwise = [load for load in plan.loads if load.layerwise]
+        if layerwise:
+            self._start_layerwise(layerwise)
+        for load in plan.loads:
+            if not load.layerwise:
+                self._start_load(load, now)
+
+    def _start_stores(self, jobs: list[StoreJob], now: float) -> None:
+        """Device -> tier copies of the step's store jobs (a silent rank's test knob skips its
+        own); a preemption save (``before_forward``) is waited for here."""
+        assert self.store is not None and self.views is not None
+        store = self.store
+        stores = [job for job in jobs if not self._silent(job)]
         staged = self._stage_stores(stores)
         # Preemption saves read blocks vLLM already freed (maybe reallocated this step): they
         # are copied before anything of this step writes the device (loads below, the forward).
@@ -270,79 +269,84 @@ class WorkerSide:
                 )
             )
         for handle in before_forward:
-            if not handle.wait(timeout):
+            if not handle.wait(self.settings.job_timeout_s):
                 handle.cancel()  # reported failed when polled: the index never lists it
-        for move in plan.moves:
-            keys = [self.rank_key(k) for k in move.keys]
-            try:
-                kind = MoveKind(move.kind)  # the plan crossed a process boundary: normalise
-                moving: TransferHandle | Future[list[Any]]
-                if kind is MoveKind.FETCH:
-                    moving = self._fetch_pool().submit(self._fetch_remote, keys)
-                elif kind is MoveKind.UPLOAD:
-                    moving = store.copy_to_remote(keys)
-                elif kind is MoveKind.PROMOTE:
-                    moving = store.promote(keys)
-                else:
-                    moving = store.copy_to_disk(keys)
-            except Exception as exc:
-                log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
-                self._done(move.job_id, ok=False)
-                continue
-            tier = {MoveKind.DEMOTE: Tier.DISK, MoveKind.UPLOAD: Tier.REMOTE}.get(kind, Tier.HOST)
-            self._jobs.append(
-                _Pending(
-                    moving,
-                    now,
-                    len(keys) * self.views.block_bytes,
-                    move.job_id,
-                    (kind, tier, f"job-{move.job_id}"),
-                    list(move.keys),
-                    move=kind,
-                )
+
+    def _start_move(self, move: MoveJob, now: float) -> None:
+        """A tier move: remote -> host (fetch, on the fetch thread), host -> remote (upload),
+        disk -> host (promote) or host -> disk (demote)."""
+        assert self.store is not None and self.views is not None
+        store = self.store
+        keys = [self.rank_key(k) for k in move.keys]
+        try:
+            kind = MoveKind(move.kind)  # the plan crossed a process boundary: normalise
+            moving: TransferHandle | Future[list[Any]]
+            if kind is MoveKind.FETCH:
+                moving = self._fetch_pool().submit(self._fetch_remote, keys)
+            elif kind is MoveKind.UPLOAD:
+                moving = store.copy_to_remote(keys)
+            elif kind is MoveKind.PROMOTE:
+                moving = store.promote(keys)
+            else:
+                moving = store.copy_to_disk(keys)
+        except Exception as exc:
+            log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
+            self._done(move.job_id, ok=False)
+            return
+        tier = {MoveKind.DEMOTE: Tier.DISK, MoveKind.UPLOAD: Tier.REMOTE}.get(kind, Tier.HOST)
+        self._jobs.append(
+            _Pending(
+                moving,
+                now,
+                len(keys) * self.views.block_bytes,
+                move.job_id,
+                (kind, tier, f"job-{move.job_id}"),
+                list(move.keys),
+                move=kind,
             )
-        layerwise = [load for load in plan.loads if load.layerwise]
-        if layerwise:
-            self._start_layerwise(layerwise)
-        for load in plan.loads:
-            if load.layerwise:
-                continue
-            keys = [self.rank_key(b.key) for b in load.blocks]
-            staging = None
-            try:
-                ids = [b.block_id for b in load.blocks]
-                if staging_budget(self.views.table, len(ids)) == len(ids):
-                    staging = StagedBlocks.for_load(self.views.table, ids)
-                    targets: list[Any] = list(staging.rows)
-                else:
-                    targets = [self.views.block(bid) for bid in ids]
-                pending: TransferHandle | _DelayedLoad
-                if self.settings.debug_load_delay_s > 0:
-                    pending = _DelayedLoad(
-                        self.settings.debug_load_delay_s,
-                        lambda keys=keys, targets=targets: store.submit_load(keys, targets),
-                    )
-                else:
-                    pending = store.submit_load(keys, targets)
-            except Exception as exc:
-                log.warning("agentkv: load for %s failed to start: %s", load.req_id, exc)
-                self._load_errors.update(b.block_id for b in load.blocks)
-                self._recving_done.add(load.req_id)
-                self._done(load.job_id, ok=False)
-                continue
-            self._loads.append(
-                _Pending(
-                    pending,
-                    now,
-                    len(keys) * self.views.block_bytes,
-                    load.job_id,
-                    (TransferKind.RELOAD, Tier.HOST, f"req-{load.req_id}"),
-                    [b.key for b in load.blocks],
-                    load=load,
-                    deadline=now + timeout,
-                    staged=staging,
+        )
+
+    def _start_load(self, load: LoadJob, now: float) -> None:
+        """An async tier -> device load (into staging rows on CUDA when they fit), reported
+        finished by ``poll``; one that cannot start fails its blocks so vLLM recomputes them."""
+        assert self.store is not None and self.views is not None
+        store = self.store
+        keys = [self.rank_key(b.key) for b in load.blocks]
+        staging = None
+        try:
+            ids = [b.block_id for b in load.blocks]
+            if staging_budget(self.views.table, len(ids)) == len(ids):
+                staging = StagedBlocks.for_load(self.views.table, ids)
+                targets: list[Any] = list(staging.rows)
+            else:
+                targets = [self.views.block(bid) for bid in ids]
+            pending: TransferHandle | _DelayedLoad
+            if self.settings.debug_load_delay_s > 0:
+                pending = _DelayedLoad(
+                    self.settings.debug_load_delay_s,
+                    lambda keys=keys, targets=targets: store.submit_load(keys, targets),
                 )
+            else:
+                pending = store.submit_load(keys, targets)
+        except Exception as exc:
+            log.warning("agentkv: load for %s failed to start: %s", load.req_id, exc)
+            self._load_errors.update(b.block_id for b in load.blocks)
+            self._recving_done.add(load.req_id)
+            self._done(load.job_id, ok=False)
+            return
+        self._loads.append(
+            _Pending(
+                pending,
+                now,
+                len(keys) * self.views.block_bytes,
+                load.job_id,
+                (TransferKind.RELOAD, Tier.HOST, f"req-{load.req_id}"),
+                [b.key for b in load.blocks],
+                load=load,
+                deadline=now + self.settings.job_timeout_s,
+                staged=staging,
             )
+        )
 
     def _stage_stores(self, jobs: list[StoreJob]) -> dict[int, StagedBlocks]:
         """CUDA: gather the step's store jobs into device staging, one ``index_select`` per run
@@ -390,114 +394,6 @@ class WorkerSide:
         else:
             self._report.bad_keys.setdefault(logical, "error")
 
-    def _start_layerwise(self, loads: list[LoadJob]) -> None:
-        assert self.store is not None and self.views is not None
-        self.finish_step()  # never two steps' copies at once
-        store = self.store
-        table = self.views.table
-        jobs: list[tuple[HostRead, list[int]]] = []
-        block_ids: list[int] = []
-        failed_jobs: set[int] = set()
-        # Blocks the host does not hold but disk does (a prefetch still in flight): read whole,
-        # checksummed, before the first layer is released.
-        from_disk: list[tuple[BlockKey, int, bytes, int]] = []
-        for load in loads:
-            keys = [self.rank_key(b.key) for b in load.blocks]
-            read = store.acquire_host(keys)
-            ids = [b.block_id for b in load.blocks]
-            for i in read.missing:
-                if store.tier_of(keys[i]) is Tier.DISK:
-                    from_disk.append((keys[i], ids[i], load.blocks[i].key, load.job_id))
-                else:  # not where the scheduler said: vLLM recomputes it
-                    self._load_errors.add(ids[i])
-                    self._bad(load.blocks[i].key, None)
-                    failed_jobs.add(load.job_id)
-            jobs.append((read, ids))
-            block_ids += ids
-        # One batch for the whole step: per layer, one copy call over every block of every job.
-        host_ids = [
-            bid
-            for read, ids in jobs
-            for v, bid in zip(read.views, ids, strict=True)
-            if v is not None
-        ]
-        host_views = [v for read, _ in jobs for v in read.views if v is not None]
-        copier = LayerCopier(self.views.device, [name for name, _ in self._layers])
-        events = copier.events  # CUDA: each also carries its layer's copy-done CUDA event
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
-        started = time.monotonic()
-        nbytes = self.views.block_bytes * (len(from_disk) + len(host_ids))
-        job_ids = [load.job_id for load in loads]
-
-        def copy_layers() -> float:
-            begin = time.monotonic()
-            try:
-                if from_disk:
-                    results = store.submit_load(
-                        [k for k, _, _, _ in from_disk],
-                        [self.views.block(bid) for _, bid, _, _ in from_disk],  # type: ignore[union-attr]
-                    ).result(timeout=LAYER_WAIT_TIMEOUT_S)
-                    for r, (_, bid, logical, job_id) in zip(results, from_disk, strict=True):
-                        if not r.ok:
-                            self._load_errors.add(bid)
-                            self._bad(logical, r)
-                            failed_jobs.add(job_id)
-                for name, segs in self._layers:
-                    if host_ids:
-                        copier.copy_runs(table, host_ids, host_views, [i for i, _, _ in segs])
-                    events[name].set()
-            except Exception:
-                log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
-                self._load_errors.update(block_ids)
-                failed_jobs.update(job_ids)
-            finally:
-                for ev in events.values():
-                    ev.set()  # a failure must not leave the forward pass waiting
-                copier.synchronize()  # the DMA reads the host copies until it completes
-                for read, _ in jobs:
-                    store.release_host(read)
-            return time.monotonic() - begin
-
-        future = self._copier.submit(copy_layers)
-        self._layerwise = _LayerwiseStep(
-            events, future, block_ids, nbytes, started, f"layerwise-{loads[0].req_id}"
-        )
-        self._layerwise_jobs = (job_ids, failed_jobs)
-
-    def wait_for_layer(self, layer_name: str) -> None:
-        """Block until this step's layerwise loads have copied ``layer_name``; must be fast."""
-        step = self._layerwise
-        if step is None:
-            return
-        event = step.events.get(layer_name)
-        if event is None:
-            # A layer we did not see at registration: wait for all of them to be safe.
-            step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
-            return
-        if not event.wait(LAYER_WAIT_TIMEOUT_S):
-            log.error("agentkv: layer %s not loaded in time; vLLM recomputes", layer_name)
-            self._load_errors.update(step.block_ids)
-
-    def finish_step(self) -> None:
-        """Wait for the step's layer copier (all layers were waited for already) and clear it."""
-        step, self._layerwise = self._layerwise, None
-        if step is None:
-            return
-        job_ids, failed = self._layerwise_jobs
-        self._layerwise_jobs = ([], set())
-        try:
-            seconds = step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
-        except Exception:
-            self._load_errors.update(step.block_ids)
-            failed = set(job_ids)
-            seconds = time.monotonic() - step.started
-        for job_id in job_ids:
-            self._done(job_id, ok=job_id not in failed)
-        # Timed by the copier itself: the step's wall time includes the forward it overlaps,
-        # and the online bandwidth estimate must not read that as a slow link.
-        self._report.transfers[(TransferKind.RELOAD, Tier.HOST, step.ref)] = (step.nbytes, seconds)
-
     def poll(self) -> set[str]:
         """Collect finished transfers; returns request ids whose async loads are complete.
         A load past its deadline is cancelled (fenced: nothing more is written into its blocks)
@@ -510,46 +406,11 @@ class WorkerSide:
                 continue
             results = p.handle.result()
             if p.move is MoveKind.FETCH:
-                # Best effort: blocks the remote tier lacks are this rank's misses, not a
-                # failed job (the manager indexes the rest).
-                missing = [k for r, k in zip(results, p.keys, strict=True) if not r.ok]
-                if missing:
-                    self._report.fetch_missing[p.job_id] = missing
-                self._done(p.job_id, ok=True)
-                got = len(results) - len(missing)
-                if got:
-                    nbytes = got * (self.views.block_bytes if self.views is not None else 0)
-                    self._report.transfers[(TransferKind.RELOAD, Tier.REMOTE, p.ref[2])] = (
-                        nbytes,
-                        now - p.started,
-                    )
-                continue
-            ok = all(r.ok for r in results)
-            if p.move is MoveKind.UPLOAD:
-                # The remote tier failed, not the local copy: nothing local is lost (the remote
-                # client logs the cause, rate-limited); the manager counts the failed job.
-                self._done(p.job_id, ok)
-                if any(r.ok for r in results):
-                    sent = p.nbytes * sum(r.ok for r in results) // len(results)
-                    self._report.transfers[(TransferKind.OFFLOAD, Tier.REMOTE, p.ref[2])] = (
-                        sent,
-                        now - p.started,
-                    )
-                continue
-            for r, logical in zip(results, p.keys, strict=True):
-                if not r.ok:
-                    self._bad(logical, r)
-            if not ok:
-                log.warning(
-                    "agentkv: %s job %d: %d/%d blocks failed (%s)",
-                    p.ref[0],
-                    p.job_id,
-                    sum(not r.ok for r in results),
-                    len(results),
-                    [str(r.error) for r in results if not r.ok][:1],
-                )
-            self._done(p.job_id, ok)
-            self._report.transfers[p.ref] = (p.nbytes, now - p.started)
+                self._fetch_done(p, results, now)
+            elif p.move is MoveKind.UPLOAD:
+                self._upload_done(p, results, now)
+            else:
+                self._job_done(p, results, now)
         self._jobs = still
         still = []
         for p in self._loads:
@@ -564,35 +425,84 @@ class WorkerSide:
                 self._recving_done.add(p.load.req_id)
                 self._done(p.job_id, ok=False)
                 continue
-            results = p.handle.result()
-            if results is None:  # cancelled before it started
-                self._load_errors.update(b.block_id for b in p.load.blocks)
-                self._done(p.job_id, ok=False)
-                self._recving_done.add(p.load.req_id)
-                continue
-            ok = True
-            for r, b in zip(results, p.load.blocks, strict=True):
-                if not r.ok:
-                    ok = False
-                    self._load_errors.add(b.block_id)
-                    self._bad(b.key, r)
-            if p.staged is not None:
-                try:  # queued on the engine's stream: the request's next forward runs after it
-                    p.staged.scatter([r.ok for r in results])
-                except Exception as exc:
-                    log.warning("agentkv: scatter of load %s failed: %s", p.load.req_id, exc)
-                    ok = False
-                    self._load_errors.update(b.block_id for b in p.load.blocks)
-            tier = Tier.DISK if any(r.tier == Tier.DISK for r in results) else Tier.HOST
-            self._report.transfers[(TransferKind.RELOAD, tier, f"req-{p.load.req_id}")] = (
-                p.nbytes,
-                now - (getattr(p.handle, "started_at", None) or p.started),
-            )
-            self._done(p.job_id, ok)
-            self._recving_done.add(p.load.req_id)
+            self._load_done(p, p.handle.result(), now)
         self._loads = still
         done, self._recving_done = self._recving_done, set()
         return done
+
+    def _fetch_done(self, p: _Pending, results: list[Any], now: float) -> None:
+        """Best effort: blocks the remote tier lacks are this rank's misses, not a failed job
+        (the manager indexes the rest)."""
+        missing = [k for r, k in zip(results, p.keys, strict=True) if not r.ok]
+        if missing:
+            self._report.fetch_missing[p.job_id] = missing
+        self._done(p.job_id, ok=True)
+        got = len(results) - len(missing)
+        if got:
+            nbytes = got * (self.views.block_bytes if self.views is not None else 0)
+            self._report.transfers[(TransferKind.RELOAD, Tier.REMOTE, p.ref[2])] = (
+                nbytes,
+                now - p.started,
+            )
+
+    def _upload_done(self, p: _Pending, results: list[Any], now: float) -> None:
+        """The remote tier failed, not the local copy: nothing local is lost (the remote client
+        logs the cause, rate-limited); the manager counts the failed job."""
+        self._done(p.job_id, all(r.ok for r in results))
+        if any(r.ok for r in results):
+            sent = p.nbytes * sum(r.ok for r in results) // len(results)
+            self._report.transfers[(TransferKind.OFFLOAD, Tier.REMOTE, p.ref[2])] = (
+                sent,
+                now - p.started,
+            )
+
+    def _job_done(self, p: _Pending, results: list[Any], now: float) -> None:
+        """A store, promote or demote finished: its bad keys, its result and its timing."""
+        ok = all(r.ok for r in results)
+        for r, logical in zip(results, p.keys, strict=True):
+            if not r.ok:
+                self._bad(logical, r)
+        if not ok:
+            log.warning(
+                "agentkv: %s job %d: %d/%d blocks failed (%s)",
+                p.ref[0],
+                p.job_id,
+                sum(not r.ok for r in results),
+                len(results),
+                [str(r.error) for r in results if not r.ok][:1],
+            )
+        self._done(p.job_id, ok)
+        self._report.transfers[p.ref] = (p.nbytes, now - p.started)
+
+    def _load_done(self, p: _Pending, results: list[Any] | None, now: float) -> None:
+        """A finished load: failed blocks go to ``load_error_block_ids`` (vLLM recomputes them),
+        CUDA staging is scattered into the blocks, and the request is reported finished."""
+        assert p.load is not None
+        if results is None:  # cancelled before it started
+            self._load_errors.update(b.block_id for b in p.load.blocks)
+            self._done(p.job_id, ok=False)
+            self._recving_done.add(p.load.req_id)
+            return
+        ok = True
+        for r, b in zip(results, p.load.blocks, strict=True):
+            if not r.ok:
+                ok = False
+                self._load_errors.add(b.block_id)
+                self._bad(b.key, r)
+        if p.staged is not None:
+            try:  # queued on the engine's stream: the request's next forward runs after it
+                p.staged.scatter([r.ok for r in results])
+            except Exception as exc:
+                log.warning("agentkv: scatter of load %s failed: %s", p.load.req_id, exc)
+                ok = False
+                self._load_errors.update(b.block_id for b in p.load.blocks)
+        tier = Tier.DISK if any(r.tier == Tier.DISK for r in results) else Tier.HOST
+        self._report.transfers[(TransferKind.RELOAD, tier, f"req-{p.load.req_id}")] = (
+            p.nbytes,
+            now - (getattr(p.handle, "started_at", None) or p.started),
+        )
+        self._done(p.job_id, ok)
+        self._recving_done.add(p.load.req_id)
 
     def _fetch_pool(self) -> ThreadPoolExecutor:
         if self._fetcher is None:

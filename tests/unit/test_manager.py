@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agentkv.manager import BranchState
+from agentkv.manager import BranchState, DemotedBy
 from agentkv.manager.state import Branch
 from agentkv.policy import PolicyParams, lease_seconds
 from tests.unit.manager_helpers import (
@@ -302,7 +302,7 @@ def test_a_control_thread_tick_expires_a_lease() -> None:
     rig.clock.t = lease_until
     in_thread(rig.mgr.tick)
     assert rig.mgr.engine_work_pending()
-    assert branch(rig).demoted_by == "lease_expired"
+    assert branch(rig).demoted_by is DemotedBy.LEASE_EXPIRED
     plan = rig.mgr.take_step()
     assert [t.block_id for job in plan.stores for t in job.blocks] == branch(rig).block_ids
 

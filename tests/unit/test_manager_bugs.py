@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from agentkv.costs import CostModel
 from agentkv.manager import BranchState
-from agentkv.policy import CostModel
 from tests.unit.manager_helpers import (
     P1,
     SYS,

@@ -4,9 +4,11 @@ testing), on the simulated engine. The rig: manager_helpers.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from agentkv.manager import BranchState
+from agentkv.manager import BranchState, DemotedBy
 from tests.unit.manager_helpers import (
     P1,
     branch,
@@ -193,6 +195,15 @@ def test_get_says_why_the_engine_moved_a_branch() -> None:
     rig = make_rig()
     offloaded(rig)  # grace expired with no pause decision
     assert rig.mgr.get("t1")[1]["branches"]["main"]["demoted_by"] == "grace_expired"
+    assert branch(rig).demoted_by is DemotedBy.GRACE_EXPIRED
+
+
+def test_demoted_by_is_the_plain_string_on_the_wire() -> None:
+    """The reason is a StrEnum inside; GET's JSON carries its value, as before the enum."""
+    rig = make_rig()
+    offloaded(rig)
+    text = json.dumps(rig.mgr.get("t1")[1])  # a non-str enum would raise here
+    assert '"demoted_by": "grace_expired"' in text
 
 
 def test_the_paused_gauge_is_labelled_by_state() -> None:

@@ -4,7 +4,7 @@ engine. The rig: manager_helpers.py.
 
 from __future__ import annotations
 
-from agentkv.manager import BranchState
+from agentkv.manager import BranchState, DemotedBy
 from tests.unit.manager_helpers import (
     P1,
     branch,
@@ -67,7 +67,7 @@ def test_a_blocked_queue_demotes_retained_branches_in_the_same_step() -> None:
     states = sorted(branch(rig, t).state.value for t in ids)
     assert states == ["offloading", "retained", "retained"]
     demoted = next(t for t in ids if branch(rig, t).state is BranchState.OFFLOADING)
-    assert branch(rig, demoted).demoted_by == "queue_blocked"
+    assert branch(rig, demoted).demoted_by is DemotedBy.QUEUE_BLOCKED
     rig.settle()  # the write-back completes and hands the blocks back
     assert rig.eng.spike(6)  # the waiting request is admitted now
     assert rig.eng.violations == []
@@ -82,7 +82,7 @@ def test_a_blocked_queue_ends_grace_pins_early() -> None:
     rig.eng.step()
     assert rig.mgr.counters["grace_shortened"] == 1
     assert branch(rig, "t0").state is not BranchState.HELD
-    assert branch(rig, "t0").demoted_by == "queue_blocked"
+    assert branch(rig, "t0").demoted_by is DemotedBy.QUEUE_BLOCKED
     assert rig.eng.violations == []
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
+from agentkv.costs import CostModel
 from agentkv.online_profile import ONLINE, OnlineProfile, RollingRate
-from agentkv.policy import CostModel
 
 
 def test_rolling_median_ignores_outliers_and_ages_out() -> None:

@@ -15,19 +15,21 @@ from typer.testing import CliRunner
 
 from agentkv.admission import Admission
 from agentkv.cli import app
-from agentkv.policy import (
-    DEFAULT_POLICY,
-    LEASE_MARGIN_S,
-    Action,
+from agentkv.costs import (
     CostModel,
-    Decision,
-    PolicyParams,
-    break_even_wait,
-    decide,
     hold_cost,
     recompute_seconds,
     reload_seconds,
     round_trip_seconds,
+)
+from agentkv.policy import (
+    DEFAULT_POLICY,
+    LEASE_MARGIN_S,
+    Action,
+    Decision,
+    PolicyParams,
+    break_even_wait,
+    decide,
 )
 from agentkv.predict import WaitEstimate
 from agentkv.profile import DEFAULT_PROFILE, HardwareProfile

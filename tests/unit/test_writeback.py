@@ -9,8 +9,9 @@ import math
 import pytest
 
 from agentkv.admission import Admission, PoolTrend
-from agentkv.manager import BranchState
-from agentkv.policy import Action, CostModel, PolicyParams, decide
+from agentkv.costs import CostModel
+from agentkv.manager import BranchState, DemotedBy
+from agentkv.policy import Action, PolicyParams, decide
 from tests.unit.sim_engine import Rig, key_of, make_rig
 
 P1 = [7, 7, 7, 7, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 17 tokens: 4 full blocks
@@ -161,7 +162,7 @@ def test_blocks_evicted_before_the_forecast_fall_back_to_recompute() -> None:
     assert not rig.eng.spike(rig.pool.num_free() + 1)
     rig.settle()
     b = _branch(rig)
-    assert b.state is BranchState.DROPPED and b.demoted_by == "evicted"
+    assert b.state is BranchState.DROPPED and b.demoted_by is DemotedBy.EVICTED
     assert rig.mgr.counters["writebacks_deferred_lost_blocks"] == 4
     assert rig.eng.violations == []
 
