@@ -5,6 +5,8 @@
 PATH defaults to the project's Python sources (agentkv plugins harness_sdk bench examples
 tests). A function's length is its ``def`` line to its last line, decorators excluded, nested
 functions counted inside their parent and on their own. ``--count`` prints only the number.
+A function with a ``# long because: <reason>`` comment on the line directly above its ``def``
+(or above its first decorator) is skipped: the house rule allows a long function with a reason.
 """
 
 from __future__ import annotations
@@ -25,13 +27,26 @@ def long_functions(paths: list[str], limit: int) -> list[tuple[int, str, str]]:
         for path in files:
             if ".venv" in path.parts or "build" in path.parts:
                 continue
-            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-            found.extend(_visit(tree, path, "", limit))
-    return sorted(found, key=lambda row: (-row[0], row[1]))
+            text = path.read_text(encoding="utf-8")
+            excused = _excused_lines(text)
+            tree = ast.parse(text, str(path))
+            found.extend(row for row in _visit(tree, path, "", limit) if row[3] not in excused)
+    return sorted(((n, where, name) for n, where, name, _ in found), key=lambda r: (-r[0], r[1]))
 
 
-def _visit(node: ast.AST, path: Path, prefix: str, limit: int) -> list[tuple[int, str, str]]:
-    out: list[tuple[int, str, str]] = []
+REASON = "# long because:"
+
+
+def _excused_lines(text: str) -> set[int]:
+    """The lines (1-based) right below a ``# long because:`` comment: a def or its first
+    decorator there is excused."""
+    lines = text.splitlines()
+    return {i + 2 for i, line in enumerate(lines) if line.strip().startswith(REASON)}
+
+
+def _visit(node: ast.AST, path: Path, prefix: str, limit: int) -> list[tuple[int, str, str, int]]:
+    """(lines, file:line, qualified name, first line incl. decorators) of each long function."""
+    out: list[tuple[int, str, str, int]] = []
     for child in ast.iter_child_nodes(node):
         name = prefix
         if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
@@ -39,7 +54,8 @@ def _visit(node: ast.AST, path: Path, prefix: str, limit: int) -> list[tuple[int
         if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
             lines = (child.end_lineno or child.lineno) - child.lineno + 1
             if lines > limit:
-                out.append((lines, f"{path}:{child.lineno}", name[:-1]))
+                first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                out.append((lines, f"{path}:{child.lineno}", name[:-1], first))
         out.extend(_visit(child, path, name, limit))
     return out
 
