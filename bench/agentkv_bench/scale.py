@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -63,6 +63,9 @@ from agentkv_bench.scale_report import (
     to_markdown,
 )
 from agentkv_bench.workload import filler
+
+if TYPE_CHECKING:
+    from agentkv.launch import LaunchSpec
 
 # Token ids for the plain prompts: above the embedded tokenizers' special tokens and byte
 # alphabet, below their vocabulary size (8192).
@@ -373,7 +376,7 @@ def run_scale(opts: ScaleOptions, progress: ProgressFn | None = None) -> dict[st
     return report
 
 
-def _launch_spec(opts: ScaleOptions, model_dir: str) -> Any:
+def _launch_spec(opts: ScaleOptions, model_dir: str) -> LaunchSpec:
     """The server run_scale starts: the host tier sized by ``opts``, no profile written."""
     from agentkv.launch import LaunchSpec
 
