@@ -259,6 +259,20 @@ def _status(base_url: str) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
+def counting(say: ProgressFn, phase: str, total: int) -> Callable[[Any], None]:
+    """Report ``phase`` at 0 of ``total`` now, and a callback that reports one more done per
+    call (a finished turn or round)."""
+    done = 0
+
+    def one_more(_: Any) -> None:
+        nonlocal done
+        done += 1
+        say(phase, done, total)
+
+    say(phase, 0, total)
+    return one_more
+
+
 def requests_in(workload: Workload) -> int:
     return sum(max(1, u.fork) for t in workload.trajectories for u in t.turns)
 
@@ -329,14 +343,7 @@ def _run_config(
     spec = launch_spec(opts, name, model_dir, work)
     with running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server:
         _warm_up(server)
-        done = 0
-
-        def on_turn(_: TurnRecord, name: str = name) -> None:
-            nonlocal done
-            done += 1
-            say(f"{name}: agent workload", done, total)
-
-        say(f"{name}: agent workload", 0, total)
+        on_turn = counting(say, f"{name}: agent workload", total)
         records, sampler, makespan, counters, cpu, status = asyncio.run(
             _drive(name, server, workload, opts, on_turn)
         )

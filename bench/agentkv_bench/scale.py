@@ -27,7 +27,7 @@ Primitives: ``ScaleOptions``; ``run_scale(opts, progress?)`` starts the server, 
 writes report.json / report.md; ``measure_phase``, ``plain_latencies``, ``settled`` and
 ``CpuMeter`` are its parts (``phased.py`` reuses ``plain_latencies`` and ``CpuMeter``). The pure report math
 (unit-tested: ``latency_stats``, ``phase_summary``, ``pooled``, ``bracketed``, ``ratios``,
-``targets``, ``build_report``, ``to_markdown``) is ``scale_report.py``, re-exported here.
+``targets``, ``build_report``, ``to_markdown``) is ``scale_report.py``.
 """
 
 from __future__ import annotations
@@ -47,21 +47,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from agentkv_bench import connector_cpu
-from agentkv_bench.scale_report import (
-    KINDS,
-    SCHEMA,
-    TARGET_RATIO,
-    Phase,
-    bracketed,
-    build_report,
-    latency_stats,
-    phase_summary,
-    pooled,
-    ratios,
-    step_us,
-    targets,
-    to_markdown,
-)
+from agentkv_bench.scale_report import Phase, build_report, phase_summary, to_markdown
 from agentkv_bench.workload import filler
 
 if TYPE_CHECKING:
@@ -432,25 +418,12 @@ def _run_rounds(
 
 
 __all__ = [
-    "KINDS",
-    "SCHEMA",
-    "TARGET_RATIO",
     "CpuMeter",
-    "Phase",
     "ProgressFn",
     "ScaleOptions",
-    "bracketed",
-    "build_report",
-    "latency_stats",
     "measure_phase",
-    "phase_summary",
     "plain_latencies",
     "plain_prompt",
-    "pooled",
-    "ratios",
     "run_scale",
     "settled",
-    "step_us",
-    "targets",
-    "to_markdown",
 ]

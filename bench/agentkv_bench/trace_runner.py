@@ -37,7 +37,7 @@ from agentkv.launch import LaunchSpec, RunningServer, running_server
 from agentkv.traces import TraceWorkload, load_trace
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.report import writebacks
-from agentkv_bench.runner import BLOCK_TOKENS, connector_knobs, machine_info
+from agentkv_bench.runner import BLOCK_TOKENS, connector_knobs, counting, machine_info
 from agentkv_bench.sampler import Sampler
 from agentkv_bench.trace_prompts import RoundPrompt, build_prompts, oracle_blocks
 from agentkv_bench.trace_replay import MODES, TIMEOUT, RoundRecord, SessionRecord, replay
@@ -328,14 +328,7 @@ def _run_configs(
             _spec(opts, name, model_dir, work, sizing), ready_timeout_s=opts.ready_timeout_s
         ) as server:
             _warm_up(server)
-            done = 0
-
-            def on_round(_: RoundRecord, name: str = name) -> None:
-                nonlocal done
-                done += 1
-                say(f"{name}: trace replay", done, total)
-
-            say(f"{name}: trace replay", 0, total)
+            on_round = counting(say, f"{name}: trace replay", total)
             runs[name] = asyncio.run(_drive(name, server, workload, prompts, opts, on_round))
     return runs
 

@@ -24,6 +24,13 @@ from agentkv.manager.state import scoped_id
 from tests.unit.stateful_invariants import SALTS
 
 WAITS = [None, 0.0, 0.001, 0.05, 2.0, 30.0, 400.0, 1e5]
+# What both pause rules draw: a trajectory (index into the live ones), a branch, a wait, a tool.
+PAUSE_ARGS = {
+    "traj": st.integers(0, 5),
+    "branch": st.sampled_from(["main", "f1"]),
+    "wait": st.sampled_from(WAITS),
+    "tool": st.sampled_from(["t1", "t2"]),
+}
 
 
 class ControlRules:
@@ -39,12 +46,7 @@ class ControlRules:
 
         def _pick_traj(self, i: int, deleted: bool = False) -> tuple[str, str | None] | None: ...
 
-    @rule(
-        traj=st.integers(0, 5),
-        branch=st.sampled_from(["main", "f1"]),
-        wait=st.sampled_from(WAITS),
-        tool=st.sampled_from(["t1", "t2"]),
-    )
+    @rule(**PAUSE_ARGS)
     def pause(
         self, traj: int, branch: str, wait: float | None, tool: str, other: bool = False
     ) -> None:
@@ -102,12 +104,7 @@ class ControlRules:
         self.deleted_ids.add(picked)
         assert self.mgr.get(tid, tenant=salt)[0] == 404
 
-    @rule(
-        traj=st.integers(0, 5),
-        branch=st.sampled_from(["main", "f1"]),
-        wait=st.sampled_from(WAITS),
-        tool=st.sampled_from(["t1", "t2"]),
-    )
+    @rule(**PAUSE_ARGS)
     def pause_as_another_tenant(
         self, traj: int, branch: str, wait: float | None, tool: str
     ) -> None:
