@@ -26,6 +26,7 @@ from agentkv.errors import EngineUnavailableError
 from agentkv.launch import LaunchSpec, running_server
 
 console = Console()
+TRAJECTORY = "demo-1"
 
 
 def server_spec(work: Path) -> LaunchSpec:
@@ -86,57 +87,12 @@ def run(base: str) -> None:
         {"role": "system", "content": system},
         {"role": "user", "content": "Fix the failing test."},
     ]
-    table = Table(title="one agent trajectory on vLLM + agentkv")
-    for col in (
-        "turn",
-        "prompt tokens",
-        "cached tokens",
-        "from vLLM cache",
-        "from agentkv tier",
-        "before this turn",
-    ):
-        table.add_column(col)
-
-    def turn(label: str, before: str) -> None:
-        r = c.post(
-            "/v1/chat/completions",
-            json={
-                "model": model,
-                "messages": messages,
-                "max_tokens": 16,
-                "temperature": 0,
-                "kv_transfer_params": {"agentkv": {"trajectory_id": "demo-1"}},
-            },
-        )
-        r.raise_for_status()
-        out = r.json()
-        stats = out.get("kv_transfer_params", {}).get("agentkv", {})
-        table.add_row(
-            label,
-            str(out["usage"]["prompt_tokens"]),
-            str(out["usage"]["prompt_tokens_details"]["cached_tokens"]),
-            str(stats.get("device_hit_tokens", "-")),
-            f"{stats.get('tier_hit_tokens', '-')} ({stats.get('tier') or '-'})",
-            before,
-        )
-        messages.append(
-            {"role": "assistant", "content": out["choices"][0]["message"]["content"] or ""}
-        )
-
-    def pause(tool: str, wait: float) -> str:
-        d = c.post(
-            "/agentkv/v1/trajectories/demo-1/pause", json={"tool": tool, "expected_wait_s": wait}
-        ).json()["decision"]
-        console.print(
-            f"[bold]pause[/] {tool} (expected {wait:g} s) -> [cyan]{d['action']}[/]: {d['rationale']}"
-        )
-        return str(d["action"])
-
-    turn("1", "-")
-    action = pause("grep", 0.001)
+    table = turn_table()
+    turn(c, model, messages, table, "1", "-")
+    action = pause(c, "grep", 0.001)
     messages.append({"role": "user", "content": "grep output: src/module_7.py:12: def helper_7()"})
-    turn("2", f"short tool wait -> {action}")
-    action = pause("pytest", 45)
+    turn(c, model, messages, table, "2", f"short tool wait -> {action}")
+    action = pause(c, "pytest", 45)
     time.sleep(1.0)
     messages.append(
         {
@@ -147,7 +103,7 @@ def run(base: str) -> None:
     # Stand-in for memory pressure: vLLM forgets every cached block; only the tier still has them.
     while not c.post("/reset_prefix_cache").json().get("success", True):
         time.sleep(0.2)
-    turn("3", f"long tool wait -> {action}; vLLM cache flushed")
+    turn(c, model, messages, table, "3", f"long tool wait -> {action}; vLLM cache flushed")
     console.print(table)
     status = c.get("/agentkv/v1/status").json()
     console.print(
@@ -157,7 +113,66 @@ def run(base: str) -> None:
     wanted = ("agentkv_decisions_total", "agentkv_bytes_held", "agentkv_reload_bytes_count")
     lines = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith(wanted)]
     console.print("/metrics (excerpt):\n  " + "\n  ".join(lines))
-    c.delete("/agentkv/v1/trajectories/demo-1")
+    c.delete(f"/agentkv/v1/trajectories/{TRAJECTORY}")
+
+
+def turn_table() -> Table:
+    table = Table(title="one agent trajectory on vLLM + agentkv")
+    for col in (
+        "turn",
+        "prompt tokens",
+        "cached tokens",
+        "from vLLM cache",
+        "from agentkv tier",
+        "before this turn",
+    ):
+        table.add_column(col)
+    return table
+
+
+def turn(
+    c: httpx.Client,
+    model: str,
+    messages: list[dict[str, Any]],
+    table: Table,
+    label: str,
+    before: str,
+) -> None:
+    """One turn of the trajectory: its row in ``table``, its reply appended to ``messages``."""
+    r = c.post(
+        "/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": messages,
+            "max_tokens": 16,
+            "temperature": 0,
+            "kv_transfer_params": {"agentkv": {"trajectory_id": TRAJECTORY}},
+        },
+    )
+    r.raise_for_status()
+    out = r.json()
+    stats = out.get("kv_transfer_params", {}).get("agentkv", {})
+    table.add_row(
+        label,
+        str(out["usage"]["prompt_tokens"]),
+        str(out["usage"]["prompt_tokens_details"]["cached_tokens"]),
+        str(stats.get("device_hit_tokens", "-")),
+        f"{stats.get('tier_hit_tokens', '-')} ({stats.get('tier') or '-'})",
+        before,
+    )
+    messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"] or ""})
+
+
+def pause(c: httpx.Client, tool: str, wait: float) -> str:
+    """Declare a tool wait; print and return the engine's decision."""
+    d = c.post(
+        f"/agentkv/v1/trajectories/{TRAJECTORY}/pause",
+        json={"tool": tool, "expected_wait_s": wait},
+    ).json()["decision"]
+    console.print(
+        f"[bold]pause[/] {tool} (expected {wait:g} s) -> [cyan]{d['action']}[/]: {d['rationale']}"
+    )
+    return str(d["action"])
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ import httpx
 
 from harness_sdk.adapters import SESSION_HEADER, AgentKVAdapter
 from harness_sdk.errors import ConfigError, TrajectoryClosedError
+from harness_sdk.session import _check_id, _normalize_base, _Shared
 from harness_sdk.telemetry import Telemetry
-from harness_sdk.trajectory import ToolWait, _check_id, _normalize_base, _Shared, run_tool_wait
+from harness_sdk.tool_wait import ToolWait, run_tool_wait
 
 
 class _Proxy:

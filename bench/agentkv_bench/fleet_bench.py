@@ -34,7 +34,7 @@ from agentkv.fleet import FleetSpec, RunningFleet, running_fleet
 from agentkv_bench.runner import machine_info
 from agentkv_bench.trace_replay import TIMEOUT, SessionRecord, replay
 from agentkv_bench.trace_report import summarize
-from agentkv_bench.trace_runner import TraceBenchOptions, plan
+from agentkv_bench.trace_runner import Sizing, TraceBenchOptions, plan
 
 ProgressFn = Callable[[str, int, int], None]
 CONFIGS = ("vanilla", "agentkv")
@@ -118,21 +118,7 @@ def run_fleet_bench(opts: FleetBenchOptions, progress: ProgressFn | None = None)
     total = workload.rounds
     summaries: dict[str, Any] = {}
     for name in CONFIGS:
-        work = Path(tempfile.mkdtemp(prefix=f"agentkv-bench-fleet-{name}-"))
-        spec = FleetSpec(
-            model=model_dir,
-            replicas=opts.replicas,
-            served_model_name=opts.preset,
-            policy="kv_aware" if name == "agentkv" else "cache_aware",
-            vanilla=name == "vanilla",
-            remote=name == "agentkv",
-            connector_config={"host_capacity_gib": opts.host_capacity_gib},
-            num_blocks=sizing.num_blocks,
-            kv_space_gib=sizing.kv_space_gib,
-            max_model_len=sizing.max_model_len,
-            extra_env={**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")},
-            work_dir=work,
-        )
+        spec = _fleet_spec(opts, name, model_dir, sizing)
         say(f"{name}: starting {opts.replicas} replicas and the router", 0, total)
         with running_fleet(spec) as fleet:
             for url in fleet.replica_urls:  # one-off costs out of the measurement
@@ -176,6 +162,26 @@ def run_fleet_bench(opts: FleetBenchOptions, progress: ProgressFn | None = None)
     (opts.out / "fleet-report.json").write_text(json.dumps(report, indent=2))
     (opts.out / "fleet-report.md").write_text(to_markdown(report))
     return report
+
+
+def _fleet_spec(opts: FleetBenchOptions, name: str, model_dir: str, sizing: Sizing) -> FleetSpec:
+    """One configuration's fleet: agentkv (kv_aware routing, the remote tier) or vanilla vLLM
+    behind vllm-router's cache_aware policy."""
+    work = Path(tempfile.mkdtemp(prefix=f"agentkv-bench-fleet-{name}-"))
+    return FleetSpec(
+        model=model_dir,
+        replicas=opts.replicas,
+        served_model_name=opts.preset,
+        policy="kv_aware" if name == "agentkv" else "cache_aware",
+        vanilla=name == "vanilla",
+        remote=name == "agentkv",
+        connector_config={"host_capacity_gib": opts.host_capacity_gib},
+        num_blocks=sizing.num_blocks,
+        kv_space_gib=sizing.kv_space_gib,
+        max_model_len=sizing.max_model_len,
+        extra_env={**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")},
+        work_dir=work,
+    )
 
 
 def to_markdown(report: dict[str, Any]) -> str:

@@ -44,7 +44,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentkv.launch import LaunchSpec
 
 SCHEMA = "agentkv-bench-overhead/1"
 A, B = "vanilla", "agentkv"
@@ -376,7 +379,7 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
     import httpx
 
     from agentkv import modelgen
-    from agentkv.launch import LaunchSpec, running_server
+    from agentkv.launch import running_server
     from agentkv_bench.runner import machine_info
     from agentkv_bench.scale import CpuMeter, ScaleOptions, plain_latencies
 
@@ -394,19 +397,7 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
     profiles: dict[str, Any] = {}
     order = phase_order(opts.rounds)
     for i, (r, name) in enumerate(order):
-        spec = LaunchSpec(
-            model=model_dir,
-            connector_config=None
-            if name == A
-            else {"host_capacity_gib": opts.host_capacity_gib, "disk_dir": None},
-            kv_space_gib=opts.kv_space_gib,
-            num_blocks=opts.num_blocks,
-            served_model_name=opts.preset,
-            max_model_len=opts.max_model_len,
-            extra_env={**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")},
-            log_path=opts.out / f"server-{name}-{r}.log",
-            run_dir=work / f"run-{name}-{r}",
-        )
+        spec = _phase_spec(opts, model_dir, work, name, r)
         say(f"round {r}: {name}: starting vLLM", i, len(order))
         with (
             running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server,
@@ -461,3 +452,22 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
     (opts.out / "report.json").write_text(json.dumps(report, indent=1))
     (opts.out / "report.md").write_text(to_markdown(report))
     return report
+
+
+def _phase_spec(opts: PhasedOptions, model_dir: str, work: Path, name: str, r: int) -> LaunchSpec:
+    """The server of one phase: vanilla (A: no connector) or agentkv (a host tier, no disk)."""
+    from agentkv.launch import LaunchSpec
+
+    return LaunchSpec(
+        model=model_dir,
+        connector_config=None
+        if name == A
+        else {"host_capacity_gib": opts.host_capacity_gib, "disk_dir": None},
+        kv_space_gib=opts.kv_space_gib,
+        num_blocks=opts.num_blocks,
+        served_model_name=opts.preset,
+        max_model_len=opts.max_model_len,
+        extra_env={**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")},
+        log_path=opts.out / f"server-{name}-{r}.log",
+        run_dir=work / f"run-{name}-{r}",
+    )

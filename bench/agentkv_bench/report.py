@@ -335,8 +335,25 @@ def to_markdown(report: dict[str, Any]) -> str:
         shown = "-" if m is None else (f"{m:.2f}%" if t["goal"].endswith("%") else f"{m:.2f}x")
         met = "not measured" if t["met"] is None else ("yes" if t["met"] else "no")
         lines.append(f"| {t['name']} | {t['goal']} | {shown} | {met} |")
-    ov = report["overhead"]
-    lines += ["", "## Overhead without pauses (`vllm bench serve`)", ""]
+    lines += _overhead_markdown(report["overhead"])
+    if "connector_cpu" in report:
+        lines += cpu_markdown(report["connector_cpu"])
+    lines += prefetch_markdown(report.get("prefetch"))
+    no = report["native_offload"]
+    lines += [
+        "",
+        "## vLLM native offloading / LMCache",
+        "",
+        f"{no.get('status')}: {no.get('reason', '')}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _overhead_markdown(ov: dict[str, Any]) -> list[str]:
+    """The no-pause overhead section: the medians of both servers and the throughput loss, or
+    why it is missing."""
+    lines = ["", "## Overhead without pauses (`vllm bench serve`)", ""]
     if ov.get("status") == "ok":
         lines += [
             f"`{ov.get('dataset')}` dataset, {ov.get('num_prompts')} prompts, "
@@ -362,18 +379,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         )
     else:
         lines.append(f"{ov.get('status')}: {ov.get('reason', '')}")
-    if "connector_cpu" in report:
-        lines += cpu_markdown(report["connector_cpu"])
-    lines += prefetch_markdown(report.get("prefetch"))
-    no = report["native_offload"]
-    lines += [
-        "",
-        "## vLLM native offloading / LMCache",
-        "",
-        f"{no.get('status')}: {no.get('reason', '')}",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def _us(x: Any) -> str:

@@ -40,7 +40,14 @@ from agentkv_bench.drivers import (
 )
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.overhead import OverheadSpec, Probe, compare, run_interleaved
-from agentkv_bench.report import all_turns, build_report, summarize, to_markdown, writebacks
+from agentkv_bench.report import (
+    ConfigSummary,
+    all_turns,
+    build_report,
+    summarize,
+    to_markdown,
+    writebacks,
+)
 from agentkv_bench.sampler import Sampler, prefix_counters
 from agentkv_bench.workload import TrajectoryPlan, Workload, WorkloadConfig, generate
 
@@ -252,6 +259,20 @@ def _status(base_url: str) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
+def counting(say: ProgressFn, phase: str, total: int) -> Callable[[Any], None]:
+    """Report ``phase`` at 0 of ``total`` now, and a callback that reports one more done per
+    call (a finished turn or round)."""
+    done = 0
+
+    def one_more(_: Any) -> None:
+        nonlocal done
+        done += 1
+        say(phase, done, total)
+
+    say(phase, 0, total)
+    return one_more
+
+
 def requests_in(workload: Workload) -> int:
     return sum(max(1, u.fork) for t in workload.trajectories for u in t.turns)
 
@@ -273,86 +294,14 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
     model_dir = str(modelgen.ensure_model(opts.preset))
     workload = generate(opts.workload)
     (opts.out / "workload.json").write_text(json.dumps(workload.to_dict(), indent=1))
-    total = requests_in(workload)
     work = Path(tempfile.mkdtemp(prefix="agentkv-bench-"))
     configs: dict[str, dict[str, Any]] = {}
     summaries = {}
-    overhead_error: str | None = None
-    overhead_runs: dict[str, list[dict[str, Any]]] = {}
     if opts.oracle_blocks is None and BenchConfig.ORACLE.value in opts.configs:
         opts.oracle_blocks = oracle_blocks(workload)
     for name in opts.configs:
-        say(f"{name}: starting vLLM", 0, total)
-        spec = launch_spec(opts, name, model_dir, work)
-        with running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server:
-            _warm_up(server)
-            done = 0
-
-            def on_turn(_: TurnRecord, name: str = name) -> None:
-                nonlocal done
-                done += 1
-                say(f"{name}: agent workload", done, total)
-
-            say(f"{name}: agent workload", 0, total)
-            records, sampler, makespan, counters, cpu, status = asyncio.run(
-                _drive(name, server, workload, opts, on_turn)
-            )
-        turns = all_turns(records)
-        summaries[name] = summarize(name, turns, records, sampler.samples, makespan)
-        summaries[name].writeback_blocks = writebacks(status)
-        configs[name] = {
-            "makespan_s": makespan,
-            "vllm_prefix_counters": counters,
-            "connector_cpu": cpu,
-            "num_blocks": opts.oracle_blocks
-            if SPECS[BenchConfig(name)].oracle_pool
-            else opts.num_blocks,
-            "agentkv_counters": status.get("counters"),
-            "device_prefetch": status.get("device_prefetch"),
-            "sampler_errors": sampler.errors,
-            "trajectories": [
-                {"trajectory_id": r.trajectory_id, "started_at_s": r.started_at_s, "jct_s": r.jct_s}
-                for r in records
-            ],
-            "turns": [t.to_dict() for t in turns],
-            "samples": [s.to_dict() for s in sampler.samples],
-        }
-    if opts.overhead is not None:
-
-        @contextlib.contextmanager
-        def open_server(name: str) -> Iterator[tuple[str, str, Probe | None]]:
-            say(f"overhead: {name}: starting vLLM alone", 0, 0)
-            spec = launch_spec(opts, name, model_dir, work, suffix="-overhead")
-            with running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server:
-                _warm_up(server)
-                probe = (
-                    functools.partial(connector_cpu.read_probe, server.base_url)
-                    if name == "agentkv"
-                    else None
-                )
-                say(f"overhead: {name}: vllm bench serve (no pauses)", 0, 0)
-                yield server.base_url, server.model, probe
-
-        try:
-            overhead_runs = run_interleaved(
-                opts.overhead,
-                open_server,
-                CONFIGS,
-                model_dir,
-                opts.out / "bench-serve",
-                lambda d, t: say("overhead: vllm bench serve (no pauses)", d, t),
-            )
-        except (RuntimeError, OSError, ValueError) as exc:
-            overhead_error = str(exc)
-    if opts.overhead is None:
-        overhead: dict[str, Any] = {
-            "status": "skipped",
-            "reason": "not requested (--skip-overhead, or --quick without --overhead)",
-        }
-    elif overhead_error is not None:
-        overhead = {"status": "failed", "reason": overhead_error[-2000:]}
-    else:
-        overhead = compare(overhead_runs, opts.overhead)
+        summaries[name], configs[name] = _run_config(opts, name, model_dir, work, workload, say)
+    overhead = _run_overhead(opts, model_dir, work, say)
     say("writing the report")
     report = build_report(
         workload=workload.to_dict(),
@@ -378,3 +327,83 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
     (opts.out / "report.md").write_text(to_markdown(report))
     write_plots(report, opts.out)
     return report
+
+
+def _run_config(
+    opts: BenchOptions,
+    name: str,
+    model_dir: str,
+    work: Path,
+    workload: Workload,
+    say: ProgressFn,
+) -> tuple[ConfigSummary, dict[str, Any]]:
+    """The workload on one configuration's server: (its summary, its report section)."""
+    total = requests_in(workload)
+    say(f"{name}: starting vLLM", 0, total)
+    spec = launch_spec(opts, name, model_dir, work)
+    with running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server:
+        _warm_up(server)
+        on_turn = counting(say, f"{name}: agent workload", total)
+        records, sampler, makespan, counters, cpu, status = asyncio.run(
+            _drive(name, server, workload, opts, on_turn)
+        )
+    turns = all_turns(records)
+    summary = summarize(name, turns, records, sampler.samples, makespan)
+    summary.writeback_blocks = writebacks(status)
+    config = {
+        "makespan_s": makespan,
+        "vllm_prefix_counters": counters,
+        "connector_cpu": cpu,
+        "num_blocks": opts.oracle_blocks
+        if SPECS[BenchConfig(name)].oracle_pool
+        else opts.num_blocks,
+        "agentkv_counters": status.get("counters"),
+        "device_prefetch": status.get("device_prefetch"),
+        "sampler_errors": sampler.errors,
+        "trajectories": [
+            {"trajectory_id": r.trajectory_id, "started_at_s": r.started_at_s, "jct_s": r.jct_s}
+            for r in records
+        ],
+        "turns": [t.to_dict() for t in turns],
+        "samples": [s.to_dict() for s in sampler.samples],
+    }
+    return summary, config
+
+
+def _run_overhead(
+    opts: BenchOptions, model_dir: str, work: Path, say: ProgressFn
+) -> dict[str, Any]:
+    """The no-pause overhead (``vllm bench serve`` on a fresh server of each configuration in
+    turn), or why it is missing: skipped, or failed with the error's tail."""
+    if opts.overhead is None:
+        return {
+            "status": "skipped",
+            "reason": "not requested (--skip-overhead, or --quick without --overhead)",
+        }
+
+    @contextlib.contextmanager
+    def open_server(name: str) -> Iterator[tuple[str, str, Probe | None]]:
+        say(f"overhead: {name}: starting vLLM alone", 0, 0)
+        spec = launch_spec(opts, name, model_dir, work, suffix="-overhead")
+        with running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server:
+            _warm_up(server)
+            probe = (
+                functools.partial(connector_cpu.read_probe, server.base_url)
+                if name == "agentkv"
+                else None
+            )
+            say(f"overhead: {name}: vllm bench serve (no pauses)", 0, 0)
+            yield server.base_url, server.model, probe
+
+    try:
+        overhead_runs = run_interleaved(
+            opts.overhead,
+            open_server,
+            CONFIGS,
+            model_dir,
+            opts.out / "bench-serve",
+            lambda d, t: say("overhead: vllm bench serve (no pauses)", d, t),
+        )
+    except (RuntimeError, OSError, ValueError) as exc:
+        return {"status": "failed", "reason": str(exc)[-2000:]}
+    return compare(overhead_runs, opts.overhead)

@@ -166,10 +166,6 @@ async def replay_session(
         {"model": model, "agent_hint": {"session_id": trajectory_id}} if locate else {}
     )
     routes = base_url + path
-
-    async def holder_routes() -> str:
-        return (await locate(trajectory_id) if locate is not None else base_url) + path
-
     await asyncio.sleep(max(0.0, session.arrival_s - (time.monotonic() - t_run)))
     started = time.monotonic()
     rec = SessionRecord(session.session_id, trajectory_id, started - t_run, 0.0)
@@ -179,20 +175,10 @@ async def replay_session(
             decision: str | None = None
             wait = session.rounds[i - 1].wait_after_s if i else 0.0
             if i:
-                if agentkv:
-                    reply = await _control(
-                        client, "POST", routes + "/pause", {"tool": TOOL, **hint}
-                    )
-                    d = reply.get("decision")
-                    decision = str(d.get("action")) if isinstance(d, dict) else None
-                if paused is not None:
-                    paused[trajectory_id] = len(prompts[i - 1].context)
-                await asyncio.sleep(wait)
-                if paused is not None:
-                    paused.pop(trajectory_id, None)
-                if agentkv:
-                    await _control(client, "POST", routes + "/resume", hint)
-            prev_prompt = len(prompts[i - 1].prompt) if i else 0
+                waiting = (trajectory_id, len(prompts[i - 1].context))
+                decision = await _wait_between(
+                    client, routes if agentkv else None, hint, wait, waiting, paused
+                )
             sent = time.monotonic() - t_run
             sent_any = True
             s = await complete_ids(
@@ -211,7 +197,7 @@ async def replay_session(
                 cached_tokens=s.cached_tokens,
                 completion_tokens=s.completion_tokens,
                 planned_prefix=rp.from_history,
-                reusable_tokens=min(rp.from_history, prev_prompt),
+                reusable_tokens=min(rp.from_history, len(prompts[i - 1].prompt) if i else 0),
                 decision=decision,
             )
             rec.rounds.append(r)
@@ -220,11 +206,42 @@ async def replay_session(
         rec.jct_s = time.monotonic() - started
     finally:
         if agentkv and sent_any:
-            url = await holder_routes()
-            state = await _control(client, "GET", url)
-            _attach_engine_stats(rec.rounds, state.get("turns") or [])
-            await _control(client, "DELETE", url)
+            holder = await locate(trajectory_id) if locate is not None else base_url
+            await _end_session(client, holder + path, rec.rounds)
     return rec
+
+
+async def _end_session(client: httpx.AsyncClient, url: str, rounds: list[RoundRecord]) -> None:
+    """A trajectory's last calls: its per-turn engine stats (GET) onto its rounds, then DELETE."""
+    state = await _control(client, "GET", url)
+    _attach_engine_stats(rounds, state.get("turns") or [])
+    await _control(client, "DELETE", url)
+
+
+async def _wait_between(
+    client: httpx.AsyncClient,
+    routes: str | None,
+    hint: dict[str, Any],
+    wait: float,
+    waiting: tuple[str, int],
+    paused: dict[str, int] | None,
+) -> str | None:
+    """The wait after a round: ``POST .../pause`` when ``routes`` (agentkv), sleep ``wait``
+    seconds listed in ``paused`` (trajectory id -> context tokens), ``POST .../resume``.
+    Returns the pause decision's action (None without agentkv or without a decision)."""
+    decision: str | None = None
+    if routes is not None:
+        reply = await _control(client, "POST", routes + "/pause", {"tool": TOOL, **hint})
+        d = reply.get("decision")
+        decision = str(d.get("action")) if isinstance(d, dict) else None
+    if paused is not None:
+        paused[waiting[0]] = waiting[1]
+    await asyncio.sleep(wait)
+    if paused is not None:
+        paused.pop(waiting[0], None)
+    if routes is not None:
+        await _control(client, "POST", routes + "/resume", hint)
+    return decision
 
 
 def _attach_engine_stats(rounds: list[RoundRecord], stats: list[Any]) -> None:

@@ -467,7 +467,29 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"oracle {srv['oracle_blocks']} blocks (nothing evicted); agentkv host tier "
         f"{srv['host_capacity_gib']} GiB.",
         "",
+        *_metrics_table(report, names),
+        *_bounds_markdown(report, names),
+        *_stall_markdown(report["stall_decomposition"], names),
     ]
+    phases = [(n, cfgs[n].get("vllm_phases") or {}) for n in names]
+    lines += [
+        "",
+        "vLLM's own per-request means over all rounds (queue = WAITING, prefill = PREFILL phase): "
+        + "; ".join(
+            f"{n} queue {_ms(p.get('queue_mean_s'))} ms, prefill {_ms(p.get('prefill_mean_s'))} ms"
+            for n, p in phases
+        )
+        + ".",
+        "",
+    ]
+    lines += prefetch_markdown(report.get("prefetch"))
+    return "\n".join(lines)
+
+
+def _metrics_table(report: dict[str, Any], names: list[str]) -> list[str]:
+    """One column per configuration and per ratio (agentkv over vanilla / oracle), one row per
+    metric in METRICS."""
+    cfgs = report["configs"]
     head = "| metric | " + " | ".join(names)
     sep = "|---|" + "---:|" * len(names)
     ratio_keys = [
@@ -475,7 +497,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     ]
     head += "".join(f" | {k.replace('_over_', ' / ')}" for k in ratio_keys) + " |"
     sep += "---:|" * len(ratio_keys)
-    lines += [head, sep]
+    lines = [head, sep]
     for key, label, unit, _ in METRICS:
         row = f"| {label}{f' ({unit})' if unit and unit != 'tok' else ''} | "
         row += " | ".join(_fmt(cfgs[n]["summary"].get(key), unit) for n in names)
@@ -483,8 +505,14 @@ def to_markdown(report: dict[str, Any]) -> str:
             v = report[f"ratios_{k}"].get(key)
             row += f" | {'-' if v is None else f'{v:.3f}'}"
         lines.append(row + " |")
+    return lines
+
+
+def _bounds_markdown(report: dict[str, Any], names: list[str]) -> list[str]:
+    """Each configuration's pause decisions, the capacity-equal bound and the oracle check."""
+    lines: list[str] = []
     for n in names:
-        d = cfgs[n]["summary"].get("decisions")
+        d = report["configs"][n]["summary"].get("decisions")
         if d:
             lines += [
                 "",
@@ -513,8 +541,12 @@ def to_markdown(report: dict[str, Any]) -> str:
                 else " (NOT all: the oracle pool was too small)."
             ),
         ]
-    st = report["stall_decomposition"]
-    lines += [
+    return lines
+
+
+def _stall_markdown(st: dict[str, Any], names: list[str]) -> list[str]:
+    """The resume stall taken apart per configuration, and each tier's reload against memcpy."""
+    lines = [
         "",
         "## Resume stall, taken apart (mean per resume round, ms)",
         "",
@@ -537,33 +569,20 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{_ms(m['queue_mean_s'])} | {m['prefill_tokens_mean']:,.0f} | "
             f"{m['load_bytes_mean'] / 2**20:.2f} | {_ms(m['memcpy_mean_s'])} |"
         )
-    if st["tiers"]:
-        lines += [
-            "",
-            "| tier | reload jobs | MiB | reload time (s) | reload GB/s | memcpy GB/s (numpy, same "
-            "sizes) | load / memcpy |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for t, d in sorted(st["tiers"].items()):
-            bps, mbps, r = d["reload_bytes_per_s"], d["memcpy_bytes_per_s"], d["load_over_memcpy"]
-            lines.append(
-                f"| {t} | {d['reload_jobs']} | {d['reload_bytes'] / 2**20:,.1f} | "
-                f"{d['reload_s']:.3f} | {'-' if bps is None else f'{bps / 1e9:.2f}'} | "
-                f"{'-' if mbps is None else f'{mbps / 1e9:.2f}'} | "
-                f"{'-' if r is None else f'{r:.1f}x'} |"
-            )
-    else:
-        lines += ["", "No agentkv reloads in this run (every hit was on the device)."]
-    phases = [(n, cfgs[n].get("vllm_phases") or {}) for n in names]
+    if not st["tiers"]:
+        return [*lines, "", "No agentkv reloads in this run (every hit was on the device)."]
     lines += [
         "",
-        "vLLM's own per-request means over all rounds (queue = WAITING, prefill = PREFILL phase): "
-        + "; ".join(
-            f"{n} queue {_ms(p.get('queue_mean_s'))} ms, prefill {_ms(p.get('prefill_mean_s'))} ms"
-            for n, p in phases
-        )
-        + ".",
-        "",
+        "| tier | reload jobs | MiB | reload time (s) | reload GB/s | memcpy GB/s (numpy, same "
+        "sizes) | load / memcpy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    lines += prefetch_markdown(report.get("prefetch"))
-    return "\n".join(lines)
+    for t, d in sorted(st["tiers"].items()):
+        bps, mbps, r = d["reload_bytes_per_s"], d["memcpy_bytes_per_s"], d["load_over_memcpy"]
+        lines.append(
+            f"| {t} | {d['reload_jobs']} | {d['reload_bytes'] / 2**20:,.1f} | "
+            f"{d['reload_s']:.3f} | {'-' if bps is None else f'{bps / 1e9:.2f}'} | "
+            f"{'-' if mbps is None else f'{mbps / 1e9:.2f}'} | "
+            f"{'-' if r is None else f'{r:.1f}x'} |"
+        )
+    return lines

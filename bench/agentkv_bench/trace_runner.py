@@ -37,7 +37,7 @@ from agentkv.launch import LaunchSpec, RunningServer, running_server
 from agentkv.traces import TraceWorkload, load_trace
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.report import writebacks
-from agentkv_bench.runner import BLOCK_TOKENS, connector_knobs, machine_info
+from agentkv_bench.runner import BLOCK_TOKENS, connector_knobs, counting, machine_info
 from agentkv_bench.sampler import Sampler
 from agentkv_bench.trace_prompts import RoundPrompt, build_prompts, oracle_blocks
 from agentkv_bench.trace_replay import MODES, TIMEOUT, RoundRecord, SessionRecord, replay
@@ -251,24 +251,7 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
     opts.out.mkdir(parents=True, exist_ok=True)
     say(f"building model preset {opts.preset}")
     model_dir = str(modelgen.ensure_model(opts.preset))
-    total = workload.rounds
-    work = Path(tempfile.mkdtemp(prefix="agentkv-bench-trace-"))
-    runs: dict[str, _Run] = {}
-    for name in opts.configs:
-        say(f"{name}: starting vLLM", 0, total)
-        with running_server(
-            _spec(opts, name, model_dir, work, sizing), ready_timeout_s=opts.ready_timeout_s
-        ) as server:
-            _warm_up(server)
-            done = 0
-
-            def on_round(_: RoundRecord, name: str = name) -> None:
-                nonlocal done
-                done += 1
-                say(f"{name}: trace replay", done, total)
-
-            say(f"{name}: trace replay", 0, total)
-            runs[name] = asyncio.run(_drive(name, server, workload, prompts, opts, on_round))
+    runs = _run_configs(opts, workload, prompts, sizing, model_dir, say)
     say("timing memcpy, writing the report")
     agentkv_run = runs["agentkv"]
     pool = agentkv_run.status.get("pool") or {}
@@ -292,31 +275,7 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
         )
         summaries[name] = summarize(name, run.sessions, run.samples, run.makespan_s, block_tokens)
         summaries[name].writeback_blocks = writebacks(run.status)
-        configs[name] = {
-            "makespan_s": run.makespan_s,
-            "num_blocks": sizing.oracle_blocks
-            if SPECS[BenchConfig(name)].oracle_pool
-            else sizing.num_blocks,
-            "agentkv_counters": (run.status.get("counters") or {}) if run.status else None,
-            "device_prefetch": run.status.get("device_prefetch") if run.status else None,
-            "vllm_phases": vllm_phases(run.prom),
-            "engine_counters": {
-                f"{k}{{tier={t}}}" if t else k: v for (k, t), v in run.prom.items()
-            },
-            "sampler_errors": run.sampler_errors,
-            "sessions": [
-                {
-                    "session_id": s.session_id,
-                    "trajectory_id": s.trajectory_id,
-                    "started_at_s": s.started_at_s,
-                    "jct_s": s.jct_s,
-                }
-                for s in run.sessions
-            ],
-            "rounds": [r.to_dict() for r in rounds],
-            "stall": [row.to_dict() for row in rows[name]],
-            "samples": [s.to_dict() for s in run.samples],
-        }
+        configs[name] = _config_section(name, run, sizing, rounds, rows[name])
     stall = stall_section(rows, rates, rate, rate_source, memcpy)
     report = build_report(
         command=opts.command,
@@ -349,3 +308,56 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
     (opts.out / "report.md").write_text(to_markdown(report))
     write_trace_plots(report, opts.out)
     return report
+
+
+def _run_configs(
+    opts: TraceBenchOptions,
+    workload: TraceWorkload,
+    prompts: list[list[RoundPrompt]],
+    sizing: Sizing,
+    model_dir: str,
+    say: ProgressFn,
+) -> dict[str, _Run]:
+    """The trace replayed on each configuration's server in turn, one server up at a time."""
+    total = workload.rounds
+    work = Path(tempfile.mkdtemp(prefix="agentkv-bench-trace-"))
+    runs: dict[str, _Run] = {}
+    for name in opts.configs:
+        say(f"{name}: starting vLLM", 0, total)
+        with running_server(
+            _spec(opts, name, model_dir, work, sizing), ready_timeout_s=opts.ready_timeout_s
+        ) as server:
+            _warm_up(server)
+            on_round = counting(say, f"{name}: trace replay", total)
+            runs[name] = asyncio.run(_drive(name, server, workload, prompts, opts, on_round))
+    return runs
+
+
+def _config_section(
+    name: str, run: _Run, sizing: Sizing, rounds: list[RoundRecord], stall: list[StallRow]
+) -> dict[str, Any]:
+    """One configuration's section of report.json: its counters, sessions, rounds, stall rows
+    and occupancy samples."""
+    return {
+        "makespan_s": run.makespan_s,
+        "num_blocks": sizing.oracle_blocks
+        if SPECS[BenchConfig(name)].oracle_pool
+        else sizing.num_blocks,
+        "agentkv_counters": (run.status.get("counters") or {}) if run.status else None,
+        "device_prefetch": run.status.get("device_prefetch") if run.status else None,
+        "vllm_phases": vllm_phases(run.prom),
+        "engine_counters": {f"{k}{{tier={t}}}" if t else k: v for (k, t), v in run.prom.items()},
+        "sampler_errors": run.sampler_errors,
+        "sessions": [
+            {
+                "session_id": s.session_id,
+                "trajectory_id": s.trajectory_id,
+                "started_at_s": s.started_at_s,
+                "jct_s": s.jct_s,
+            }
+            for s in run.sessions
+        ],
+        "rounds": [r.to_dict() for r in rounds],
+        "stall": [row.to_dict() for row in stall],
+        "samples": [s.to_dict() for s in run.samples],
+    }

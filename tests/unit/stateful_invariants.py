@@ -4,7 +4,7 @@ them by number), as a mixin: hypothesis collects ``@invariant`` methods from eve
 Primitives:
     ManagerInvariants   the checks run after every step, on the machine's state (self.mgr,
                         self.eng, self.pool, self.workers and the bookkeeping of its rules).
-    HOST, DISK          the tier capacities (blocks) the machine's stores are built with.
+    HOST, DISK, POOL    the tier capacities and the device pool (blocks) the machine is built with.
     SALTS, SALT_OF      the cache_salts the rules draw; tenant digest -> salt.
 ``key_of`` is read from this module at call time: a test that switches key generations patches
 it here (test_invalidation_stateful.py).
@@ -23,6 +23,7 @@ from tests.unit.sim_engine import GARBAGE, key_of, pinned_content_breaches
 
 HOST = 10
 DISK = 10
+POOL = 32
 SALTS = [None, None, "tenant-b"]  # vLLM cache_salt: the same tokens, another tenant's blocks
 SALT_OF = {None: None, **{tenant_digest(s): s for s in SALTS if s}}  # tenant digest -> salt
 

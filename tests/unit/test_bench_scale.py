@@ -1,4 +1,5 @@
-"""agentkv_bench.scale: the report math of ``agentkv bench scale`` (pure, recorded inputs)."""
+"""agentkv_bench.scale_report: the report math of ``agentkv bench scale`` (pure, recorded
+inputs), and scale.py's pure helpers (settled, CpuMeter.cores)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,15 @@ from typing import Any
 
 import pytest
 
-from agentkv_bench import scale
-from agentkv_bench.scale import (
-    CpuMeter,
+from agentkv_bench import scale_report
+from agentkv_bench.scale import CpuMeter, settled
+from agentkv_bench.scale_report import (
     bracketed,
     build_report,
     latency_stats,
     phase_summary,
     pooled,
     ratios,
-    settled,
     step_us,
     targets,
     to_markdown,
@@ -144,7 +144,7 @@ def test_report_json_and_markdown() -> None:
         phases=sequence(),
     )
     r = json.loads(json.dumps(r))
-    assert r["schema"] == scale.SCHEMA
+    assert r["schema"] == scale_report.SCHEMA
     assert set(r["summary"]) == {"none", "held", "deleted"}
     assert [t["met"] for t in r["targets"]] == [True, True]
     md = to_markdown(r)

@@ -29,7 +29,9 @@ Invariants after every step (numbers from agentkv/manager/core.py's docstring):
   6. index == stores: what the index lists complete is on every rank; the ranks hold nothing the
      index does not know (drops still in the outbox aside); no tier is written past capacity
   7. the KV-event change log replays to exactly the index
-They are in stateful_invariants.py (ManagerInvariants, a mixin of the machine); the rules here.
+They are in stateful_invariants.py (ManagerInvariants, a mixin of the machine). The rules: the
+control channel's in stateful_control.py (ControlRules), the restarts in stateful_restart.py
+(RestartRules), both mixins; the requests, engine loop, workers, clock and pressure here.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +54,7 @@ from hypothesis.stateful import (
 import agentkv.manager.core as core
 from agentkv.kv_identity import BASE_GENERATION
 from agentkv.manager import BranchState, ManagerConfig, Trajectory, TrajectoryManager
-from agentkv.manager.recovery import (
-    ManifestKeeper,
-    load_records,
-    manifest_keys,
-    manifest_path,
-    restore,
-)
-from agentkv.manager.state import scoped_id
+from agentkv.manager.recovery import ManifestKeeper, load_records, manifest_path, restore
 from agentkv.policy import CostModel, PolicyParams
 from tests.unit.sim_engine import (
     FakeClock,
@@ -69,19 +63,19 @@ from tests.unit.sim_engine import (
     SimWorkers,
     key_of,
 )
-from tests.unit.stateful_invariants import DISK, HOST, SALT_OF, SALTS, ManagerInvariants
+from tests.unit.stateful_control import WAITS, ControlRules
+from tests.unit.stateful_invariants import DISK, HOST, POOL, SALT_OF, SALTS, ManagerInvariants
+from tests.unit.stateful_restart import RestartRules
 
 BS = 4
-POOL = 32
 TIMEOUT = 10.0
-WAITS = [None, 0.0, 0.001, 0.05, 2.0, 30.0, 400.0, 1e5]
 CLOCK_STEPS = [0.05, 0.3, 0.6, 3.0, 2 * TIMEOUT, 70.0, 700.0]
 SYSTEM = [7, 7, 7, 7, 9, 9, 9, 9]  # a shared system prompt: identical blocks across trajectories
 OUTCOMES = ["ok", "ok", "ok", "io_error", "start_error"]  # how one rank ends one job
 IDENTITY = bytes(range(16))  # the engine's KV identity digest (model, weights, format, layout)
 
 
-class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
+class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedStateMachine):
     dp_rank = 0  # the engine's DP rank: names its manifest
 
     def __init__(self) -> None:
@@ -493,187 +487,10 @@ class ManagerMachine(ManagerInvariants, RuleBasedStateMachine):
     def wake_rank(self, newest_first: bool) -> None:
         self.workers.wake(1, newest_first)
 
-    # ------------------------------------------------------------------ control channel
-    @rule(
-        traj=st.integers(0, 5),
-        branch=st.sampled_from(["main", "f1"]),
-        wait=st.sampled_from(WAITS),
-        tool=st.sampled_from(["t1", "t2"]),
-    )
-    def pause(
-        self, traj: int, branch: str, wait: float | None, tool: str, other: bool = False
-    ) -> None:
-        """A pause of a live (or deleted) trajectory; with ``other``, under another tenant: it
-        must not reach the trajectory (a 404, or that tenant's own trajectory of the id)."""
-        assert self.mgr is not None
-        picked = self._pick_traj(traj, deleted=True)
-        if picked is None:
-            return
-        tid, salt = picked
-        if other:
-            salt = next(s for s in SALTS if s != salt)
-        before = self._snapshot(tid, picked[1])
-        code, body = self.mgr.pause(tid, branch, tool, wait, tenant=salt)
-        if scoped_id(tid, salt) not in self.mgr.table:
-            assert code == 404, body
-        if other:
-            assert self._snapshot(tid, picked[1]) == before
-        if code == 200 and not body["applied"]:
-            assert body.get("reason"), body
-
-    @rule(traj=st.integers(0, 5))
-    def resume(self, traj: int) -> None:
-        assert self.mgr is not None
-        picked = self._pick_traj(traj)
-        if picked is not None:
-            self.mgr.resume(picked[0], "main", tenant=picked[1])
-
-    @rule(traj=st.integers(0, 5))
-    def delete(self, traj: int) -> None:
-        assert self.mgr is not None
-        picked = self._pick_traj(traj)
-        if picked is None:
-            return
-        tid, salt = picked
-        # Another tenant first: its DELETE of the same id never touches this trajectory.
-        other = next(s for s in SALTS if s != salt)
-        before = self._snapshot(tid, salt)
-        if scoped_id(tid, other) not in self.mgr.table:
-            assert self.mgr.delete(tid, tenant=other)[0] == 404
-            assert self.mgr.get(tid, tenant=other)[0] == 404
-            assert self._snapshot(tid, salt) == before
-        gone = self.mgr.table[scoped_id(tid, salt)]
-        # Requests looked up before the DELETE (running, or PENDING on a fetch or admission):
-        # none of them may ever run on a live trajectory again.
-        self.looked_up_before_delete |= {
-            rid for rid, key in self.mgr.reqs._waiting.items() if key == gone.trajectory_id
-        } | {rid for rid, r in self.mgr.requests.items() if r.traj is gone}
-        self.jobs_at_delete[id(gone)] = {
-            j for j, job in self.mgr.jobs.items() if job.trajectory is gone
-        }
-        code, _ = self.mgr.delete(tid, tenant=salt)
-        assert code == 200
-        self.deleted.append(gone)
-        self.deleted_ids.add(picked)
-        assert self.mgr.get(tid, tenant=salt)[0] == 404
-
-    @rule(
-        traj=st.integers(0, 5),
-        branch=st.sampled_from(["main", "f1"]),
-        wait=st.sampled_from(WAITS),
-        tool=st.sampled_from(["t1", "t2"]),
-    )
-    def pause_as_another_tenant(
-        self, traj: int, branch: str, wait: float | None, tool: str
-    ) -> None:
-        self.pause(traj, branch, wait, tool, other=True)
-
-    def _snapshot(self, tid: str, salt: str | None) -> Any:
-        """What another tenant must never change: the trajectory's turns, branch states, pins
-        and owned keys."""
-        assert self.mgr is not None
-        t = self.mgr.table.get(scoped_id(tid, salt))
-        if t is None:
-            return None
-        return (
-            t.turn_count,
-            {n: (b.state, list(b.pinned), list(b.keys)) for n, b in t.branches.items()},
-            set(t.owned),
-        )
-
+    # ------------------------------------------------------------------ clock
     @rule(dt=st.sampled_from(CLOCK_STEPS))
     def advance_clock(self, dt: float) -> None:
         self.clock.advance(dt)
-
-    @rule()
-    def control_tick(self) -> None:
-        """The control thread's tick (the engine idle): only queues engine work."""
-        assert self.mgr is not None
-        t = threading.Thread(target=self.mgr.tick)
-        t.start()
-        t.join()
-
-    # ------------------------------------------------------------------ restart
-    @precondition(lambda self: self.quiet)
-    @rule(identity=st.sampled_from(["same", "same", "same", "other"]), resume=st.booleans())
-    def restart(self, identity: str, resume: bool) -> None:
-        """A clean stop and a new engine process on the same disk tier, as production does it
-        (agentkv.manager.recovery): the stop writes the manifest (ManifestKeeper.close); the
-        device pool, host tier, requests, jobs and timers die with the process, the remote tier
-        (another process) and each rank's disk files survive. At start each rank keeps only the
-        files a base-generation manifest lists (prune_rank_files), the new manager restores the
-        manifest's records. ``other``: the new process runs other weights or another KV format
-        (another identity): its keys name nothing written before (a fresh remote namespace) and
-        the old files do not carry its fingerprint. ``resume``: the agent of a restored
-        trajectory sends its next turn right away (it loads the surviving files)."""
-        old = self.mgr
-        assert old is not None
-        self.eng.deliver_reports()  # the last step's reports arrive before the stop
-        self.keeper.close()
-        live = {t.trajectory_id for t in old.table.values() if not t.deleted}
-        # prune_rank_files: a file stays when its header carries this rank's identity and a
-        # base-generation manifest lists its key.
-        keep = manifest_keys(self.disk_root, BASE_GENERATION) if identity == "same" else set()
-        if identity == "other":
-            self.identity = os.urandom(16)
-        self.pool = SimPool(POOL, self.tp)  # a new device pool: nothing cached, nothing pinned
-        workers = SimWorkers(self.pool, self.tp, self.workers.capacity)
-        for rank, store in enumerate(workers.stores):
-            survived = self.workers.stores[rank]
-            store.disk = {k: v for k, v in survived.disk.items() if k in keep}
-            store.damaged = survived.damaged & set(store.disk)
-        if identity == "same":
-            workers.remote = self.workers.remote
-        workers.published_truth = self.workers.published_truth
-        self._start(workers, self.eng.finished_contexts)
-        assert self.mgr is not None
-        # Nothing of a deleted trajectory comes back; only what lived at the stop does.
-        back = set(self.mgr.table)
-        assert back <= live, sorted(back - live)
-        for tid, salt in self.deleted_ids:
-            if scoped_id(tid, salt) not in live:
-                assert self.mgr.get(tid, tenant=salt)[0] == 404, (tid, salt)
-        for traj in self.mgr.table.values():
-            for b in traj.branches.values():
-                assert b.state is BranchState.OFFLOADED and b.keys, (traj.trajectory_id, b.name)
-        restored = sorted(self.mgr.table.values(), key=lambda t: t.trajectory_id)
-        if resume and restored:
-            traj = restored[0]
-            b = traj.branches[sorted(traj.branches)[0]]
-            req = self.eng.new_request(
-                traj.name, b.name, [*b.token_ids, 1], max_new=1, salt=SALT_OF[traj.tenant]
-            )
-            for _ in range(6):
-                self._engine_loop(1, 0xFFFF, 0.01)
-                if req.status == "FINISHED":
-                    break
-
-    @precondition(lambda self: self.quiet and self.workers.capacity["disk"] > 0)
-    @rule(traj=st.integers(0, 5), wait=st.sampled_from([400.0, 1e5]))
-    def long_tool_call(self, traj: int, wait: float) -> None:
-        """A human-in-the-loop wait: the pause offloads the branch to disk (or drops it when
-        the disk is full) and the engine idles meanwhile, so the store completes."""
-        assert self.mgr is not None
-        picked = self._pick_traj(traj)
-        if picked is None:
-            return
-        self.mgr.pause(picked[0], "main", "human", wait, tenant=picked[1])
-        self._engine_loop(3, 0xFFFF, 0.01)
-
-    def _disk_offloaded(self) -> bool:
-        mgr = self.mgr
-        return (
-            mgr is not None
-            and self.quiet
-            and any(
-                b.state is BranchState.OFFLOADED and b.tier == "disk"
-                for t in mgr.table.values()
-                for b in t.branches.values()
-            )
-        )
-
-    # What a restart is about: weigh it up while some branch is offloaded to disk.
-    restart_2 = precondition(lambda self: self._disk_offloaded())(restart)
 
     # ------------------------------------------------------------------ pressure
     @precondition(lambda self: len(self.eng.spikes) < 3)

@@ -53,50 +53,7 @@ class FakeServer:
         if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
             return httpx.Response(401, json={"detail": "missing or wrong API key"})
         if path == "/v1/chat/completions":
-            if self.fail_next_chat:
-                code, self.fail_next_chat = self.fail_next_chat, None
-                return httpx.Response(code, json={"error": {"message": "boom"}})
-            prompt = sum(len(json.dumps(m)) for m in body["messages"])
-            key = body.get("kv_transfer_params", {}).get("agentkv", {}).get("branch", "-")
-            turn = self.turns[key] = self.turns.get(key, 0) + 1
-            cached = 0 if turn == 1 else prompt // 2
-            out: dict[str, Any] = {
-                "id": f"chatcmpl-{turn}",
-                "object": "chat.completion",
-                "model": body["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": f"reply {turn}"},
-                        "finish_reason": "length",
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": prompt,
-                    "completion_tokens": 4,
-                    "total_tokens": prompt + 4,
-                    "prompt_tokens_details": {"cached_tokens": cached},
-                },
-            }
-            if self.plugin and "kv_transfer_params" in body:
-                p = body["kv_transfer_params"]["agentkv"]
-                out["kv_transfer_params"] = {
-                    "agentkv": {
-                        "turn": turn,
-                        "branch": p["branch"],
-                        "trajectory_id": p["trajectory_id"],
-                        "prompt_tokens": prompt,
-                        "device_hit_tokens": cached,
-                        "tier_hit_tokens": 0,
-                        "hit_tokens": cached,
-                        "tier": "device",
-                        "hit_ratio": cached / prompt,
-                        "prefix_hit_ratio": cached / prompt,
-                        "first_divergence_token": None if turn == 1 else prompt - 3,
-                        "divergence_zone": None if turn == 1 else "observation",
-                    }
-                }
-            return httpx.Response(200, json=out)
+            return self._chat(body)
         if not self.plugin or not path.startswith("/agentkv/v1/"):
             return httpx.Response(404, json={"detail": "Not Found"})
         tid = path.split("/")[4] if path.startswith("/agentkv/v1/trajectories/") else None
@@ -131,6 +88,54 @@ class FakeServer:
         return httpx.Response(
             200, json={"bytes_held": {"device_pinned": 0, "host": 0, "disk": 0}, "trajectories": 0}
         )
+
+    def _chat(self, body: dict[str, Any]) -> httpx.Response:
+        """A chat completion: ``fail_next_chat`` once, else a reply whose cached tokens are half
+        the prompt after the branch's first turn (and the plugin's per-turn stats)."""
+        if self.fail_next_chat:
+            code, self.fail_next_chat = self.fail_next_chat, None
+            return httpx.Response(code, json={"error": {"message": "boom"}})
+        prompt = sum(len(json.dumps(m)) for m in body["messages"])
+        key = body.get("kv_transfer_params", {}).get("agentkv", {}).get("branch", "-")
+        turn = self.turns[key] = self.turns.get(key, 0) + 1
+        cached = 0 if turn == 1 else prompt // 2
+        out: dict[str, Any] = {
+            "id": f"chatcmpl-{turn}",
+            "object": "chat.completion",
+            "model": body["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": f"reply {turn}"},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": 4,
+                "total_tokens": prompt + 4,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
+        }
+        if self.plugin and "kv_transfer_params" in body:
+            p = body["kv_transfer_params"]["agentkv"]
+            out["kv_transfer_params"] = {
+                "agentkv": {
+                    "turn": turn,
+                    "branch": p["branch"],
+                    "trajectory_id": p["trajectory_id"],
+                    "prompt_tokens": prompt,
+                    "device_hit_tokens": cached,
+                    "tier_hit_tokens": 0,
+                    "hit_tokens": cached,
+                    "tier": "device",
+                    "hit_ratio": cached / prompt,
+                    "prefix_hit_ratio": cached / prompt,
+                    "first_divergence_token": None if turn == 1 else prompt - 3,
+                    "divergence_zone": None if turn == 1 else "observation",
+                }
+            }
+        return httpx.Response(200, json=out)
 
     def paths(self, method: str | None = None) -> list[str]:
         return [p for m, p, _ in self.calls if method is None or m == method]

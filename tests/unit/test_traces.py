@@ -27,17 +27,29 @@ SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
 # The TraceLab 3-session example, in its session-CSV form.
 SESSION = TRACELAB_SESSIONS
 
-# The same rows in the canonical column order, rows shuffled (round_idx orders them).
-CANONICAL = """id,input_len,output_len,arrival_time,round_idx,tool_wait_after_ms,prefix_len
-2,80,48,500,2,0,784
-0,512,64,0,0,100,0
-0,128,64,0,1,100,576
-0,128,64,0,2,0,768
-1,400,48,200,0,80,0
-1,100,48,200,1,0,448
-2,600,64,500,0,50,0
-2,120,48,500,1,50,664
-"""
+CANONICAL_COLUMNS = (
+    "id",
+    "input_len",
+    "output_len",
+    "arrival_time",
+    "round_idx",
+    "tool_wait_after_ms",
+    "prefix_len",
+)
+
+
+def _canonical(session_csv: str) -> str:
+    """The same rows in the canonical column order (``id`` for ``session_id``), the last row
+    first (round_idx orders them, not the file)."""
+    header, *rows = session_csv.splitlines()
+    src = header.replace("session_id", "id").split(",")
+    cells = [dict(zip(src, row.split(","), strict=True)) for row in rows]
+    out = [",".join(CANONICAL_COLUMNS)]
+    out += [",".join(c[k] for k in CANONICAL_COLUMNS) for c in [cells[-1], *cells[:-1]]]
+    return "\n".join(out) + "\n"
+
+
+CANONICAL = _canonical(SESSION)
 
 
 def _jsonl_rows() -> list[dict[str, object]]:

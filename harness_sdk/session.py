@@ -1,0 +1,283 @@
+"""One trajectory's connection to its server: the HTTP client, the agentkv routes, the flags
+every branch shares (the request/response plumbing under Trajectory and the wrapped clients).
+
+Primitives:
+  _Shared(base_url, model, api_key, trajectory_id, adapter, client, timeout, telemetry)
+    await .request(method, path, json) -> httpx.Response   one call, its session header on it
+    await .send_turn(body, stream) -> (payload, latency_s, ttft_s)   one chat turn, or its error
+    await .stream_chat(path, json, headers) -> (status, payload, ttft_s)   SSE, reassembled
+    await .control(method, path, json, quiet=) -> dict | None   an agentkv route (None: absent)
+    .degrade(why) / .check_pause_reply(branch, reply)   the once-per-trajectory warnings
+  _check_id(value, what)     a trajectory id or branch name in the ``agentkv.ids`` grammar
+  _normalize_base(url)       the server's base URL (no trailing ``/v1``); ConfigError if not http(s)
+The names are private to the SDK: trajectory.py, tool_wait.py and openai.py share them.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import logging
+import time
+import warnings
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from agentkv import ids as _ids
+from harness_sdk.adapters import SESSION_HEADER, Adapter
+from harness_sdk.errors import (
+    AuthenticationError,
+    ConfigError,
+    DegradedWarning,
+    InvalidIdError,
+    PauseNotAppliedWarning,
+    TimeoutError_,
+    TransportError,
+    status_error,
+)
+from harness_sdk.telemetry import Telemetry
+from harness_sdk.zones import LintFinding
+
+log = logging.getLogger("harness_sdk")
+
+
+def _check_id(value: object, what: str) -> str:
+    """``value`` when it is in the id grammar of ``agentkv.ids``, else InvalidIdError."""
+    try:
+        return _ids.validate_id(value, what)
+    except _ids.InvalidIdError as exc:
+        raise InvalidIdError(str(exc)) from None
+
+
+class _Shared:
+    """State shared by every branch of one trajectory: the HTTP client, routes, closed flag."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None,
+        trajectory_id: str,
+        adapter: Adapter,
+        client: httpx.AsyncClient | None,
+        timeout: float,
+        telemetry: Telemetry,
+    ) -> None:
+        self.base_url = base_url
+        self.model = model
+        self.api_key = api_key
+        self.trajectory_id = trajectory_id
+        self.adapter = adapter
+        self.owns_client = client is None
+        self.client = client or httpx.AsyncClient(timeout=timeout)
+        self.telemetry = telemetry
+        self.routes: bool | None = None if adapter.supports_control else False
+        self.closed = False
+        self.seen_lint: set[LintFinding] = set()
+        self.warned_pause_not_applied = False
+        parts = urlsplit(base_url)
+        self.server = (parts.hostname or "", parts.port)
+
+    def session_headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """The routing contract: every call names its session (routers such as vllm-router key
+        session affinity on it)."""
+        return {**headers, SESSION_HEADER: self.trajectory_id}
+
+    async def request(self, method: str, path: str, json: Any = None) -> httpx.Response:
+        if path.startswith("/agentkv/"):
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            # vllm-router drops client headers on routes it does not know: the model and the
+            # session travel in the body too, as on the trajectory's chat calls.
+            json = {**(json or {}), "agent_hint": self.agent_hint()}
+            if self.model:
+                json["model"] = self.model
+        else:
+            headers = self.adapter.headers(self.api_key)
+        headers = self.session_headers(headers)
+        try:
+            return await self.client.request(
+                method, self.base_url + path, json=json, headers=headers
+            )
+        except httpx.TimeoutException as exc:
+            raise TimeoutError_(f"{method} {path} timed out: {exc}") from exc
+        except httpx.TransportError as exc:
+            raise TransportError(f"{method} {path} failed: {exc!r}") from exc
+
+    async def send_turn(
+        self, body: dict[str, Any], stream: bool
+    ) -> tuple[Any, float, float | None]:
+        """POST one turn on the adapter's path; return (payload, latency_s, ttft_s).
+
+        ``stream`` sends it as SSE with the final usage chunk (ttft_s set; None otherwise). An
+        error status raises its HarnessError (``status_error``) once the latency is measured.
+        """
+        ttft: float | None = None
+        t0 = time.monotonic()
+        if stream:
+            body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            status, payload, ttft = await self.stream_chat(
+                self.adapter.path,
+                body,
+                self.session_headers(self.adapter.headers(self.api_key)),
+            )
+            latency = time.monotonic() - t0
+            if status >= 400:
+                raise status_error(status, payload, self.base_url + self.adapter.path)
+        else:
+            r = await self.request("POST", self.adapter.path, body)
+            latency = time.monotonic() - t0
+            payload = _json(r)
+            if r.status_code >= 400:
+                raise status_error(r.status_code, payload, str(r.request.url))
+        return payload, latency, ttft
+
+    def agent_hint(self) -> dict[str, str]:
+        return {"session_id": self.trajectory_id}
+
+    async def stream_chat(
+        self, path: str, json: Any, headers: dict[str, str]
+    ) -> tuple[int, Any, float | None]:
+        """POST a streaming (SSE) chat request; return (status, payload, ttft_s).
+
+        The payload is reassembled into the shape of a non-streamed response (one choice, the
+        concatenated content, the final usage chunk) so adapters parse both alike.
+        """
+        t0 = time.monotonic()
+        ttft: float | None = None
+        content: list[str] = []
+        reasons: dict[int, str] = {}
+        payload: dict[str, Any] = {}
+        role = "assistant"
+        try:
+            async with self.client.stream(
+                "POST", self.base_url + path, json=json, headers=headers
+            ) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    return r.status_code, _json(r), None
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = _loads(data)
+                    if not isinstance(chunk, dict):
+                        continue
+                    for key in ("id", "model", "usage"):
+                        if chunk.get(key) is not None:
+                            payload[key] = chunk[key]
+                    for choice in chunk.get("choices") or []:
+                        if ttft is None:
+                            ttft = time.monotonic() - t0
+                        delta = choice.get("delta") or {}
+                        role = delta.get("role") or role
+                        if delta.get("content"):
+                            content.append(str(delta["content"]))
+                        if choice.get("finish_reason"):
+                            reasons[int(choice.get("index", 0))] = str(choice["finish_reason"])
+        except httpx.TimeoutException as exc:
+            raise TimeoutError_(f"POST {path} timed out: {exc}") from exc
+        except httpx.TransportError as exc:
+            raise TransportError(f"POST {path} failed: {exc!r}") from exc
+        payload["choices"] = [
+            {
+                "index": 0,
+                "message": {"role": role, "content": "".join(content)},
+                "finish_reason": reasons.get(0),
+            }
+        ]
+        return 200, payload, ttft
+
+    def degrade(self, why: str) -> None:
+        if self.routes is not False:
+            self.routes = False
+            warnings.warn(
+                f"agentkv routes unavailable ({why}); pause/resume/close are skipped",
+                DegradedWarning,
+                stacklevel=4,
+            )
+            log.warning("harness_sdk: agentkv routes unavailable (%s)", why)
+
+    def check_pause_reply(self, branch: str, reply: dict[str, Any] | None) -> None:
+        """Warn (once per trajectory) when the engine did not apply a pause decision."""
+        if reply is None or reply.get("applied") is not False or self.warned_pause_not_applied:
+            return
+        self.warned_pause_not_applied = True
+        decision = reply.get("decision")
+        action = decision.get("action") if isinstance(decision, dict) else None
+        why = ", ".join(
+            f"{key}={reply[key]!r}"
+            for key in ("state", "reason", "detail")
+            if reply.get(key) is not None
+        )
+        msg = (
+            f"the engine did not apply the pause decision"
+            f"{f' ({action})' if action else ''} for trajectory {self.trajectory_id!r} "
+            f"branch {reply.get('branch') or branch!r}"
+            f"{f' ({why})' if why else ''}: the KV is not (yet) where the decision puts it; "
+            "see server_state(). Warned once per trajectory"
+        )
+        warnings.warn(msg, PauseNotAppliedWarning, stacklevel=3)
+        log.warning("harness_sdk: %s", msg)
+
+    async def control(
+        self, method: str, path: str, json: Any = None, *, quiet: bool = True
+    ) -> dict[str, Any] | None:
+        """Call an agentkv route. None when the routes are absent or the trajectory is unknown.
+
+        Raises AuthenticationError always; other failures raise only when ``quiet`` is False.
+        """
+        if self.routes is False:
+            return None
+        try:
+            r = await self.request(method, "/agentkv/v1" + path, json)
+        except TransportError as exc:
+            if not quiet:
+                raise
+            log.warning("harness_sdk: %s %s failed: %s", method, path, exc)
+            return None
+        body = _json(r)
+        if r.status_code < 400:
+            self.routes = True
+            return body if isinstance(body, dict) else {"body": body}
+        detail = body.get("detail") if isinstance(body, dict) else None
+        if r.status_code in (405, 501, 503) or (
+            r.status_code == 404 and detail in (None, "Not Found")
+        ):
+            self.degrade(f"{r.status_code} {detail or r.text[:80]}")
+            return None
+        err = status_error(r.status_code, body, str(r.request.url))
+        if isinstance(err, AuthenticationError) or not quiet:
+            raise err
+        if r.status_code != 404:
+            log.warning("harness_sdk: %s", err)
+        return None
+
+    async def aclose(self) -> None:
+        if self.owns_client:
+            await self.client.aclose()
+
+
+def _json(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return {"detail": r.text[:500]}
+
+
+def _loads(data: str) -> Any:
+    try:
+        return jsonlib.loads(data)
+    except ValueError:
+        return None
+
+
+def _normalize_base(url: str) -> str:
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"base_url must start with http:// or https://, got {url!r}")
+    return url
