@@ -36,6 +36,7 @@ from harness_sdk.errors import (
     TransportError,
     status_error,
 )
+from harness_sdk.sse import sse_data
 from harness_sdk.telemetry import Telemetry
 from harness_sdk.zones import LintFinding
 
@@ -156,12 +157,7 @@ class _Shared:
                 if r.status_code >= 400:
                     await r.aread()
                     return r.status_code, _json(r), None
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
+                async for data in sse_data(r):
                     chunk = _loads(data)
                     if not isinstance(chunk, dict):
                         continue

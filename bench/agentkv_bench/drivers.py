@@ -20,7 +20,6 @@ final chunk. Both bodies carry the same messages, ``max_tokens``, ``temperature`
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import httpx
 
 from agentkv_bench.records import TurnRecord
+from agentkv_bench.streaming import Streamed, stream_measured
 from agentkv_bench.workload import TrajectoryPlan, TurnPlan, Workload
 from harness_sdk import Trajectory
 from harness_sdk.trajectory import ToolWait
@@ -45,15 +45,6 @@ class TrajectoryRecord:
     turns: list[TurnRecord] = field(default_factory=list)
 
 
-@dataclass
-class StreamedTurn:
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-
 class Session(Protocol):
     """One branch of one trajectory, as a driver runs it."""
 
@@ -61,7 +52,7 @@ class Session(Protocol):
 
     def observe(self, text: str) -> None: ...
 
-    async def complete(self, turn: TurnPlan) -> StreamedTurn: ...
+    async def complete(self, turn: TurnPlan) -> Streamed: ...
 
     async def pause(self, tool: str, expected_s: float | None) -> None: ...
 
@@ -72,16 +63,6 @@ class Session(Protocol):
     def join(self, winner: Session) -> None: ...
 
     async def close(self) -> list[dict[str, Any]]: ...
-
-
-def _usage(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
-    usage = usage or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return (
-        int(usage.get("prompt_tokens") or 0),
-        int(details.get("cached_tokens") or 0),
-        int(usage.get("completion_tokens") or 0),
-    )
 
 
 class VanillaSession:
@@ -108,7 +89,7 @@ class VanillaSession:
     def observe(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
 
-    async def complete(self, turn: TurnPlan) -> StreamedTurn:
+    async def complete(self, turn: TurnPlan) -> Streamed:
         body = {
             "model": self.model,
             "messages": self.messages,
@@ -118,32 +99,11 @@ class VanillaSession:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        ttft: float | None = None
-        usage: dict[str, Any] | None = None
-        t0 = time.monotonic()
-        async with self.client.stream(
-            "POST", self.base_url + "/v1/chat/completions", json=body
-        ) as r:
-            if r.status_code >= 400:
-                await r.aread()
-                raise RuntimeError(f"chat completion failed: {r.status_code} {r.text[:300]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("choices") and ttft is None:
-                    ttft = time.monotonic() - t0
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-        latency = time.monotonic() - t0
-        self.messages.append({"role": "assistant", "content": turn.action})
-        prompt, cached, completion = _usage(usage)
-        return StreamedTurn(
-            ttft if ttft is not None else latency, latency, prompt, cached, completion
+        s = await stream_measured(
+            self.client, self.base_url + "/v1/chat/completions", body, what="chat completion"
         )
+        self.messages.append({"role": "assistant", "content": turn.action})
+        return s
 
     async def pause(self, tool: str, expected_s: float | None) -> None:
         """Vanilla vLLM has no notion of a pause: the trajectory simply sends nothing."""
@@ -208,14 +168,14 @@ class AgentKVSession:
     def observe(self, text: str) -> None:
         self.traj.observe(text)
 
-    async def complete(self, turn: TurnPlan) -> StreamedTurn:
+    async def complete(self, turn: TurnPlan) -> Streamed:
         ctx = self.traj.context
         if isinstance(ctx, ScriptedContext):
             ctx.next_action = turn.action
         r = await self.traj.complete(
             max_tokens=turn.max_tokens, temperature=0, extra_body={"ignore_eos": True}, stream=True
         )
-        return StreamedTurn(
+        return Streamed(
             r.ttft_s if r.ttft_s is not None else r.latency_s,
             r.latency_s,
             r.prompt_tokens,

@@ -6,7 +6,7 @@ Primitives:
                     (vanilla vLLM with a pool that never evicts)
   RoundRecord       one request's measurements (TTFT, latency, tokens, hits, pause decision)
   SessionRecord     one session's job completion time and its rounds
-  complete_ids(client, base_url, model, prompt, max_tokens, params) -> Streamed
+  complete_ids(client, base_url, model, prompt, max_tokens, params) -> Streamed (streaming.py)
   replay_session(...)  one session: start at its arrival; per round send, read the whole reply,
                     pause (agentkv), wait ``wait_after_s``, resume (agentkv), next round
   replay(...)       every session concurrently -> [SessionRecord]
@@ -27,7 +27,6 @@ trace says how long the wait was, a live agent would not know) and ended with ``
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import httpx
 from agentkv.traces import TraceSession, TraceWorkload
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.records import RoundRecord
+from agentkv_bench.streaming import Streamed, stream_measured
 from agentkv_bench.trace_prompts import RoundPrompt
 
 MODES: tuple[str, ...] = tuple(c.value for c in BenchConfig)
@@ -52,15 +52,6 @@ class SessionRecord:
     started_at_s: float
     jct_s: float  # from its first request to the end of its last round, waits included
     rounds: list[RoundRecord] = field(default_factory=list)
-
-
-@dataclass
-class Streamed:
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
 
 
 async def complete_ids(
@@ -87,33 +78,7 @@ async def complete_ids(
         body["kv_transfer_params"] = {"agentkv": params}
     if hint:
         body.update(hint)
-    ttft: float | None = None
-    usage: dict[str, Any] = {}
-    t0 = time.monotonic()
-    async with client.stream("POST", base_url + "/v1/completions", json=body, headers=headers) as r:
-        if r.status_code >= 400:
-            await r.aread()
-            raise RuntimeError(f"completion failed: {r.status_code} {r.text[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("choices") and ttft is None:
-                ttft = time.monotonic() - t0
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    latency = time.monotonic() - t0
-    details = usage.get("prompt_tokens_details") or {}
-    return Streamed(
-        ttft if ttft is not None else latency,
-        latency,
-        int(usage.get("prompt_tokens") or 0),
-        int(details.get("cached_tokens") or 0),
-        int(usage.get("completion_tokens") or 0),
-    )
+    return await stream_measured(client, base_url + "/v1/completions", body, headers)
 
 
 async def _control(

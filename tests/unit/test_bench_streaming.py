@@ -1,0 +1,69 @@
+"""The one SSE reader (harness_sdk.sse) and the bench's measured stream (agentkv_bench.streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from agentkv_bench.streaming import stream_measured, usage_counts
+from harness_sdk.sse import sse_data
+
+USAGE = {
+    "prompt_tokens": 40,
+    "completion_tokens": 3,
+    "prompt_tokens_details": {"cached_tokens": 32},
+}
+SSE = (
+    ": keep-alive\n\n"
+    'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+    "event: ping\n\n"
+    f"data: {json.dumps({'choices': [], 'usage': USAGE})}\n\n"
+    "data: [DONE]\n\n"
+    'data: {"choices": [{"index": 0, "delta": {"content": "after done"}}]}\n\n'
+)
+
+
+def _client(status: int = 200, text: str = SSE) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, text=text)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def test_sse_data_yields_data_payloads_up_to_done() -> None:
+    async def go() -> list[str]:
+        async with _client() as c, c.stream("POST", "http://x/v1/completions") as r:
+            return [d async for d in sse_data(r)]
+
+    got = asyncio.run(go())
+    assert len(got) == 2  # the comment, the event line and everything after [DONE] are skipped
+    assert json.loads(got[0])["choices"][0]["delta"]["content"] == "a"
+    assert json.loads(got[1])["usage"] == USAGE
+
+
+def test_stream_measured_reads_usage_from_the_final_chunk() -> None:
+    async def go() -> tuple[float, float, int, int, int]:
+        async with _client() as c:
+            s = await stream_measured(c, "http://x/v1/completions", {"stream": True})
+            return s.ttft_s, s.latency_s, s.prompt_tokens, s.cached_tokens, s.completion_tokens
+
+    ttft, latency, prompt, cached, completion = asyncio.run(go())
+    assert 0.0 <= ttft <= latency
+    assert (prompt, cached, completion) == (40, 32, 3)
+
+
+def test_stream_measured_names_the_failed_request() -> None:
+    async def go() -> None:
+        async with _client(503, "overloaded") as c:
+            await stream_measured(c, "http://x/v1/chat/completions", {}, what="chat completion")
+
+    with pytest.raises(RuntimeError, match="chat completion failed: 503 overloaded"):
+        asyncio.run(go())
+
+
+def test_usage_counts_of_a_missing_usage_is_zero() -> None:
+    assert usage_counts(None) == (0, 0, 0)
+    assert usage_counts({"prompt_tokens": 5}) == (5, 0, 0)
