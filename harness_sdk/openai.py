@@ -208,15 +208,7 @@ class AsyncOpenAITrajectory(_OpenAIBase):
     async def close(self) -> dict[str, Any] | None:
         """DELETE the trajectory on the server (when a request was sent); idempotent. The
         wrapped openai client stays open (it is the caller's)."""
-        if self._shared.closed:
-            return None
-        self._shared.closed = True
-        try:
-            if self.requests:
-                return await self._shared.control("DELETE", f"/trajectories/{self.trajectory_id}")
-            return None
-        finally:
-            await self._shared.aclose()
+        return await self._shared.close_trajectory(used=bool(self.requests))
 
     async def __aenter__(self) -> AsyncOpenAITrajectory:
         return self

@@ -7,6 +7,7 @@ Primitives:
     await .send_turn(body, stream) -> (payload, latency_s, ttft_s)   one chat turn, or its error
     await .stream_chat(path, json, headers) -> (status, payload, ttft_s)   SSE, reassembled
     await .control(method, path, json, quiet=) -> dict | None   an agentkv route (None: absent)
+    await .close_trajectory(used) -> dict | None   DELETE once (when used), close our client
     .degrade(why) / .check_pause_reply(branch, reply)   the once-per-trajectory warnings
   _check_id(value, what)     a trajectory id or branch name in the ``agentkv.ids`` grammar
   _normalize_base(url)       the server's base URL (no trailing ``/v1``); ConfigError if not http(s)
@@ -254,6 +255,19 @@ class _Shared:
     async def aclose(self) -> None:
         if self.owns_client:
             await self.client.aclose()
+
+    async def close_trajectory(self, used: bool) -> dict[str, Any] | None:
+        """Once per trajectory (idempotent): DELETE it on the server when it ``used`` the server,
+        then close the HTTP client if it is ours. The server's release counts, or None."""
+        if self.closed:
+            return None
+        self.closed = True
+        try:
+            if used:
+                return await self.control("DELETE", f"/trajectories/{self.trajectory_id}")
+            return None
+        finally:
+            await self.aclose()
 
 
 def _json(r: httpx.Response) -> Any:

@@ -293,15 +293,7 @@ class Trajectory:
             if not self.pruned:
                 self.prune()
             return None
-        if self._shared.closed:
-            return None
-        self._shared.closed = True
-        try:
-            if self._turn or self.children:
-                return await self._shared.control("DELETE", f"/trajectories/{self.trajectory_id}")
-            return None
-        finally:
-            await self._shared.aclose()
+        return await self._shared.close_trajectory(used=bool(self._turn or self.children))
 
     async def __aenter__(self) -> Trajectory:
         return self

@@ -35,6 +35,9 @@ Primitives:
                             how many of a step's blocks go through staging (0 off CUDA; the rest
                             as BlockRefs): bounded, the region is device memory vLLM did not
                             budget for.
+    copy_stream(device, role)
+                            the dedicated CUDA stream of one kind of copy on one device (made
+                            once; the gathers here, the plugin's layer-by-layer loads).
 
 Why two shapes of batching. On CUDA the cost of a copy is its launch: a step's stores are gathered
 on the device with one ``index_select`` kernel per run into a contiguous device staging region,
@@ -326,18 +329,20 @@ class BlockRef(Sequence[ByteArray]):
         return DeviceSegments([run.rows[self.block_id] for run in self.table.runs])
 
 
-_streams: dict[Any, Any] = {}
+_streams: dict[tuple[str, Any], Any] = {}
 _streams_lock = threading.Lock()
 
 
-def _copy_stream(device: Any) -> Any:
-    """One gather stream per CUDA device, shared by every step."""
+def copy_stream(device: Any, role: str) -> Any:
+    """One dedicated CUDA stream per (role, device), made on first use and shared by every step
+    after: the store gathers (``"gather"``, here) and the layer-by-layer loads (``"layers"``,
+    the plugin's LayerCopier) each get their own, so neither queues behind the other."""
     torch = loaded_torch()
     with _streams_lock:
-        stream = _streams.get(device)
+        stream = _streams.get((role, device))
         if stream is None:
             stream = torch.cuda.Stream(device=device)
-            _streams[device] = stream
+            _streams[(role, device)] = stream
         return stream
 
 
@@ -376,7 +381,7 @@ class StagedBlocks:
         torch = loaded_torch()
         device = table.device
         caller = torch.cuda.current_stream(device)
-        stream = _copy_stream(device)
+        stream = copy_stream(device, "gather")
         staging = torch.empty((len(ids), table.block_bytes), dtype=torch.uint8, device=device)
         with torch.cuda.stream(stream):
             stream.wait_stream(caller)

@@ -12,10 +12,11 @@ Primitives:
   .synchronize()                    block until every copy queued so far is done (before the
                                     host copies are unpinned)
 
-CUDA: the copies are ``copy_(..., non_blocking=True)`` on one dedicated stream per device; a
-layer's ``set()`` records a CUDA event on that stream after its copies, and ``wait()`` makes the
-waiting thread's current stream wait for that event on the GPU (no host sync): the attention
-kernels of layer L queue behind layer L's copies only, while later layers still transfer.
+CUDA: the copies are ``copy_(..., non_blocking=True)`` on one dedicated stream per device
+(``batched.copy_stream(device, "layers")``); a layer's ``set()`` records a CUDA event on that
+stream after its copies, and ``wait()`` makes the waiting thread's current stream wait for that
+event on the GPU (no host sync): the attention kernels of layer L queue behind layer L's copies
+only, while later layers still transfer.
 CPU: the same calls copy synchronously with numpy, and events are plain threading events.
 
 Whole-block stores and loads of a step are staged on the device by
@@ -32,19 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentkv.tiers.batched import BlockTable
-
-_streams: dict[torch.device, Any] = {}
-_streams_lock = threading.Lock()
-
-
-def _stream(device: torch.device) -> Any:
-    with _streams_lock:
-        stream = _streams.get(device)
-        if stream is None:
-            stream = torch.cuda.Stream(device=device)
-            _streams[device] = stream
-        return stream
+from agentkv.tiers.batched import BlockTable, copy_stream
 
 
 class LayerEvent(threading.Event):
@@ -77,7 +66,7 @@ class LayerCopier:
         self._cuda = self.device.type == "cuda"
         self._stream: Any = None
         if self._cuda:
-            self._stream = _stream(self.device)
+            self._stream = copy_stream(self.device, "layers")
             # KV blocks handed to this load may still be read by work already queued: wait for it.
             engine = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(engine)

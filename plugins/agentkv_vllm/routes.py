@@ -337,6 +337,33 @@ async def _parse(request: Request, model: type[M], optional: bool = False) -> M 
         )
 
 
+K = TypeVar("K", bound=Keyed)
+
+
+async def _keyed_op(
+    op: str, request: Request, trajectory_id: str, model: type[K], optional: bool = False
+) -> JSONResponse:
+    """pause, resume and end: check the path's id, the body and the idempotency key (the 422
+    names the first problem), then run ``op`` with the body's control fields (routing hints
+    and the key field left out), the tenant and the key, and nudge the engine."""
+    if bad := _check_id(trajectory_id):
+        return bad
+    body = await _parse(request, model, optional=optional)
+    if isinstance(body, JSONResponse):
+        return body
+    key = _idempotency(request, body)
+    if isinstance(key, JSONResponse):
+        return key
+    return await _call(
+        op,
+        nudge=True,
+        trajectory_id=trajectory_id,
+        **body.model_dump(exclude=ROUTING_FIELDS | {KEY_FIELD}),
+        **_tenant(request),
+        **key,
+    )
+
+
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     return {
         "requestBody": {
@@ -352,22 +379,7 @@ def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     openapi_extra=_body_schema(PauseBody),
 )
 async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
-    if bad := _check_id(trajectory_id):
-        return bad
-    body = await _parse(request, PauseBody)
-    if isinstance(body, JSONResponse):
-        return body
-    key = _idempotency(request, body)
-    if isinstance(key, JSONResponse):
-        return key
-    return await _call(
-        "pause",
-        nudge=True,
-        trajectory_id=trajectory_id,
-        **body.model_dump(exclude=ROUTING_FIELDS | {KEY_FIELD}),
-        **_tenant(request),
-        **key,
-    )
+    return await _keyed_op("pause", request, trajectory_id, PauseBody)
 
 
 @router.post(
@@ -376,36 +388,13 @@ async def pause(request: Request, trajectory_id: str = TrajectoryId) -> JSONResp
     openapi_extra=_body_schema(ResumeBody),
 )
 async def resume(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
-    if bad := _check_id(trajectory_id):
-        return bad
-    body = await _parse(request, ResumeBody, optional=True)
-    if isinstance(body, JSONResponse):
-        return body
-    key = _idempotency(request, body)
-    if isinstance(key, JSONResponse):
-        return key
-    return await _call(
-        "resume",
-        nudge=True,
-        trajectory_id=trajectory_id,
-        **body.model_dump(exclude=ROUTING_FIELDS | {KEY_FIELD}),
-        **_tenant(request),
-        **key,
-    )
+    return await _keyed_op("resume", request, trajectory_id, ResumeBody, optional=True)
 
 
 @router.delete("/trajectories/{trajectory_id}", summary="End a trajectory and release all it holds")
 async def end(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
-    if bad := _check_id(trajectory_id):
-        return bad
     # An optional body ``{"model": ...}`` only serves a router; it is validated all the same.
-    body = await _parse(request, EndBody, optional=True)
-    if isinstance(body, JSONResponse):
-        return body
-    key = _idempotency(request, body)
-    if isinstance(key, JSONResponse):
-        return key
-    return await _call("end", nudge=True, trajectory_id=trajectory_id, **_tenant(request), **key)
+    return await _keyed_op("end", request, trajectory_id, EndBody, optional=True)
 
 
 @router.get(

@@ -263,3 +263,24 @@ def test_native_copies_refuse_out_of_range_ids_and_fall_back_for_odd_buffers() -
     assert np.array_equal(strided, want)
     with pytest.raises(ValueError):  # too short for the numpy path as well: never a raw copy
         table.block(3).gather_into(np.zeros(table.block_bytes - 1, np.uint8))
+
+
+def test_copy_stream_is_one_stream_per_role_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's gathers and the plugin's layer-by-layer loads never share a stream (neither
+    queues behind the other), and each is made once per device."""
+    from agentkv.tiers import batched
+
+    made: list[object] = []
+
+    def fake_stream(device: object) -> object:
+        made.append(device)
+        return object()
+
+    monkeypatch.setattr(torch.cuda, "Stream", fake_stream)
+    monkeypatch.setattr(batched, "_streams", {})
+    gather0 = batched.copy_stream("cuda:0", "gather")
+    layers0 = batched.copy_stream("cuda:0", "layers")
+    assert gather0 is not layers0
+    assert batched.copy_stream("cuda:0", "gather") is gather0
+    assert batched.copy_stream("cuda:1", "gather") is not gather0
+    assert made == ["cuda:0", "cuda:0", "cuda:1"]
