@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import httpx
@@ -249,11 +249,7 @@ async def _run_turn(
         tool=turn.tool,
         wait_s=turn.wait_s,
         sent_at_s=sent,
-        ttft_s=s.ttft_s,
-        latency_s=s.latency_s,
-        prompt_tokens=s.prompt_tokens,
-        cached_tokens=s.cached_tokens,
-        completion_tokens=s.completion_tokens,
+        **asdict(s),  # the stream's TTFT, latency and token counts
         decision=decision,
     )
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -156,11 +156,7 @@ async def replay_session(
                 kind="resume" if i else "first",
                 wait_before_s=wait,
                 sent_at_s=sent,
-                ttft_s=s.ttft_s,
-                latency_s=s.latency_s,
-                prompt_tokens=s.prompt_tokens,
-                cached_tokens=s.cached_tokens,
-                completion_tokens=s.completion_tokens,
+                **asdict(s),  # the stream's TTFT, latency and token counts
                 planned_prefix=rp.from_history,
                 reusable_tokens=min(rp.from_history, len(prompts[i - 1].prompt) if i else 0),
                 decision=decision,

@@ -67,3 +67,24 @@ def test_stream_measured_names_the_failed_request() -> None:
 def test_usage_counts_of_a_missing_usage_is_zero() -> None:
     assert usage_counts(None) == (0, 0, 0)
     assert usage_counts({"prompt_tokens": 5}) == (5, 0, 0)
+
+
+def test_a_streamed_measurement_spreads_into_every_record_type() -> None:
+    """drivers and trace_replay build their records with ``**asdict(streamed)``."""
+    from dataclasses import asdict, fields
+
+    from agentkv_bench.records import RequestRecord, RoundRecord, TurnRecord
+    from agentkv_bench.streaming import Streamed
+
+    s = Streamed(0.5, 1.5, 40, 32, 3)
+    assert {f.name for f in fields(Streamed)} <= {f.name for f in fields(RequestRecord)}
+    turn = TurnRecord(
+        trajectory_id="t", kind="first", sent_at_s=0.0, branch="main", turn=0, tool=None,
+        wait_s=0.0, **asdict(s),
+    )  # fmt: skip
+    rnd = RoundRecord(
+        trajectory_id="t", kind="resume", sent_at_s=0.0, session_id="s", round=1,
+        wait_before_s=2.0, planned_prefix=30, reusable_tokens=30, **asdict(s),
+    )  # fmt: skip
+    assert turn.recomputed_tokens == rnd.recomputed_tokens == 8
+    assert (turn.ttft_s, rnd.latency_s) == (0.5, 1.5)
