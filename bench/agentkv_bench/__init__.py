@@ -4,6 +4,7 @@ Modules:
   workload   seeded generator of trajectory plans (pure)
   drivers    run one plan against a server: plain OpenAI requests (vanilla) or harness_sdk (agentkv)
   streaming  one streamed request measured (TTFT, latency, usage): the vanilla driver and the replay
+  progress   ProgressFn and reporter(progress) -> say: the progress reports of every runner
   sampler    periodic KV-occupancy samples from /metrics and /agentkv/v1/status
   report     per-configuration metrics, ratios, JSON and markdown
   plots      PNG plots (matplotlib, Agg)

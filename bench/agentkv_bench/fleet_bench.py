@@ -31,12 +31,12 @@ from typing import Any
 import httpx
 
 from agentkv.fleet import FleetSpec, RunningFleet, running_fleet
+from agentkv_bench.progress import ProgressFn, reporter
 from agentkv_bench.runner import machine_info
 from agentkv_bench.trace_replay import TIMEOUT, SessionRecord, replay
 from agentkv_bench.trace_report import summarize
 from agentkv_bench.trace_runner import Sizing, TraceBenchOptions, plan
 
-ProgressFn = Callable[[str, int, int], None]
 CONFIGS = ("vanilla", "agentkv")
 
 
@@ -98,9 +98,7 @@ async def _drive(
 def run_fleet_bench(opts: FleetBenchOptions, progress: ProgressFn | None = None) -> dict[str, Any]:
     from agentkv import modelgen
 
-    def say(phase: str, done: int = 0, total: int = 0) -> None:
-        if progress is not None:
-            progress(phase, done, total)
+    say = reporter(progress)
 
     workload, prompts, sizing = plan(
         TraceBenchOptions(

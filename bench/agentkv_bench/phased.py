@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentkv_bench.progress import ProgressFn, reporter
+
 if TYPE_CHECKING:
     from agentkv.launch import LaunchSpec
 
@@ -56,8 +58,6 @@ TARGET_RATIO = 1.01  # "a request without agentkv params must cost what it costs
 MIN_ROUNDS = 4
 # Other processes using more than this many cores during a phase: its latencies measure them.
 BUSY_CORES = 0.5
-
-ProgressFn = Callable[[str, int, int], None]
 
 
 # ---------------------------------------------------------------------------- pure: the math
@@ -383,9 +383,7 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
     from agentkv_bench.runner import machine_info
     from agentkv_bench.scale import CpuMeter, ScaleOptions, plain_latencies
 
-    def say(phase: str, done: int = 0, total: int = 0) -> None:
-        if progress is not None:
-            progress(phase, done, total)
+    say = reporter(progress)
 
     opts.out.mkdir(parents=True, exist_ok=True)
     say(f"building model preset {opts.preset}")

@@ -40,6 +40,7 @@ from agentkv_bench.drivers import (
 )
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.overhead import OverheadSpec, Probe, compare, run_interleaved
+from agentkv_bench.progress import ProgressFn, reporter
 from agentkv_bench.report import (
     ConfigSummary,
     all_turns,
@@ -95,7 +96,6 @@ def oracle_blocks(workload: Workload, block_tokens: int = BLOCK_TOKENS) -> int:
 
 
 # (phase, done, total): phase names the configuration and step.
-ProgressFn = Callable[[str, int, int], None]
 
 
 def native_offload_status() -> dict[str, Any]:
@@ -285,9 +285,7 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
     from agentkv import modelgen
     from agentkv_bench.plots import write_plots
 
-    def say(phase: str, done: int = 0, total: int = 0) -> None:
-        if progress is not None:
-            progress(phase, done, total)
+    say = reporter(progress)
 
     opts.out.mkdir(parents=True, exist_ok=True)
     say(f"building model preset {opts.preset}")

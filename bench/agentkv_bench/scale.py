@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from agentkv_bench import connector_cpu
+from agentkv_bench.progress import ProgressFn, reporter
 from agentkv_bench.scale_report import Phase, build_report, phase_summary, to_markdown
 from agentkv_bench.workload import filler
 
@@ -58,8 +59,6 @@ if TYPE_CHECKING:
 TOKEN_LO, TOKEN_HI = 300, 8000
 # Branch states that mean "still running, deciding or moving"; settled = none of these.
 UNSETTLED_STATES = ("active", "held", "offloading")
-
-ProgressFn = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -306,9 +305,7 @@ def run_scale(opts: ScaleOptions, progress: ProgressFn | None = None) -> dict[st
     from agentkv.launch import running_server
     from agentkv_bench.runner import machine_info
 
-    def say(phase: str, done: int = 0, total: int = 0) -> None:
-        if progress is not None:
-            progress(phase, done, total)
+    say = reporter(progress)
 
     opts.out.mkdir(parents=True, exist_ok=True)
     say(f"building model preset {opts.preset}")

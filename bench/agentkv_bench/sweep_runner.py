@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentkv_bench.matrix import SPECS, BenchConfig
+from agentkv_bench.progress import ProgressFn
 from agentkv_bench.sweep import build_sweep, sweep_markdown
 
-ProgressFn = Callable[[str, int, int], None]
 CONDITIONS = (
     "Every server ran alone, one after another, on this machine; ratios between configurations "
     "are the result (absolute times depend on the machine's other load)."

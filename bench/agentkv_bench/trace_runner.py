@@ -36,6 +36,7 @@ from agentkv.errors import ConfigError
 from agentkv.launch import LaunchSpec, RunningServer, running_server
 from agentkv.traces import TraceWorkload, load_trace
 from agentkv_bench.matrix import SPECS, BenchConfig
+from agentkv_bench.progress import ProgressFn, reporter
 from agentkv_bench.report import writebacks
 from agentkv_bench.runner import BLOCK_TOKENS, connector_knobs, counting, machine_info
 from agentkv_bench.sampler import Sampler
@@ -55,8 +56,6 @@ from agentkv_bench.trace_report import (
     to_markdown,
     vllm_phases,
 )
-
-ProgressFn = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -240,9 +239,7 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
     from agentkv import modelgen
     from agentkv_bench.plots import write_trace_plots
 
-    def say(phase: str, done: int = 0, total: int = 0) -> None:
-        if progress is not None:
-            progress(phase, done, total)
+    say = reporter(progress)
 
     unknown = [c for c in opts.configs if c not in MODES]
     if unknown or "agentkv" not in opts.configs:
