@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from agentkv.demotion import COUNTED_REASONS
+
 log = logging.getLogger("agentkv.metrics")
 MetricKind = Literal["counter", "gauge", "histogram"]
 
@@ -188,7 +190,7 @@ DEMOTIONS = MetricSpec(
     "agentkv_demotions",
     "counter",
     "Paused branches moved off the device without a pause decision, by reason "
-    "(grace_expired, lease_expired, pressure).",
+    f"({', '.join(COUNTED_REASONS)}).",
     ("reason",),
 )
 BYTES_HELD = MetricSpec(

@@ -4,7 +4,8 @@ Primitives:
   BranchState   ACTIVE -> HELD -> {RETAINED, CACHED, OFFLOADING -> OFFLOADED, DROPPED} -> ACTIVE
                 (a deleted trajectory leaves the table: a tombstone, not a state)
   DemotedBy     why the engine moved a paused branch off the device on its own (a StrEnum: its
-                values are GET's ``demoted_by`` and the ``reason`` label of the demotions counter)
+                values are GET's ``demoted_by``); defined in agentkv/demotion.py (with the
+                reasons the demotions counter labels), re-exported here
   Branch        one branch (a forked continuation): its last finished context (tokens, tier
                 keys, vLLM block hashes and ids), the device blocks pinned for it, the pause it is
                 in (tool, decision, lease, prefetch), the requests running on it
@@ -24,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from agentkv.demotion import DemotedBy
+
 if TYPE_CHECKING:
     from agentkv.manager.prefetch import DevicePrefetch
     from agentkv.predict import WaitEstimate
@@ -41,20 +44,6 @@ class BranchState(str, enum.Enum):
     # copied to host once the pool forecasts eviction (policy.defer_writeback)
     CACHED = "cached"
     DROPPED = "dropped"  # paused; nothing kept beyond what vLLM's cache happens to hold
-
-
-class DemotedBy(enum.StrEnum):
-    """Why the engine, not a client's decision, moved a paused branch off the device."""
-
-    GRACE_EXPIRED = "grace_expired"  # no pause decision came within the grace period
-    LEASE_EXPIRED = "lease_expired"  # a retained branch's lease ran out
-    PRESSURE = "pressure"  # the pool went over its high-water mark
-    QUEUE_BLOCKED = "queue_blocked"  # waiting requests were short of blocks
-    JOB_TIMEOUT = "job_timeout"  # the offload's copy timed out: nothing kept
-    STORE_FAILED = "store_failed"  # the offload's copy failed: nothing kept
-    EVICTED = "evicted"  # vLLM evicted the unpinned device copy
-    ABORTED = "aborted"  # a turn was aborted: its device copy is gone
-    RESTART = "restart"  # restored from the disk manifest after an engine restart
 
 
 PAUSED_STATES = frozenset(

@@ -55,7 +55,7 @@ class AdmissionMixin:
     preemptions: int
     _no_admit: bool
 
-    def _demote_for(self, excess: float, reason: str) -> None:
+    def _demote_for(self, excess: float) -> None:
         raise NotImplementedError
 
     def _first_blocks(self, r: Request, hit_blocks: int) -> int:
@@ -135,7 +135,7 @@ class AdmissionMixin:
         for r, tokens in sorted(wants, key=lambda w: w[0].seq):
             if not self._grow(r, tokens) and self.pool.pins:
                 # agentkv demotes pins under pressure before vLLM has to preempt.
-                self._demote_for(max(1, tokens // self.bt - r.alloc.blocks), "pressure")  # type: ignore[union-attr]
+                self._demote_for(max(1, tokens // self.bt - r.alloc.blocks))  # type: ignore[union-attr]
             if not self._grow(r, tokens):
                 running = self.prefilling + self.decoding
                 self._preempt(max(running, key=lambda x: x.seq))

@@ -280,7 +280,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
             )
             if alloc is None and pool.pins:
                 need = blocks - pre - priv - pool.empty - pool.cached_free
-                self._demote_for(max(1, need), "pressure")
+                self._demote_for(max(1, need))
                 pre, priv, tier, tier_n = self._hits(
                     r.tid, r.group, r.prefix_blocks, r.reusable_tokens, cap
                 )
@@ -521,7 +521,9 @@ class Replica(AdmissionMixin, PrefetchMixin):
         if self.policy.expiry_action == "offload_host" and self.host is not None:
             self.host.store(tid, blocks, self.env.now)
 
-    def _demote_for(self, excess: float, reason: str) -> None:
+    def _demote_for(self, excess: float) -> None:
+        """Demote the policy's victims among the pinned trajectories to free ``excess`` blocks
+        (the simulator counts demotions, not their reason: the manager's ``DemotedBy``)."""
         pins = [(t, self.returns_at.get(t, 0.0), n) for t, n in self.pool.pins.items()]
         for tid in self.policy.victims(pins, excess):
             self._demote(tid)
@@ -532,7 +534,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
             return
         excess = self.pool.used - hw * self.pool.capacity
         if excess > 0:
-            self._demote_for(excess, "pressure")
+            self._demote_for(excess)
 
     def close(self, tid: str) -> None:
         """The trajectory ended (agentkv's DELETE): pins go back to the LRU, tier copies go."""

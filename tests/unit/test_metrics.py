@@ -218,3 +218,29 @@ def test_otel_export_spans_and_metrics_in_memory() -> None:
     assert [s.attributes.get("agentkv.outcome") for s in spans] == ["superseded", "resumed"]
     assert all(s.name == "agentkv.tool_wait" for s in spans)
     assert "agentkv.expected_wait_s" not in spans[0].attributes  # None is left out
+
+
+def test_the_demotions_counter_names_exactly_the_reasons_the_manager_counts() -> None:
+    """Its help text and docs/metrics.md come from agentkv.demotion.COUNTED_REASONS, and every
+    reason the manager labels the counter with (or demotes for) is one of them."""
+    import re
+    from pathlib import Path
+
+    from agentkv.demotion import COUNTED_REASONS, DemotedBy
+
+    root = Path(__file__).resolve().parents[2]
+    doc_row = next(
+        line
+        for line in (root / "docs" / "metrics.md").read_text().splitlines()
+        if "`agentkv_demotions_total`" in line
+    )
+    for reason in COUNTED_REASONS:
+        assert reason.value in m.DEMOTIONS.help
+        assert reason.value in doc_row
+    used: set[str] = set()
+    for path in (root / "agentkv" / "manager").glob("*.py"):
+        text = path.read_text()
+        used |= set(re.findall(r"DEMOTIONS, reason=DemotedBy\.(\w+)", text))
+        used |= set(re.findall(r"\.demote\([^)]*?DemotedBy\.(\w+)", text, re.S))
+    assert used, "the pattern no longer finds the manager's demotions: update this test"
+    assert {DemotedBy[name] for name in used} <= set(COUNTED_REASONS)
