@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from agentkv.demotion import COUNTED_REASONS
+from agentkv.policy import Action
 
 log = logging.getLogger("agentkv.metrics")
 MetricKind = Literal["counter", "gauge", "histogram"]
@@ -88,7 +89,7 @@ class MetricSpec:
 DECISIONS = MetricSpec(
     "agentkv_decisions",
     "counter",
-    "Pause decisions by action (retain, offload_host, offload_disk, drop).",
+    f"Pause decisions by action ({', '.join(Action)}).",
     ("action",),
 )
 PREFETCH_OUTCOMES = MetricSpec(

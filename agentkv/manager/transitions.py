@@ -126,7 +126,9 @@ class Transitions:
                 return True, "applied when the copy in flight completes"
             self.copy_down(traj, branch)
             return True, None
-        if action == Action.OFFLOAD_HOST:
+        if action.tier is not None:
+            # offload_host, or any offload without a late-pause rule of its own: the copy the
+            # engine already made (or its drop) stands; never mistaken for a drop below.
             if state is BranchState.DROPPED:
                 return False, "the device blocks were released before the decision"
             return True, None

@@ -15,7 +15,7 @@ import pytest
 
 from agentkv.manager import BranchState, DemotedBy
 from agentkv.manager.state import Branch
-from agentkv.policy import PolicyParams, lease_seconds
+from agentkv.policy import Action, PolicyParams, lease_seconds
 from tests.unit.manager_helpers import (
     P1,
     SYS,
@@ -395,3 +395,19 @@ def test_a_pause_is_logged_with_its_decision(caplog: pytest.LogCaptureFixture) -
     assert any(
         "t1/main" in x and "tool=fast" in x and body["decision"]["action"] in x for x in lines
     )
+
+
+def test_a_late_offload_after_the_engine_dropped_the_branch_is_not_applied() -> None:
+    """An offload decided after the grace period already dropped the branch cannot copy what is
+    gone: it answers applied false with the reason (it must never be taken for a drop, which
+    applies)."""
+    rig = make_rig(default_action=Action.DROP, policy_override=Action.OFFLOAD_HOST)
+    rig.turn("t1", P1)
+    rig.clock.advance(1.0)
+    rig.settle()
+    assert branch(rig).state is BranchState.DROPPED
+    code, body = rig.mgr.pause("t1", "main", "human", 60.0)
+    assert code == 200 and body["decision"]["action"] == "offload_host", body
+    assert body["applied"] is False
+    assert "released before the decision" in body["reason"]
+    assert branch(rig).state is BranchState.DROPPED

@@ -244,3 +244,11 @@ def test_the_demotions_counter_names_exactly_the_reasons_the_manager_counts() ->
         used |= set(re.findall(r"\.demote\([^)]*?DemotedBy\.(\w+)", text, re.S))
     assert used, "the pattern no longer finds the manager's demotions: update this test"
     assert {DemotedBy[name] for name in used} <= set(COUNTED_REASONS)
+
+
+def test_the_decisions_counter_names_every_action() -> None:
+    """A new pause action needs no edit here: the help text is derived from agentkv.policy.Action."""
+    from agentkv.policy import Action
+
+    for action in Action:
+        assert action.value in m.DECISIONS.help
