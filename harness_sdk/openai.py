@@ -200,10 +200,10 @@ class AsyncOpenAITrajectory(_OpenAIBase):
 
     async def server_state(self) -> dict[str, Any] | None:
         """GET the trajectory on the server (None if unknown or the routes are absent)."""
-        return await self._shared.control("GET", f"/trajectories/{self.trajectory_id}")
+        return await self._shared.trajectory_state()
 
     async def server_status(self) -> dict[str, Any] | None:
-        return await self._shared.control("GET", "/status")
+        return await self._shared.server_status()
 
     async def close(self) -> dict[str, Any] | None:
         """DELETE the trajectory on the server (when a request was sent); idempotent. The
@@ -245,13 +245,11 @@ class OpenAITrajectory(_OpenAIBase):
             yield wait
 
     def server_state(self) -> dict[str, Any] | None:
-        state: dict[str, Any] | None = self._run(
-            self._shared.control("GET", f"/trajectories/{self.trajectory_id}")
-        )
+        state: dict[str, Any] | None = self._run(self._shared.trajectory_state())
         return state
 
     def server_status(self) -> dict[str, Any] | None:
-        status: dict[str, Any] | None = self._run(self._shared.control("GET", "/status"))
+        status: dict[str, Any] | None = self._run(self._shared.server_status())
         return status
 
     def close(self) -> dict[str, Any] | None:

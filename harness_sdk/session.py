@@ -7,6 +7,7 @@ Primitives:
     await .send_turn(body, stream) -> (payload, latency_s, ttft_s)   one chat turn, or its error
     await .stream_chat(path, json, headers) -> (status, payload, ttft_s)   SSE, reassembled
     await .control(method, path, json, quiet=) -> dict | None   an agentkv route (None: absent)
+    await .trajectory_state() / .server_status() -> dict | None   the two GET routes
     await .close_trajectory(used) -> dict | None   DELETE once (when used), close our client
     .degrade(why) / .check_pause_reply(branch, reply)   the once-per-trajectory warnings
   _check_id(value, what)     a trajectory id or branch name in the ``agentkv.ids`` grammar
@@ -255,6 +256,14 @@ class _Shared:
     async def aclose(self) -> None:
         if self.owns_client:
             await self.client.aclose()
+
+    async def trajectory_state(self) -> dict[str, Any] | None:
+        """GET the trajectory on the server (None if unknown or the routes are absent)."""
+        return await self.control("GET", f"/trajectories/{self.trajectory_id}")
+
+    async def server_status(self) -> dict[str, Any] | None:
+        """GET /agentkv/v1/status (None if the routes are absent)."""
+        return await self.control("GET", "/status")
 
     async def close_trajectory(self, used: bool) -> dict[str, Any] | None:
         """Once per trajectory (idempotent): DELETE it on the server when it ``used`` the server,

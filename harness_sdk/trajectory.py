@@ -280,11 +280,11 @@ class Trajectory:
     # --- server state ------------------------------------------------------------------------
     async def server_state(self) -> dict[str, Any] | None:
         """GET the trajectory on the server (None if unknown or the routes are absent)."""
-        return await self._shared.control("GET", f"/trajectories/{self.trajectory_id}")
+        return await self._shared.trajectory_state()
 
     async def server_status(self) -> dict[str, Any] | None:
         """GET /agentkv/v1/status (None if the routes are absent)."""
-        return await self._shared.control("GET", "/status")
+        return await self._shared.server_status()
 
     async def close(self) -> dict[str, Any] | None:
         """Root: DELETE the trajectory (all branches, every tier) and close the HTTP client.
