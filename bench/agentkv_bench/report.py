@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agentkv import stats
 from agentkv.stats import mean, percentile
 from agentkv_bench.drivers import TrajectoryRecord, TurnRecord
 from agentkv_bench.prefetch_report import prefetch_markdown, prefetch_section
@@ -162,14 +163,7 @@ def writebacks(status: dict[str, Any]) -> int | None:
 
 def ratios(a: ConfigSummary, b: ConfigSummary) -> dict[str, float | None]:
     """``a / b`` for each metric in METRICS; None when either side is missing or b is 0."""
-    out: dict[str, float | None] = {}
-    da, db = a.to_dict(), b.to_dict()
-    for key, *_ in METRICS:
-        x, y = da.get(key), db.get(key)
-        out[key] = (
-            x / y if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y else None
-        )
-    return out
+    return stats.ratios(a.to_dict(), b.to_dict(), (key for key, *_ in METRICS))
 
 
 @dataclass

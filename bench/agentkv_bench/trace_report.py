@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agentkv import stats
 from agentkv.stats import mean, percentile
 from agentkv_bench.prefetch_report import prefetch_markdown, prefetch_section
 from agentkv_bench.sampler import Sample
@@ -158,14 +159,7 @@ def summarize(
 
 def ratios(a: TraceSummary, b: TraceSummary) -> dict[str, float | None]:
     """``a / b`` for each metric in METRICS; None when either side is missing or b is 0."""
-    da, db = a.to_dict(), b.to_dict()
-    out: dict[str, float | None] = {}
-    for key, *_ in METRICS:
-        x, y = da.get(key), db.get(key)
-        out[key] = (
-            x / y if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y else None
-        )
-    return out
+    return stats.ratios(a.to_dict(), b.to_dict(), (key for key, *_ in METRICS))
 
 
 # ---------------------------------------------------------------- engine counters
