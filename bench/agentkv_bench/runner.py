@@ -148,19 +148,9 @@ def launch_spec(
     """Identical vLLM settings for every configuration; only the connector (and its
     ``policy_override``) and, for the oracle, the pool size differ."""
     cs = SPECS[BenchConfig(name)]
-    connector = (
-        {
-            "host_capacity_gib": opts.host_capacity_gib,
-            "disk_dir": str(work / f"disk-{name}{suffix}"),
-            **connector_knobs(opts),
-            **cs.connector_settings,
-        }
-        if cs.connector
-        else None
-    )
     return LaunchSpec(
         model=model_dir,
-        connector_config=connector,
+        connector_config=connector_config(opts, name, work / f"disk-{name}{suffix}"),
         kv_space_gib=opts.kv_space_gib,
         num_blocks=opts.oracle_blocks or opts.num_blocks if cs.oracle_pool else opts.num_blocks,
         served_model_name=opts.preset,
@@ -171,13 +161,23 @@ def launch_spec(
     )
 
 
-def connector_knobs(opts: Any) -> dict[str, Any]:
-    """--disk (every offload to the disk tier: a predicted wait of 0 s already goes there) and
-    --prefetch / --no-prefetch, for every agentkv configuration."""
+def connector_config(opts: Any, name: str, disk_dir: Path) -> dict[str, Any] | None:
+    """The connector settings of configuration ``name`` (None: vanilla vLLM, no connector):
+    the host tier, a disk directory of its own, --disk (every offload to the disk tier: a
+    predicted wait of 0 s already goes there), --prefetch / --no-prefetch, and the
+    configuration's own settings (a fixed ``policy_override``) last."""
+    cs = SPECS[BenchConfig(name)]
+    if not cs.connector:
+        return None
     knobs: dict[str, Any] = {"device_prefetch": bool(getattr(opts, "prefetch", True))}
     if getattr(opts, "disk", False):
         knobs["disk_after_s"] = 0.0
-    return knobs
+    return {
+        "host_capacity_gib": opts.host_capacity_gib,
+        "disk_dir": str(disk_dir),
+        **knobs,
+        **cs.connector_settings,
+    }
 
 
 def _warm_up(server: RunningServer) -> None:

@@ -38,7 +38,7 @@ from agentkv.traces import TraceWorkload, load_trace
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.progress import ProgressFn, reporter
 from agentkv_bench.report import writebacks
-from agentkv_bench.runner import BLOCK_TOKENS, connector_knobs, counting, machine_info
+from agentkv_bench.runner import BLOCK_TOKENS, connector_config, counting, machine_info
 from agentkv_bench.sampler import Sampler
 from agentkv_bench.trace_prompts import RoundPrompt, build_prompts, oracle_blocks
 from agentkv_bench.trace_replay import MODES, TIMEOUT, RoundRecord, SessionRecord, replay
@@ -133,19 +133,9 @@ def _spec(
     """Identical vLLM settings; agentkv (and the fixed-action configurations) add the connector
     (with their ``policy_override``), the oracle more blocks."""
     cs = SPECS[BenchConfig(name)]
-    connector = (
-        {
-            "host_capacity_gib": opts.host_capacity_gib,
-            "disk_dir": str(work / f"disk-{name}"),
-            **connector_knobs(opts),
-            **cs.connector_settings,
-        }
-        if cs.connector
-        else None
-    )
     return LaunchSpec(
         model=model_dir,
-        connector_config=connector,
+        connector_config=connector_config(opts, name, work / f"disk-{name}"),
         kv_space_gib=sizing.kv_space_gib,
         num_blocks=sizing.oracle_blocks if cs.oracle_pool else sizing.num_blocks,
         served_model_name=opts.preset,

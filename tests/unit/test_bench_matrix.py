@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agentkv_bench.matrix import (
@@ -78,3 +80,24 @@ def test_cells_run_each_pool_then_the_oracle_once() -> None:
         Cell(BenchConfig.ORACLE, None),
     ]
     assert [c.label for c in got][-2:] == ["agentkv@24", "oracle"]
+
+
+def test_connector_config_of_each_configuration(tmp_path: Path) -> None:
+    """One definition for the agents bench and the trace replay: vanilla and the oracle run
+    without the connector; agentkv's knobs go to every agentkv configuration, and a fixed
+    configuration's own override comes last."""
+    from agentkv_bench.runner import BenchOptions, connector_config
+
+    opts = BenchOptions(host_capacity_gib=3.0, disk=True, prefetch=False)
+    assert connector_config(opts, "vanilla", tmp_path / "d") is None
+    assert connector_config(opts, "oracle", tmp_path / "d") is None
+    agentkv = connector_config(opts, "agentkv", tmp_path / "d")
+    assert agentkv == {
+        "host_capacity_gib": 3.0,
+        "disk_dir": str(tmp_path / "d"),
+        "device_prefetch": False,
+        "disk_after_s": 0.0,
+    }
+    fixed = connector_config(BenchOptions(), "retain-always", tmp_path / "r")
+    assert fixed is not None and fixed["policy_override"] == "retain"
+    assert fixed["device_prefetch"] is True and "disk_after_s" not in fixed
