@@ -64,6 +64,7 @@ class SimulateArgs:
     max_replicas: int
     compare_with: Path | None
     admission: str
+    writeback: str
     device_prefetch: bool
     full: bool
     plot: Path | None
@@ -99,6 +100,7 @@ def simulate_cmd(
     max_replicas: opts.MaxReplicas = 64,
     compare_with: opts.CompareWith = None,
     admission: opts.Admission = "whole",
+    writeback: opts.WritebackMode = "forecast",
     device_prefetch: opts.DevicePrefetch = False,
     full: opts.Full = False,
     plot: opts.Plot = None,
@@ -133,10 +135,13 @@ def _check(a: SimulateArgs) -> tuple[list[str], list[str]]:
     from agentkv.simulate.admission import Admission
     from agentkv.simulate.policies import POLICIES
     from agentkv.simulate.routers import ROUTERS
+    from agentkv.simulate.writeback import Writeback
 
     routers = _split(a.router, ROUTERS, "router")
     if a.admission not in {x.value for x in Admission}:
         fail(f"unknown --admission {a.admission!r}; choose from: whole, chunk")
+    if a.writeback not in {x.value for x in Writeback}:
+        fail(f"unknown --writeback {a.writeback!r}; choose from: forecast, eager")
     policies = _split(a.policy, POLICIES, "policy")
     if a.find and (a.rate is None or a.slo_ttft_p99 is None):
         fail("--find-replicas needs --rate and --slo-ttft-p99")
@@ -189,6 +194,7 @@ def _simulate(a: SimulateArgs) -> None:
     from agentkv.simulate.admission import Admission
     from agentkv.simulate.fleet import FleetConfig
     from agentkv.simulate.load import offered_load
+    from agentkv.simulate.writeback import Writeback
 
     routers, policies = _check(a)
     costs, num_blocks, workload = _inputs(a)
@@ -203,6 +209,7 @@ def _simulate(a: SimulateArgs) -> None:
         retain_ttl_s=a.retain_ttl_s,
         costs=costs,
         admission=Admission(a.admission),
+        writeback=Writeback(a.writeback),
         device_prefetch=a.device_prefetch,
     )
     combos = [(r, p) for r in routers for p in policies]

@@ -182,6 +182,15 @@ Admission = Annotated[
         "preempt the newest request by recompute when a running one needs a block).",
     ),
 ]
+WritebackMode = Annotated[
+    str,
+    typer.Option(
+        "--writeback",
+        help="forecast (the connector's default): agentkv's offload_host copies wait in vLLM's "
+        "cache until the pool forecasts their eviction; eager: copy at the pause (the connector "
+        "before issue 26, what the README's bench run used).",
+    ),
+]
 DevicePrefetch = Annotated[
     bool,
     typer.Option(

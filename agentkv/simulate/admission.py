@@ -91,6 +91,7 @@ class AdmissionMixin:
         if need > pool.empty:
             pool._evict(need - pool.empty)
         pool.active += need
+        pool.filled += need
         r.alloc.blocks += need
         return True
 

@@ -34,6 +34,7 @@ from agentkv.simulate.replica import GIB, Replica, Request
 from agentkv.simulate.routers import make_router
 from agentkv.simulate.tiers import TierStore
 from agentkv.simulate.workload import SimTrajectory, SimWorkload
+from agentkv.simulate.writeback import Writeback
 from agentkv.tier import Tier
 
 ProgressFn = Callable[[str, int, int], None]
@@ -59,6 +60,9 @@ class FleetConfig:
     """How replicas give blocks to requests (replica.Admission): WHOLE (wait until prompt and
     output fit, never preempt: the model the committed runs validate) or CHUNK (vLLM 0.32's
     scheduler: chunk-wise allocation and recompute preemption; docs/simulate.md compares)."""
+    writeback: Writeback = Writeback.FORECAST
+    """When agentkv's offload_host copies are made (the plugin's ``writeback`` setting, whose
+    default this is): FORECAST waits until the pool forecasts eviction, EAGER copies at once."""
     horizon_s: float | None = None
     """Stop simulating this long after the first arrival (None: run every trajectory to its
     end); turns not finished by then are not in the summary. For unbounded overloads."""
@@ -139,6 +143,7 @@ class _Fleet:
                 cfg.disk_capacity_gib,
                 self.remote,
                 Admission(cfg.admission),
+                Writeback(cfg.writeback),
             )
             for i in range(cfg.replicas)
         ]
@@ -267,7 +272,10 @@ class _Fleet:
             tiers.append(self.remote)
         decisions: dict[str, int] = {}
         prefetch: dict[str, int] = {}
+        writebacks: dict[str, int] = {}
         for r in reps:
+            for k, v in r.writebacks.items():
+                writebacks[k] = writebacks.get(k, 0) + v
             for k, v in r.decisions.items():
                 decisions[k] = decisions.get(k, 0) + v
             for k, v in r.prefetch.items():
@@ -287,6 +295,7 @@ class _Fleet:
             sum(r.preemptions for r in reps),
         )
         summary.prefetch = dict(sorted(prefetch.items()))
+        summary.writebacks = dict(sorted(writebacks.items()))
         return summary
 
 

@@ -62,6 +62,9 @@ class BlockPool:
         self.prefix_cached: dict[str, int] = {}
         self.prefix_refs: dict[str, int] = {}
         self.evicted_blocks = 0
+        self.filled = 0
+        """Blocks ever given new content (taken empty or evicted): the pool's fill count, what
+        vLLM's free-queue head advances by (``agentkv.admission.PoolTrend`` reads it)."""
         self.on_evict = on_evict
         """Called with (trajectory id, blocks left, blocks evicted) when eviction shortens a
         trajectory's private segment."""
@@ -155,6 +158,7 @@ class BlockPool:
         if new_blocks > self.empty:
             evicted = self._evict(new_blocks - self.empty)
         self.active += new_blocks
+        self.filled += new_blocks
         if prefix_blocks:
             self.prefix_refs[group] = self.prefix_refs.get(group, 0) + 1
             self.prefix_cached[group] = max(self.prefix_cached.get(group, 0), prefix_blocks)
@@ -228,6 +232,7 @@ class BlockPool:
             self.lru.move_to_end(key)
             self.cached_free += missing
             self.prefix_cached[group] = prefix_blocks
+        self.filled += n + missing
         self.pinned += n
         self.pins[tid] = n
         self.private[tid] = n

@@ -36,6 +36,7 @@ from agentkv.simulate.pool import Allocation, BlockPool
 from agentkv.simulate.prefetch import PrefetchMixin
 from agentkv.simulate.routers import RouteRequest
 from agentkv.simulate.tiers import TierStore
+from agentkv.simulate.writeback import Writeback, WritebackMixin
 from agentkv.tier import Tier
 
 GIB = 2**30
@@ -127,7 +128,7 @@ class Request:
 _DECODE = 0  # segment kinds (with _HEAD and _FILL)
 
 
-class Replica(AdmissionMixin, PrefetchMixin):
+class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin):
     """One engine with its pool, tiers and policy (see the module docstring)."""
 
     def __init__(
@@ -141,6 +142,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
         disk_capacity_gib: float | None,
         remote: TierStore | None = None,
         admission: Admission = Admission.WHOLE,
+        writeback: Writeback = Writeback.FORECAST,
     ) -> None:
         self.env = env
         self.admission = admission
@@ -196,6 +198,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
         self._interrupted = False
         self.on_finish: Callable[[Request], None] | None = None
         self._prefetch_init()
+        self._writeback_init(writeback)
         self.proc = env.process(self._run())
 
     # -- what routers see ---------------------------------------------------------------------
@@ -246,6 +249,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
             req.done.succeed()
             return
         self._prefetch_on_submit(req.tid, req.group, req.prefix_blocks)
+        self._writeback_cancel(req.tid)
         self.waiting.append(req)
         req.estimate_s = self.costs.prefill_s(req.prompt, 0)
         self.pending_prefill_s += req.estimate_s
@@ -262,6 +266,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
     def _admit(self) -> None:
         pool = self.pool
         running = len(self.prefilling) + len(self.decoding) + self.loading
+        self.head_need = 0
         while self.waiting and running < self.costs.max_num_seqs:
             r = self.waiting[0]
             if r.tid in pool.pins:
@@ -287,6 +292,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
                 blocks = self._first_blocks(r, pre + priv + tier_n)
                 alloc = pool.admit(r.tid, r.group, blocks, r.prefix_blocks, pre, priv, tier_n)
             if alloc is None:
+                self.head_need = blocks
                 break
             self.waiting.popleft()
             running += 1
@@ -420,6 +426,8 @@ class Replica(AdmissionMixin, PrefetchMixin):
             if plan is None and self.waiting and not self._no_admit:
                 self._admit()
                 plan = self._plan()
+            # The manager's tick: this step's fills feed the pool's trend, due write-backs go.
+            self._observe_pool()
             if plan is None:
                 self._wake = env.event()
                 yield self._wake
@@ -468,6 +476,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
             pool.usage(),
             self.host.free_bytes() if self.host is not None else 0.0,
             self.disk.free_bytes() if self.disk is not None else 0.0,
+            self._eviction_forecast(),
         )
         plan = self.policy.on_pause(ctx)
         self.copy_blocks[tid] = blocks
@@ -483,7 +492,9 @@ class Replica(AdmissionMixin, PrefetchMixin):
                 self._at(plan.lease_s, partial(self._lease_end, tid, gen))
                 self._check_high_water()
         elif plan.action == "offload_host" and self.host is not None:
-            if self.host.store(tid, blocks, now) is not None:
+            if plan.deferred:
+                self._defer_writeback(tid)
+            elif self.host.store(tid, blocks, now) is not None:
                 self._arm_device_prefetch(tid, plan, blocks)
                 if self.remote is not None:
                     self.remote.store(tid, blocks, now)
@@ -538,6 +549,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
         """The trajectory ended (agentkv's DELETE): pins go back to the LRU, tier copies go."""
         self.lease_gen[tid] = self.lease_gen.get(tid, 0) + 1
         self._prefetch_close(tid)
+        self._writeback_cancel(tid)
         self.pool.unpin(tid)
         self.returns_at.pop(tid, None)
         self.lease_gen.pop(tid, None)

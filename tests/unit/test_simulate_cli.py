@@ -16,7 +16,17 @@ FIXTURE = Path(__file__).parent / "fixtures/simulate/bench_agents_small_cpu.json
 
 def test_json_has_every_configuration_and_the_comparison() -> None:
     result = runner.invoke(
-        app, ["simulate", "--json", "--compare", str(FIXTURE), "--policy", "vanilla,agentkv"]
+        app,
+        [
+            "simulate",
+            "--json",
+            "--writeback",
+            "eager",  # the fixture's run predates the forecast write-back
+            "--compare",
+            str(FIXTURE),
+            "--policy",
+            "vanilla,agentkv",
+        ],
     )
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
