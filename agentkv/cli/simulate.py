@@ -65,6 +65,8 @@ class SimulateArgs:
     compare_with: Path | None
     admission: str
     writeback: str
+    grace_s: float | None
+    pause_after: str
     device_prefetch: bool
     full: bool
     plot: Path | None
@@ -101,6 +103,8 @@ def simulate_cmd(
     compare_with: opts.CompareWith = None,
     admission: opts.Admission = "whole",
     writeback: opts.WritebackMode = "forecast",
+    grace_s: opts.GraceS = None,
+    pause_after: opts.PauseAfter = "0",
     device_prefetch: opts.DevicePrefetch = False,
     full: opts.Full = False,
     plot: opts.Plot = None,
@@ -142,12 +146,26 @@ def _check(a: SimulateArgs) -> tuple[list[str], list[str]]:
         fail(f"unknown --admission {a.admission!r}; choose from: whole, chunk")
     if a.writeback not in {x.value for x in Writeback}:
         fail(f"unknown --writeback {a.writeback!r}; choose from: forecast, eager")
+    _pause_after(a.pause_after)
     policies = _split(a.policy, POLICIES, "policy")
     if a.find and (a.rate is None or a.slo_ttft_p99 is None):
         fail("--find-replicas needs --rate and --slo-ttft-p99")
     if a.gpu is not None and a.calibration is not None:
         fail("--gpu and --calibration are exclusive")
     return routers, policies
+
+
+def _pause_after(value: str) -> float | None:
+    """--pause-after: seconds >= 0, or 'never' (None)."""
+    if value.strip().lower() == "never":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        fail(f"--pause-after takes seconds >= 0 or 'never', not {value!r}")
+    return seconds
 
 
 def _inputs(a: SimulateArgs) -> tuple[EngineCosts, int, SimWorkload]:
@@ -210,8 +228,11 @@ def _simulate(a: SimulateArgs) -> None:
         costs=costs,
         admission=Admission(a.admission),
         writeback=Writeback(a.writeback),
+        pause_after_s=_pause_after(a.pause_after),
         device_prefetch=a.device_prefetch,
     )
+    if a.grace_s is not None:
+        base = replace(base, grace_s=a.grace_s)
     combos = [(r, p) for r in routers for p in policies]
     console = Console()
     if not console.is_terminal:

@@ -191,6 +191,25 @@ WritebackMode = Annotated[
         "before issue 26, what the README's bench run used).",
     ),
 ]
+GraceS = Annotated[
+    float | None,
+    typer.Option(
+        "--grace-s",
+        min=0.0,
+        help="The connector's grace_s (default: the connector's default, 0.5 s): a finished "
+        "turn's blocks stay pinned this long waiting for the harness's pause (agentkv, "
+        "retain-always, offload-always).",
+    ),
+]
+PauseAfter = Annotated[
+    str,
+    typer.Option(
+        "--pause-after",
+        help="When the harness's pause arrives after a turn's answer, in seconds (0: at once, "
+        "as the bench and trace harnesses do), or 'never' (a harness without agentkv's SDK: "
+        "each turn's blocks get the connector's default action when the grace ends).",
+    ),
+]
 DevicePrefetch = Annotated[
     bool,
     typer.Option(

@@ -25,6 +25,7 @@ from typing import Any
 
 import simpy
 
+from agentkv.manager import ManagerConfig
 from agentkv.simulate.admission import Admission
 from agentkv.simulate.costs import BENCH_SMALL_CPU, EngineCosts
 from agentkv.simulate.load import OfferedLoad
@@ -63,6 +64,13 @@ class FleetConfig:
     writeback: Writeback = Writeback.FORECAST
     """When agentkv's offload_host copies are made (the plugin's ``writeback`` setting, whose
     default this is): FORECAST waits until the pool forecasts eviction, EAGER copies at once."""
+    grace_s: float = ManagerConfig.grace_s
+    """The connector's grace period: a finished turn's blocks stay pinned this long waiting for
+    the harness's pause (policies run by the plugin: agentkv, retain-always, offload-always)."""
+    pause_after_s: float | None = 0.0
+    """When the harness's pause arrives after a turn's answer: 0 (the bench and trace
+    harnesses: at once; the grace then changes nothing), a delay, or None (a harness that never
+    pauses: every turn's blocks get the connector's default action when the grace ends)."""
     horizon_s: float | None = None
     """Stop simulating this long after the first arrival (None: run every trajectory to its
     end); turns not finished by then are not in the summary. For unbounded overloads."""
@@ -72,6 +80,8 @@ class FleetConfig:
             raise ValueError("replicas and num_blocks must be >= 1")
         if self.sample_interval_s <= 0:
             raise ValueError("sample_interval_s must be positive")
+        if self.grace_s < 0 or (self.pause_after_s is not None and self.pause_after_s < 0):
+            raise ValueError("grace_s and pause_after_s must be >= 0")
         if self.horizon_s is not None and not self.horizon_s > 0:
             raise ValueError("horizon_s must be positive")
 
@@ -144,6 +154,7 @@ class _Fleet:
                 self.remote,
                 Admission(cfg.admission),
                 Writeback(cfg.writeback),
+                cfg.grace_s,
             )
             for i in range(cfg.replicas)
         ]
@@ -217,8 +228,13 @@ class _Fleet:
                 self.on_progress("simulating turns", self.done_turns, self.total_turns)
             if k + 1 < n:
                 nxt = t.turns[k + 1]
-                replica.pause(
-                    t.trajectory_id, nxt.tool, nxt.expected_wait_s, cacheable, cacheable // bt
+                replica.finish_turn(
+                    t.trajectory_id,
+                    nxt.tool,
+                    nxt.expected_wait_s,
+                    cacheable,
+                    cacheable // bt,
+                    self.cfg.pause_after_s,
                 )
             last = replica
             prev_cacheable = cacheable

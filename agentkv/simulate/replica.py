@@ -31,6 +31,7 @@ import simpy
 
 from agentkv.simulate.admission import _FILL, _HEAD, Admission, AdmissionMixin
 from agentkv.simulate.costs import EngineCosts
+from agentkv.simulate.grace import GraceMixin
 from agentkv.simulate.policies import KVPolicy, PauseContext, PausePlan
 from agentkv.simulate.pool import Allocation, BlockPool
 from agentkv.simulate.prefetch import PrefetchMixin
@@ -128,7 +129,7 @@ class Request:
 _DECODE = 0  # segment kinds (with _HEAD and _FILL)
 
 
-class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin):
+class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin):
     """One engine with its pool, tiers and policy (see the module docstring)."""
 
     def __init__(
@@ -143,6 +144,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin):
         remote: TierStore | None = None,
         admission: Admission = Admission.WHOLE,
         writeback: Writeback = Writeback.FORECAST,
+        grace_s: float = 0.0,
     ) -> None:
         self.env = env
         self.admission = admission
@@ -199,6 +201,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin):
         self.on_finish: Callable[[Request], None] | None = None
         self._prefetch_init()
         self._writeback_init(writeback)
+        self._grace_init(grace_s)
         self.proc = env.process(self._run())
 
     # -- what routers see ---------------------------------------------------------------------
@@ -250,6 +253,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin):
             return
         self._prefetch_on_submit(req.tid, req.group, req.prefix_blocks)
         self._writeback_cancel(req.tid)
+        self._grace_forget(req.tid)
         self.waiting.append(req)
         req.estimate_s = self.costs.prefill_s(req.prompt, 0)
         self.pending_prefill_s += req.estimate_s
@@ -527,6 +531,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin):
         self._prefetch_on_demote(tid)
         blocks = self.copy_blocks.get(tid, self.pool.private.get(tid, 0))
         self.pool.unpin(tid)
+        self._held.pop(tid, None)  # a grace pin given up: its pause still applies when it comes
         self.returns_at.pop(tid, None)
         self.demotions += 1
         if self.policy.expiry_action == "offload_host" and self.host is not None:
@@ -539,7 +544,9 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin):
 
     def _check_high_water(self) -> None:
         hw = self.policy.high_water
-        if hw is None or not self.pool.pins:
+        # Over high water the manager demotes retained branches; grace pins (HELD) end early
+        # only for a queue short of blocks (the admission's demotions).
+        if hw is None or len(self.pool.pins) <= len(self._held):
             return
         excess = self.pool.used - hw * self.pool.capacity
         if excess > 0:
@@ -550,6 +557,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin):
         self.lease_gen[tid] = self.lease_gen.get(tid, 0) + 1
         self._prefetch_close(tid)
         self._writeback_cancel(tid)
+        self._grace_forget(tid)
         self.pool.unpin(tid)
         self.returns_at.pop(tid, None)
         self.lease_gen.pop(tid, None)
