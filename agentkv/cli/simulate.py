@@ -39,6 +39,8 @@ class SimulateArgs:
 
     trajectories: int | None
     turns: int | None
+    fork_prob: float | None
+    fork_width: int | None
     trace: Path | None
     sessions: int | None
     time_scale: float | None
@@ -77,6 +79,8 @@ def simulate_cmd(
     ctx: typer.Context,
     trajectories: opts.Trajectories = None,
     turns: opts.Turns = None,
+    fork_prob: opts.ForkProb = None,
+    fork_width: opts.ForkWidth = None,
     trace: opts.Trace = None,
     sessions: opts.Sessions = None,
     time_scale: opts.TimeScale = None,
@@ -148,6 +152,8 @@ def _check(a: SimulateArgs) -> tuple[list[str], list[str]]:
         fail(f"unknown --writeback {a.writeback!r}; choose from: forecast, eager")
     _pause_after(a.pause_after)
     policies = _split(a.policy, POLICIES, "policy")
+    if a.trace is not None and (a.fork_prob is not None or a.fork_width is not None):
+        fail("--fork-prob and --fork-width shape the bench workload; traces carry no forks")
     if a.find and (a.rate is None or a.slo_ttft_p99 is None):
         fail("--find-replicas needs --rate and --slo-ttft-p99")
     if a.gpu is not None and a.calibration is not None:
@@ -192,7 +198,14 @@ def _inputs(a: SimulateArgs) -> tuple[EngineCosts, int, SimWorkload]:
         if num_blocks is None:
             num_blocks = 128
         workload = build_workload(
-            a.trace, a.sessions or a.trajectories, a.turns, a.time_scale, a.token_scale, a.seed
+            a.trace,
+            a.sessions or a.trajectories,
+            a.turns,
+            a.time_scale,
+            a.token_scale,
+            a.seed,
+            a.fork_prob,
+            a.fork_width,
         )
     except (AgentKVError, ValueError) as exc:
         fail(str(exc))

@@ -23,6 +23,20 @@ Turns = Annotated[
         "--turns", "-t", min=1, help="Turns per trajectory of the bench workload (default 5)."
     ),
 ]
+ForkProb = Annotated[
+    float | None,
+    typer.Option(
+        "--fork-prob",
+        min=0.0,
+        max=1.0,
+        help="Bench workload: chance that a turn after the first forks into --fork-width "
+        "branches sharing the trajectory's history (as `bench agents --fork-prob`; default 0).",
+    ),
+]
+ForkWidth = Annotated[
+    int | None,
+    typer.Option("--fork-width", min=2, help="Branches of a fork (default 2)."),
+]
 Trace = Annotated[
     Path | None,
     typer.Option(

@@ -187,45 +187,22 @@ class _Fleet:
                 self.paused -= 1
                 if last is not None:
                     last.policy.on_resume(turn.tool, turn.wait_before_s)
-            prompt = turn.prompt_tokens
-            cacheable = prompt + (turn.output_tokens if t.output_in_cache else 0)
-            req = Request(
-                t.trajectory_id,
-                t.prefix_group,
-                prompt,
-                turn.output_tokens,
-                min(t.shared_prefix_tokens, prompt),
-                min(turn.context_tokens, prev_cacheable),
-                cacheable,
-                bt,
-                env.now,
-                env.event(),
-            )
+            reqs = self._requests(t, k, prev_cacheable)
+            first = reqs[0]
+            cacheable = first.cacheable_tokens
             self.first_sent = min(self.first_sent, env.now)
             if overhead > 0:
                 yield env.timeout(overhead)
-            idx = self.router.choose(req.route_view(), self.replicas)
+            idx = self.router.choose(first.route_view(), self.replicas)
             replica = self.replicas[idx]
             used.add(idx)
-            replica.submit(req)
-            yield req.done
-            if req.rejected:
-                self.rec.rejected += 1
+            for req in reqs:  # a fork's branches go where their shared history is
+                replica.submit(req)
+            yield first.done if len(reqs) == 1 else simpy.AllOf(env, [r.done for r in reqs])
+            if any(r.rejected for r in reqs):
+                self.rec.rejected += sum(r.rejected for r in reqs)
                 break
-            self.rec.turn(
-                k + 1,
-                k > 0,
-                req.first_token_at - req.sent_at,
-                req.finished_at - req.sent_at,
-                prompt,
-                req.cached_tokens,
-                req.tier_hit_tokens,
-                turn.output_tokens,
-            )
-            self.last_done = max(self.last_done, env.now)
-            self.done_turns += 1
-            if self.on_progress is not None and self.done_turns % self.progress_every == 0:
-                self.on_progress("simulating turns", self.done_turns, self.total_turns)
+            self._record(k, turn.output_tokens, reqs)
             if k + 1 < n:
                 nxt = t.turns[k + 1]
                 replica.finish_turn(
@@ -244,6 +221,49 @@ class _Fleet:
         self.done_trajs += 1
         if self.done_trajs == len(self.workload.trajectories):
             self.all_done.succeed()
+
+    def _requests(self, t: SimTrajectory, k: int, prev_cacheable: int) -> list[Request]:
+        """Turn ``k``'s requests: one, or one per branch of a fork (the first continues the
+        trajectory; the others, ids ``<trajectory>/fork<k>.<b>``, share its history)."""
+        turn = t.turns[k]
+        out: list[Request] = []
+        for b in range(turn.requests):
+            prompt = turn.branch_prompt(b)
+            req = Request(
+                t.trajectory_id if b == 0 else f"{t.trajectory_id}/fork{k}.{b}",
+                t.prefix_group,
+                prompt,
+                turn.output_tokens,
+                min(t.shared_prefix_tokens, prompt),
+                min(turn.context_tokens, prev_cacheable),
+                prompt + (turn.output_tokens if t.output_in_cache else 0),
+                self.cfg.costs.block_tokens,
+                self.env.now,
+                self.env.event(),
+            )
+            if b:
+                req.parent = t.trajectory_id
+            out.append(req)
+        return out
+
+    def _record(self, k: int, output: int, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.rec.turn(
+                k + 1,
+                k > 0,
+                req.first_token_at - req.sent_at,
+                req.finished_at - req.sent_at,
+                req.prompt,
+                req.cached_tokens,
+                req.tier_hit_tokens,
+                output,
+            )
+        self.last_done = max(self.last_done, self.env.now)
+        before = self.done_turns
+        self.done_turns += len(reqs)
+        every = self.progress_every
+        if self.on_progress is not None and self.done_turns // every != before // every:
+            self.on_progress("simulating turns", self.done_turns, self.total_turns)
 
     def _arrivals(self) -> Generator[simpy.Event, Any, None]:
         env = self.env

@@ -40,6 +40,9 @@ class Allocation:
     private_hit: int
     prefix_hit: int
     evicted: int
+    borrowed: int = 0
+    """Private hits on blocks another trajectory holds (a fork's branch on its parent's
+    history): used in place, neither taken nor freed by this request."""
 
 
 class BlockPool:
@@ -152,8 +155,10 @@ class BlockPool:
         if pre_in_lru:
             self._take_from_lru(PREFIX + group)
         self.private.pop(tid, None)
-        # Prefix blocks held by other running requests are shared, not counted twice.
-        self.active += private_hit + pre_in_lru
+        # Prefix blocks held by other running requests are shared, not counted twice; so are
+        # private hits on another trajectory's blocks (a fork's branch: ``borrowed``).
+        borrowed = max(0, private_hit - own_lru)
+        self.active += private_hit - borrowed + pre_in_lru
         evicted = 0
         if new_blocks > self.empty:
             evicted = self._evict(new_blocks - self.empty)
@@ -162,7 +167,9 @@ class BlockPool:
         if prefix_blocks:
             self.prefix_refs[group] = self.prefix_refs.get(group, 0) + 1
             self.prefix_cached[group] = max(self.prefix_cached.get(group, 0), prefix_blocks)
-        return Allocation(total_blocks, prefix_blocks, private_hit + extra_hit, prefix_hit, evicted)
+        return Allocation(
+            total_blocks, prefix_blocks, private_hit + extra_hit, prefix_hit, evicted, borrowed
+        )
 
     def release(
         self,
@@ -175,8 +182,8 @@ class BlockPool:
         """A request ended: its ``cached_private`` full, reusable private blocks stay cached
         (pinned when ``pin``), every other block it held becomes empty; the shared prefix goes
         to the LRU when no running request uses it any more."""
-        held_private = alloc.blocks - alloc.prefix_blocks
-        keep = max(0, min(cached_private, held_private))
+        held_private = alloc.blocks - alloc.prefix_blocks - alloc.borrowed
+        keep = max(0, min(cached_private - alloc.borrowed, held_private))
         self.active -= held_private
         if keep:
             if pin:

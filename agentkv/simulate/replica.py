@@ -31,6 +31,7 @@ import simpy
 
 from agentkv.simulate.admission import _FILL, _HEAD, Admission, AdmissionMixin
 from agentkv.simulate.costs import EngineCosts
+from agentkv.simulate.forks import ForkMixin
 from agentkv.simulate.grace import GraceMixin
 from agentkv.simulate.policies import KVPolicy, PauseContext, PausePlan
 from agentkv.simulate.pool import Allocation, BlockPool
@@ -60,6 +61,7 @@ class Request:
         "first_token_at",
         "group",
         "output",
+        "parent",
         "preempted",
         "prefix_blocks",
         "prompt",
@@ -115,6 +117,8 @@ class Request:
         self.preempted = 0
         self.seq = 0
         """Admission order (vLLM preempts the most recently scheduled request first)."""
+        self.parent: str | None = None
+        """A fork's other branch: the trajectory whose history it shares (``tid`` is its own)."""
 
     def route_view(self) -> RouteRequest:
         return RouteRequest(
@@ -129,7 +133,7 @@ class Request:
 _DECODE = 0  # segment kinds (with _HEAD and _FILL)
 
 
-class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin):
+class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMixin):
     """One engine with its pool, tiers and policy (see the module docstring)."""
 
     def __init__(
@@ -201,6 +205,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin):
         self.on_finish: Callable[[Request], None] | None = None
         self._prefetch_init()
         self._writeback_init(writeback)
+        self._fork_init()
         self._grace_init(grace_s)
         self.proc = env.process(self._run())
 
@@ -219,6 +224,9 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin):
     ) -> tuple[int, int, TierStore | None, int]:
         """(prefix hit, private hit, tier, tier blocks) for a prompt, blocks capped at ``cap``."""
         reusable = min(reusable_tokens // self.bt, cap)
+        parent = self.fork_parent.get(tid)
+        if parent is not None:
+            return self._fork_hits(parent, group, prefix_blocks, reusable)
         pre, priv = self.pool.device_hit(
             tid, group, min(prefix_blocks, reusable), max(0, reusable - prefix_blocks)
         )
@@ -251,6 +259,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin):
             req.finished_at = req.first_token_at = self.env.now
             req.done.succeed()
             return
+        self._fork_submit(req)
         self._prefetch_on_submit(req.tid, req.group, req.prefix_blocks)
         self._writeback_cancel(req.tid)
         self._grace_forget(req.tid)
@@ -303,6 +312,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin):
             self.admitted += 1
             r.seq = self.admitted
             r.alloc = alloc
+            self._fork_admitted(r)
             hit = (pre + priv) * self.bt
             r.computed = hit + tier_n * self.bt
             if not r.preempted:
@@ -459,6 +469,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin):
     def _finish(self, r: Request, now: float) -> None:
         r.finished_at = now
         assert r.alloc is not None
+        self._fork_finished(r)
         keep = r.cacheable_tokens // self.bt - r.prefix_blocks
         self.pool.release(r.tid, r.group, r.alloc, keep)
         if self.on_finish is not None:

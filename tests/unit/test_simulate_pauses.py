@@ -142,3 +142,49 @@ def test_a_blocked_queue_ends_a_grace_early_but_high_water_alone_does_not() -> N
     short = _held_then(11000)
     assert short.decisions == {} and short.demotions == 1
     assert short.tier_bytes_written == _A_BLOCKS * BB and short.tier_hit_tokens == 6 * BT
+
+
+# -- forks ---------------------------------------------------------------------------------------
+
+
+def _forked(num_blocks: int) -> Summary:
+    """Turn 1 caches 15 blocks (2,016 tokens); turn 2 forks into two branches with 200 and 300
+    tokens of their own after the turn's 100 (prompts 2,316 and 2,416: 19 blocks each with
+    their 16-token answers); turn 3 continues the first branch (2,332 + 50 tokens)."""
+    turns = (
+        SimTurn(0, 2000, 16),
+        SimTurn(2016, 100, 16, 1.0, "t", 1.0, branches=(200, 300)),
+        SimTurn(2316 + 16, 50, 16, 1.0, "t", 1.0),
+    )
+    wl = SimWorkload((SimTrajectory("a", 0.0, turns),))
+    return simulate(wl, FleetConfig(policy="vanilla", num_blocks=num_blocks)).summary
+
+
+def test_a_forks_branches_share_the_history_blocks_and_the_first_continues() -> None:
+    # 24 usable blocks: the two branches hold 15 shared + 4 + 4 (their own 19 - 15 each), so
+    # both run without evicting anything; without sharing they would need 15 + 4 + 19 = 38.
+    s = _forked(25)
+    assert s.turns == 4 and s.resume_turns == 3 and s.rejected_turns == 0
+    assert s.evicted_blocks == 0
+    # Each branch hits the 15 history blocks; turn 3 hits the first branch's 18 full blocks.
+    assert s.cached_tokens == 15 * BT + 15 * BT + 18 * BT
+    assert s.prompt_tokens == 2000 + 2316 + 2416 + 2382
+
+
+def test_the_bench_adapter_forks_as_the_bench_harness_does() -> None:
+    from agentkv.cli.simulate_workload import bench_workload
+    from agentkv_bench.workload import WorkloadConfig, generate
+
+    cfg = WorkloadConfig(trajectories=2, turns=3, fork_prob=1.0, fork_width=3)
+    wl = bench_workload(cfg, token_scale=1.0)
+    plan = generate(cfg)
+    assert wl.turns == 2 * (1 + 2 * 3)
+    for t, p in zip(wl.trajectories, plan.trajectories, strict=True):
+        for u, pu in zip(t.turns[1:], p.turns[1:], strict=True):
+            half = max(cfg.obs_min_tokens, pu.observation_tokens // 2)
+            assert u.branches == (half,) * 3 and u.input_tokens == pu.observation_tokens
+        # The next turn's context is the first branch's prompt plus the scripted reply.
+        assert t.turns[2].context_tokens == t.turns[1].prompt_tokens + cfg.action_tokens
+    # No forks asked for: the plan is the one without forks (no extra draws).
+    plain = bench_workload(WorkloadConfig(trajectories=2, turns=3), token_scale=1.0)
+    assert all(not u.branches for t in plain.trajectories for u in t.turns)
