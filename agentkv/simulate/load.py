@@ -82,7 +82,9 @@ def trajectory_work(costs: EngineCosts, num_blocks: int, t: SimTrajectory) -> tu
         cached = (max(0, reusable) // bt) * bt
         w, a = _turn(costs, prompt, turn.output_tokens, cached, batch)
         work += w
-        for b in range(1, turn.requests):  # a fork's other branches run alongside, same history
+        for b in range(
+            1, len(turn.branches)
+        ):  # a fork's other branches run alongside, same history
             work += _turn(costs, turn.branch_prompt(b), turn.output_tokens, cached, batch)[0]
         alone += turn.wait_before_s + a
         prev_cacheable = prompt + (turn.output_tokens if t.output_in_cache else 0)

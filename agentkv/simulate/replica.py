@@ -441,7 +441,8 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
                 self._admit()
                 plan = self._plan()
             # The manager's tick: this step's fills feed the pool's trend, due write-backs go.
-            self._observe_pool()
+            if self._wb_on:
+                self._observe_pool()
             if plan is None:
                 self._wake = env.event()
                 yield self._wake

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -77,9 +78,12 @@ class SimWorkload:
     trajectories: tuple[SimTrajectory, ...]
     name: str = "workload"
 
-    @property
+    @cached_property
     def turns(self) -> int:
-        return sum(u.requests for t in self.trajectories for u in t.turns)
+        """Requests of the whole workload (a fork's branches each count)."""
+        trajs = self.trajectories
+        extra = sum(len(u.branches) - 1 for t in trajs for u in t.turns if u.branches)
+        return sum(len(t.turns) for t in trajs) + extra
 
     def with_poisson_arrivals(self, rate_per_s: float, seed: int = 0) -> SimWorkload:
         """The same trajectories started by a Poisson process of ``rate_per_s`` per second
