@@ -8,9 +8,11 @@ Primitives:
   simulate(workload, config, on_progress=None, load=None) -> SimResult  deterministic in its
                     inputs
 
-A trajectory sends turn 1 at its start time; the router picks a replica; the replica runs it;
-when the answer is complete the replica's policy decides what to do during the coming tool
-wait; after the wait the next turn goes out (a closed loop per trajectory, as the bench's
+A trajectory sends turn 1 at its start time; the router picks a replica; the replica runs it
+(a fork turn: one request per branch, all on that replica); when the answer is complete the
+harness's pause reaches the replica (at once, later or never: ``pause_after_s``, within the
+connector's ``grace_s``) and its policy decides what to do during the coming tool wait; after
+the wait the next turn goes out (a closed loop per trajectory, as the bench's
 harness and the trace replay run). At the end the trajectory is closed (agentkv's DELETE).
 Nothing is random inside the simulation: the workload carries every sampled number, so the same
 workload and config give the same result.
@@ -25,9 +27,9 @@ from typing import Any
 
 import simpy
 
-from agentkv.manager import ManagerConfig
 from agentkv.simulate.admission import Admission
 from agentkv.simulate.costs import BENCH_SMALL_CPU, EngineCosts
+from agentkv.simulate.grace import GRACE_S
 from agentkv.simulate.load import OfferedLoad
 from agentkv.simulate.metrics import Recorder, Summary
 from agentkv.simulate.policies import make_policy
@@ -64,7 +66,7 @@ class FleetConfig:
     writeback: Writeback = Writeback.FORECAST
     """When agentkv's offload_host copies are made (the plugin's ``writeback`` setting, whose
     default this is): FORECAST waits until the pool forecasts eviction, EAGER copies at once."""
-    grace_s: float = ManagerConfig.grace_s
+    grace_s: float = GRACE_S
     """The connector's grace period: a finished turn's blocks stay pinned this long waiting for
     the harness's pause (policies run by the plugin: agentkv, retain-always, offload-always)."""
     pause_after_s: float | None = 0.0

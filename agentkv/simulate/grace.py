@@ -37,6 +37,8 @@ from typing import Any
 from agentkv.manager import ManagerConfig
 from agentkv.policy import Action
 
+GRACE_S = ManagerConfig.grace_s
+"""The connector's default grace period (one definition: the manager's)."""
 DEFAULT_ACTION = Action(ManagerConfig.default_action)
 """What a HELD branch gets when no pause came within the grace (the connector's default)."""
 

@@ -2,10 +2,11 @@
 
 Primitives:
   PauseContext        what is known at the pause: tool, declared wait, tokens and bytes held,
-                      pool pressure, free room in the host and disk tiers
+                      pool pressure, free room in the host and disk tiers, the pool's eviction
+                      forecast
   PausePlan           'cache' (leave the blocks to the engine's LRU) | 'retain' (pin, lease) |
                       'offload_host' | 'offload_disk' (write-back copy, then unpin), a lease and a
-                      prefetch time
+                      prefetch time; ``deferred``: the host copy waits for the eviction forecast
   KVPolicy            the strategy interface; one instance per replica
   VanillaPolicy       prefix caching only: every pause is 'cache'
   AgentKVPolicy       agentkv's own decision: ``agentkv.predict.WaitPredictor`` for the wait and

@@ -69,6 +69,8 @@ class BlockPool:
         """Blocks ever given new content (taken empty or evicted): the pool's fill count, what
         vLLM's free-queue head advances by (``agentkv.admission.PoolTrend`` reads it)."""
         self.on_evict = on_evict
+        self.before_evict: Callable[[int], None] | None = None
+        """Called with the number of blocks about to be evicted, before any is."""
         """Called with (trajectory id, blocks left, blocks evicted) when eviction shortens a
         trajectory's private segment."""
 
@@ -102,6 +104,8 @@ class BlockPool:
 
     def _evict(self, need: int) -> int:
         """Free ``need`` blocks from the LRU head (oldest first, each segment from its tail)."""
+        if self.before_evict is not None and need > 0 and self.lru:
+            self.before_evict(need)
         got = 0
         while got < need and self.lru:
             key, n = next(iter(self.lru.items()))

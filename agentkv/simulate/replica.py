@@ -3,7 +3,9 @@
 Primitives:
   Request           one turn inside a replica: prompt, hits, prefill left, decode left, times
   Replica           a SimPy process running the engine in steps; ``submit`` queues a request,
-                    ``pause`` applies a policy's PausePlan, ``close`` forgets a trajectory
+                    ``finish_turn`` ends a turn (the grace period, then ``pause``: grace.py),
+                    ``pause`` applies a policy's PausePlan (an offload_host copy possibly
+                    deferred: writeback.py), ``close`` forgets a trajectory
   Replica.cached_tokens / outstanding / queued_prefill_s   what routers see
 
 The engine follows vLLM's V1 scheduler at step granularity without simulating every step:
@@ -18,6 +20,7 @@ new request into account. Requests are admitted FCFS when their blocks fit (a he
 not fit blocks the queue, as in vLLM); agentkv pins are demoted first when they are in the way.
 Tier hits are loaded before the request's prefill starts (loads queue on the tier's link), or,
 with ``EngineCosts.layerwise_overlap``, while it runs (the first token waits for both).
+A fork's branches share the trajectory's history blocks (forks.py).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import simpy
 from agentkv.simulate.admission import _FILL, _HEAD, Admission, AdmissionMixin
 from agentkv.simulate.costs import EngineCosts
 from agentkv.simulate.forks import ForkMixin
-from agentkv.simulate.grace import GraceMixin
+from agentkv.simulate.grace import GRACE_S, GraceMixin
 from agentkv.simulate.policies import KVPolicy, PauseContext, PausePlan
 from agentkv.simulate.pool import Allocation, BlockPool
 from agentkv.simulate.prefetch import PrefetchMixin
@@ -148,7 +151,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
         remote: TierStore | None = None,
         admission: Admission = Admission.WHOLE,
         writeback: Writeback = Writeback.FORECAST,
-        grace_s: float = 0.0,
+        grace_s: float = GRACE_S,
     ) -> None:
         self.env = env
         self.admission = admission

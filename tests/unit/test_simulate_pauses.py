@@ -42,22 +42,46 @@ def test_a_forecast_write_back_is_never_made_when_the_pool_keeps_the_blocks() ->
     assert eager.cached_tokens == forecast.cached_tokens == _A_BLOCKS * BT
 
 
-def test_a_burst_evicts_part_of_a_deferred_copy_before_it_is_made() -> None:
+def test_a_burst_gets_the_copy_in_time_when_the_forecast_counted_right() -> None:
     """At t=20 s an 11,000-token prompt (86 blocks) arrives while a's 15 blocks wait in the LRU
-    of a 95-block pool: 80 are empty, so 6 of a's (its tail) are evicted at admission, faster
-    than the trend forecast. The forecast then copies the 9 that survive; a's resume hits those
-    9 on the device and recomputes 6. Eager had copied all 15: the 6 come back from host."""
+    of a 95-block pool behind 80 empty ones (a's forecast: evicted after 80 more blocks are
+    written). vLLM writes it 16 blocks (a 2,048-token chunk) per step; the manager's tick
+    before the sixth chunk finds the eviction due and copies all 15 before any is overwritten:
+    6 of them are then evicted and come back from host, as with eager."""
     wl = SimWorkload(
         (SimTrajectory("a", 0.0, _A), SimTrajectory("b", 20.0, (SimTurn(0, 11000, 8),)))
     )
     eager = _run(wl, Writeback.EAGER)
     forecast = _run(wl, Writeback.FORECAST)
-    assert forecast.writebacks == {"deferred": 1, "copied": 1, "lost_blocks": 6}
-    assert forecast.tier_bytes_written == 9 * BB
-    assert eager.tier_bytes_written == 15 * BB
-    assert eager.tier_hit_tokens == 6 * BT and forecast.tier_hit_tokens == 0
-    assert eager.cached_tokens == 15 * BT and forecast.cached_tokens == 9 * BT
-    assert forecast.resume_recomputed_tokens - eager.resume_recomputed_tokens == 6 * BT
+    assert forecast.writebacks == {"deferred": 1, "copied": 1}
+    assert forecast.tier_bytes_written == eager.tier_bytes_written == 15 * BB
+    assert eager.tier_hit_tokens == forecast.tier_hit_tokens == 6 * BT
+    assert eager.cached_tokens == forecast.cached_tokens == 15 * BT
+
+
+def test_a_forecast_that_counted_reused_blocks_is_late_and_loses_the_rest() -> None:
+    """c (7 cached blocks) pauses before a, so a's forecast counts c's blocks ahead of it: 80
+    blocks (73 empty + 7). c's resume takes them (a hit writes nothing) and frees its 8 behind
+    a; 2 fresh blocks were written. When b's 86 blocks come, 72 empty blocks are really ahead
+    of a, the forecast still says 78: the tick before the sixth chunk (80 written) is the
+    first to find it due, after 8 of a's 15 blocks were overwritten. 7 are copied, 8 lost;
+    b evicts 14 of a's, so a's resume finds 1 on the device and 6 on host (eager: 14)."""
+    c = (SimTurn(0, 1000, 16), SimTurn(1016, 100, 16, 6.0, "t", 6.0))
+    wl = SimWorkload(
+        (
+            SimTrajectory("c", 0.0, c),
+            SimTrajectory("a", 1.0, _A),
+            SimTrajectory("b", 20.0, (SimTurn(0, 11000, 8),)),
+        )
+    )
+    eager = _run(wl, Writeback.EAGER)
+    forecast = _run(wl, Writeback.FORECAST)
+    assert forecast.writebacks == {"deferred": 2, "copied": 1, "lost_blocks": 8}
+    assert eager.tier_bytes_written == (7 + 15) * BB  # c and a, at their pauses
+    assert forecast.tier_bytes_written == 7 * BB  # c's copy never needed: it resumed first
+    assert eager.tier_hit_tokens == 14 * BT and forecast.tier_hit_tokens == 6 * BT
+    # c's resume hits its 7 blocks in both; a's: 1 + 14 (eager), 1 + 6 (forecast).
+    assert eager.cached_tokens == (7 + 15) * BT and forecast.cached_tokens == (7 + 7) * BT
 
 
 def test_the_default_is_the_connectors_forecast() -> None:
