@@ -264,7 +264,6 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
             return
         self._fork_submit(req)
         self._prefetch_on_submit(req.tid, req.group, req.prefix_blocks)
-        self._writeback_cancel(req.tid)
         self._grace_forget(req.tid)
         self.waiting.append(req)
         req.estimate_s = self.costs.prefill_s(req.prompt, 0)
@@ -316,6 +315,8 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
             r.seq = self.admitted
             r.alloc = alloc
             self._fork_admitted(r)
+            # Scheduled: the manager sees the resume now (a deferred copy was due until then).
+            self._writeback_cancel(r.tid)
             hit = (pre + priv) * self.bt
             r.computed = hit + tier_n * self.bt
             if not r.preempted:

@@ -12,7 +12,8 @@ Primitives:
                                  (0 in EAGER mode: every copy is made at once)
     _defer_writeback(tid, n)     an offload_host decision with ``writeback_deferred``: the
                                  blocks stay in vLLM's cache (the LRU), no copy yet
-    _writeback_cancel(tid)       the trajectory's next turn (or its end) came first
+    _writeback_cancel(tid)       the trajectory's next turn was scheduled (or it ended) first:
+                                 while that turn waits in the queue the copy can still be due
     _before_evict(need)          the pool is about to evict ``need`` blocks at once: replay the
                                  manager's per-step ticks over the steps vLLM takes to write
                                  them, for each deferred trajectory they reach
