@@ -39,6 +39,8 @@ class SimulateArgs:
 
     trajectories: int | None
     turns: int | None
+    fork_prob: float | None
+    fork_width: int | None
     trace: Path | None
     sessions: int | None
     time_scale: float | None
@@ -64,6 +66,9 @@ class SimulateArgs:
     max_replicas: int
     compare_with: Path | None
     admission: str
+    writeback: str
+    grace_s: float | None
+    pause_after: str
     device_prefetch: bool
     full: bool
     plot: Path | None
@@ -74,6 +79,8 @@ def simulate_cmd(
     ctx: typer.Context,
     trajectories: opts.Trajectories = None,
     turns: opts.Turns = None,
+    fork_prob: opts.ForkProb = None,
+    fork_width: opts.ForkWidth = None,
     trace: opts.Trace = None,
     sessions: opts.Sessions = None,
     time_scale: opts.TimeScale = None,
@@ -99,6 +106,9 @@ def simulate_cmd(
     max_replicas: opts.MaxReplicas = 64,
     compare_with: opts.CompareWith = None,
     admission: opts.Admission = "whole",
+    writeback: opts.WritebackMode = "forecast",
+    grace_s: opts.GraceS = None,
+    pause_after: opts.PauseAfter = "0",
     device_prefetch: opts.DevicePrefetch = False,
     full: opts.Full = False,
     plot: opts.Plot = None,
@@ -133,16 +143,35 @@ def _check(a: SimulateArgs) -> tuple[list[str], list[str]]:
     from agentkv.simulate.admission import Admission
     from agentkv.simulate.policies import POLICIES
     from agentkv.simulate.routers import ROUTERS
+    from agentkv.simulate.writeback import Writeback
 
     routers = _split(a.router, ROUTERS, "router")
     if a.admission not in {x.value for x in Admission}:
         fail(f"unknown --admission {a.admission!r}; choose from: whole, chunk")
+    if a.writeback not in {x.value for x in Writeback}:
+        fail(f"unknown --writeback {a.writeback!r}; choose from: forecast, eager")
+    _pause_after(a.pause_after)
     policies = _split(a.policy, POLICIES, "policy")
+    if a.trace is not None and (a.fork_prob is not None or a.fork_width is not None):
+        fail("--fork-prob and --fork-width shape the bench workload; traces carry no forks")
     if a.find and (a.rate is None or a.slo_ttft_p99 is None):
         fail("--find-replicas needs --rate and --slo-ttft-p99")
     if a.gpu is not None and a.calibration is not None:
         fail("--gpu and --calibration are exclusive")
     return routers, policies
+
+
+def _pause_after(value: str) -> float | None:
+    """--pause-after: seconds >= 0, or 'never' (None)."""
+    if value.strip().lower() == "never":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        fail(f"--pause-after takes seconds >= 0 or 'never', not {value!r}")
+    return seconds
 
 
 def _inputs(a: SimulateArgs) -> tuple[EngineCosts, int, SimWorkload]:
@@ -169,7 +198,14 @@ def _inputs(a: SimulateArgs) -> tuple[EngineCosts, int, SimWorkload]:
         if num_blocks is None:
             num_blocks = 128
         workload = build_workload(
-            a.trace, a.sessions or a.trajectories, a.turns, a.time_scale, a.token_scale, a.seed
+            a.trace,
+            a.sessions or a.trajectories,
+            a.turns,
+            a.time_scale,
+            a.token_scale,
+            a.seed,
+            a.fork_prob,
+            a.fork_width,
         )
     except (AgentKVError, ValueError) as exc:
         fail(str(exc))
@@ -189,6 +225,7 @@ def _simulate(a: SimulateArgs) -> None:
     from agentkv.simulate.admission import Admission
     from agentkv.simulate.fleet import FleetConfig
     from agentkv.simulate.load import offered_load
+    from agentkv.simulate.writeback import Writeback
 
     routers, policies = _check(a)
     costs, num_blocks, workload = _inputs(a)
@@ -203,8 +240,12 @@ def _simulate(a: SimulateArgs) -> None:
         retain_ttl_s=a.retain_ttl_s,
         costs=costs,
         admission=Admission(a.admission),
+        writeback=Writeback(a.writeback),
+        pause_after_s=_pause_after(a.pause_after),
         device_prefetch=a.device_prefetch,
     )
+    if a.grace_s is not None:
+        base = replace(base, grace_s=a.grace_s)
     combos = [(r, p) for r in routers for p in policies]
     console = Console()
     if not console.is_terminal:

@@ -23,6 +23,20 @@ Turns = Annotated[
         "--turns", "-t", min=1, help="Turns per trajectory of the bench workload (default 5)."
     ),
 ]
+ForkProb = Annotated[
+    float | None,
+    typer.Option(
+        "--fork-prob",
+        min=0.0,
+        max=1.0,
+        help="Bench workload: chance that a turn after the first forks into --fork-width "
+        "branches sharing the trajectory's history (as `bench agents --fork-prob`; default 0).",
+    ),
+]
+ForkWidth = Annotated[
+    int | None,
+    typer.Option("--fork-width", min=2, help="Branches of a fork (default 2)."),
+]
 Trace = Annotated[
     Path | None,
     typer.Option(
@@ -180,6 +194,34 @@ Admission = Annotated[
         help="whole: a request waits until its prompt and output fit (validated default); "
         "chunk: vLLM 0.32's scheduler (admit when the prompt fits, allocate chunk by chunk, "
         "preempt the newest request by recompute when a running one needs a block).",
+    ),
+]
+WritebackMode = Annotated[
+    str,
+    typer.Option(
+        "--writeback",
+        help="forecast (the connector's default): agentkv's offload_host copies wait in vLLM's "
+        "cache until the pool forecasts their eviction; eager: copy at the pause (the connector "
+        "before issue 26, what the README's bench run used).",
+    ),
+]
+GraceS = Annotated[
+    float | None,
+    typer.Option(
+        "--grace-s",
+        min=0.0,
+        help="The connector's grace_s (default: the connector's default, 0.5 s): a finished "
+        "turn's blocks stay pinned this long waiting for the harness's pause (agentkv, "
+        "retain-always, offload-always).",
+    ),
+]
+PauseAfter = Annotated[
+    str,
+    typer.Option(
+        "--pause-after",
+        help="When the harness's pause arrives after a turn's answer, in seconds (0: at once, "
+        "as the bench and trace harnesses do), or 'never' (a harness without agentkv's SDK: "
+        "each turn's blocks get the connector's default action when the grace ends).",
     ),
 ]
 DevicePrefetch = Annotated[

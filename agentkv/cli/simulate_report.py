@@ -106,15 +106,14 @@ def results_table(results: dict[str, SimResult]) -> Any:
         ],
         *([""] if pair else []),
     )
-    if any(results[k].summary.prefetch for k in labels):
-        table.add_row(
-            "device prefetch",
-            *[
-                ", ".join(f"{k} {n}" for k, n in results[k].summary.prefetch.items()) or "-"
-                for k in labels
-            ],
-            *([""] if pair else []),
-        )
+    for name, field in (("device prefetch", "prefetch"), ("deferred write-backs", "writebacks")):
+        counts = [getattr(results[k].summary, field) for k in labels]
+        if any(counts):
+            table.add_row(
+                name,
+                *[", ".join(f"{k} {n}" for k, n in c.items()) or "-" for c in counts],
+                *([""] if pair else []),
+            )
     return table
 
 

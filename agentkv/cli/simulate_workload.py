@@ -33,21 +33,26 @@ def bench_workload(cfg: WorkloadConfig, token_scale: float = BENCH_TOKEN_SCALE) 
     """The plan of ``agentkv bench agents`` for ``cfg`` in the simulator's form.
 
     Up to EXACT_PLAN_MAX_TURNS turns it is the bench's own plan (``generate``); above, the same
-    distributions drawn without text. Forks are not simulated (each fork's first branch is)."""
+    distributions drawn without text. A fork turn (``fork_prob``) runs ``fork_width`` branches,
+    each with its branch observation (half the turn's, at least ``obs_min_tokens``) after the
+    turn's; the first continues, as the bench's harness joins it."""
     from agentkv.simulate.workload import SimTrajectory, SimTurn, SimWorkload
     from agentkv_bench.workload import generate
 
     pre = round(cfg.prefix_tokens * token_scale)
     action = round(cfg.action_tokens * token_scale)
     trajs: list[SimTrajectory] = []
-    Row = tuple[str | None, float, float | None, int]
+    Row = tuple[str | None, float, float | None, int, int]
     plans: list[tuple[str, float, list[Row]]]
     if cfg.trajectories * cfg.turns <= EXACT_PLAN_MAX_TURNS:
         plans = [
             (
                 t.trajectory_id,
                 t.start_s,
-                [(u.tool, u.wait_s, u.expected_wait_s, u.observation_tokens) for u in t.turns[1:]],
+                [
+                    (u.tool, u.wait_s, u.expected_wait_s, u.observation_tokens, u.fork)
+                    for u in t.turns[1:]
+                ],
             )
             for t in generate(cfg).trajectories
         ]
@@ -62,12 +67,15 @@ def bench_workload(cfg: WorkloadConfig, token_scale: float = BENCH_TOKEN_SCALE) 
                 wait = dist.sample(rng) * cfg.time_scale
                 raw = math.exp(rng.gauss(math.log(cfg.obs_median_tokens), cfg.obs_sigma))
                 obs = int(min(cfg.obs_max_tokens, max(cfg.obs_min_tokens, raw)))
-                rows.append((dist.name, wait, round(dist.median_s * cfg.time_scale, 4), obs))
+                # Drawn only when forks are asked for: the plans without forks stay as they were.
+                fork = cfg.fork_width if cfg.fork_prob > 0 and rng.random() < cfg.fork_prob else 0
+                rows.append((dist.name, wait, round(dist.median_s * cfg.time_scale, 4), obs, fork))
             plans.append((f"bench-{cfg.seed}-{i}", i * cfg.stagger_s * cfg.time_scale, rows))
     for tid, start, rows in plans:
         first = SimTurn(pre, round(cfg.task_tokens * token_scale), cfg.action_tokens)
         turns = [first]
-        for tool, wait, expected, obs in rows:
+        for tool, wait, expected, obs, fork in rows:
+            branch = round(max(cfg.obs_min_tokens, obs // 2) * token_scale)
             turns.append(
                 SimTurn(
                     turns[-1].prompt_tokens + action,
@@ -76,6 +84,7 @@ def bench_workload(cfg: WorkloadConfig, token_scale: float = BENCH_TOKEN_SCALE) 
                     wait,
                     tool,
                     expected,
+                    (branch,) * fork,
                 )
             )
         trajs.append(SimTrajectory(tid, start, tuple(turns), pre, "bench"))
@@ -89,6 +98,8 @@ def build_workload(
     time_scale: float | None,
     token_scale: float | None,
     seed: int,
+    fork_prob: float | None = None,
+    fork_width: int | None = None,
 ) -> SimWorkload:
     if trace is not None:
         from agentkv.simulate.workload import from_trace
@@ -105,6 +116,10 @@ def build_workload(
     from agentkv_bench.workload import WorkloadConfig
 
     cfg = WorkloadConfig(seed=seed).with_overrides(
-        trajectories=trajectories, turns=turns, time_scale=time_scale
+        trajectories=trajectories,
+        turns=turns,
+        time_scale=time_scale,
+        fork_prob=fork_prob,
+        fork_width=fork_width,
     )
     return bench_workload(cfg, token_scale if token_scale is not None else BENCH_TOKEN_SCALE)

@@ -16,6 +16,7 @@ uses the replica's pool, queues and costs (``Replica`` is its only user).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,7 @@ class AdmissionMixin:
     pending_prefill_s: float
     preemptions: int
     _no_admit: bool
+    _forget_request: Callable[[Request], None]  # ForkMixin's
 
     def _demote_for(self, excess: float) -> None:
         raise NotImplementedError
@@ -91,6 +93,7 @@ class AdmissionMixin:
         if need > pool.empty:
             pool._evict(need - pool.empty)
         pool.active += need
+        pool.filled += need
         r.alloc.blocks += need
         return True
 
@@ -105,6 +108,7 @@ class AdmissionMixin:
             self.decoding.remove(r)
         keep = r.computed // self.bt - r.prefix_blocks
         self.pool.release(r.tid, r.group, r.alloc, keep)
+        self._forget_request(r)
         r.alloc = None
         r.reusable_tokens = max(r.reusable_tokens, r.computed)
         r.preempted += 1

@@ -8,9 +8,11 @@ Primitives:
   simulate(workload, config, on_progress=None, load=None) -> SimResult  deterministic in its
                     inputs
 
-A trajectory sends turn 1 at its start time; the router picks a replica; the replica runs it;
-when the answer is complete the replica's policy decides what to do during the coming tool
-wait; after the wait the next turn goes out (a closed loop per trajectory, as the bench's
+A trajectory sends turn 1 at its start time; the router picks a replica; the replica runs it
+(a fork turn: one request per branch, all on that replica); when the answer is complete the
+harness's pause reaches the replica (at once, later or never: ``pause_after_s``, within the
+connector's ``grace_s``) and its policy decides what to do during the coming tool wait; after
+the wait the next turn goes out (a closed loop per trajectory, as the bench's
 harness and the trace replay run). At the end the trajectory is closed (agentkv's DELETE).
 Nothing is random inside the simulation: the workload carries every sampled number, so the same
 workload and config give the same result.
@@ -27,6 +29,7 @@ import simpy
 
 from agentkv.simulate.admission import Admission
 from agentkv.simulate.costs import BENCH_SMALL_CPU, EngineCosts
+from agentkv.simulate.grace import GRACE_S
 from agentkv.simulate.load import OfferedLoad
 from agentkv.simulate.metrics import Recorder, Summary
 from agentkv.simulate.policies import make_policy
@@ -34,6 +37,7 @@ from agentkv.simulate.replica import GIB, Replica, Request
 from agentkv.simulate.routers import make_router
 from agentkv.simulate.tiers import TierStore
 from agentkv.simulate.workload import SimTrajectory, SimWorkload
+from agentkv.simulate.writeback import Writeback
 from agentkv.tier import Tier
 
 ProgressFn = Callable[[str, int, int], None]
@@ -59,6 +63,16 @@ class FleetConfig:
     """How replicas give blocks to requests (replica.Admission): WHOLE (wait until prompt and
     output fit, never preempt: the model the committed runs validate) or CHUNK (vLLM 0.32's
     scheduler: chunk-wise allocation and recompute preemption; docs/simulate.md compares)."""
+    writeback: Writeback = Writeback.FORECAST
+    """When agentkv's offload_host copies are made (the plugin's ``writeback`` setting, whose
+    default this is): FORECAST waits until the pool forecasts eviction, EAGER copies at once."""
+    grace_s: float = GRACE_S
+    """The connector's grace period: a finished turn's blocks stay pinned this long waiting for
+    the harness's pause (policies run by the plugin: agentkv, retain-always, offload-always)."""
+    pause_after_s: float | None = 0.0
+    """When the harness's pause arrives after a turn's answer: 0 (the bench and trace
+    harnesses: at once; the grace then changes nothing), a delay, or None (a harness that never
+    pauses: every turn's blocks get the connector's default action when the grace ends)."""
     horizon_s: float | None = None
     """Stop simulating this long after the first arrival (None: run every trajectory to its
     end); turns not finished by then are not in the summary. For unbounded overloads."""
@@ -68,6 +82,8 @@ class FleetConfig:
             raise ValueError("replicas and num_blocks must be >= 1")
         if self.sample_interval_s <= 0:
             raise ValueError("sample_interval_s must be positive")
+        if self.grace_s < 0 or (self.pause_after_s is not None and self.pause_after_s < 0):
+            raise ValueError("grace_s and pause_after_s must be >= 0")
         if self.horizon_s is not None and not self.horizon_s > 0:
             raise ValueError("horizon_s must be positive")
 
@@ -139,6 +155,8 @@ class _Fleet:
                 cfg.disk_capacity_gib,
                 self.remote,
                 Admission(cfg.admission),
+                Writeback(cfg.writeback),
+                cfg.grace_s,
             )
             for i in range(cfg.replicas)
         ]
@@ -171,49 +189,31 @@ class _Fleet:
                 self.paused -= 1
                 if last is not None:
                     last.policy.on_resume(turn.tool, turn.wait_before_s)
-            prompt = turn.prompt_tokens
-            cacheable = prompt + (turn.output_tokens if t.output_in_cache else 0)
-            req = Request(
-                t.trajectory_id,
-                t.prefix_group,
-                prompt,
-                turn.output_tokens,
-                min(t.shared_prefix_tokens, prompt),
-                min(turn.context_tokens, prev_cacheable),
-                cacheable,
-                bt,
-                env.now,
-                env.event(),
-            )
+            reqs = self._requests(t, k, prev_cacheable)
+            first = reqs[0]
+            cacheable = first.cacheable_tokens
             self.first_sent = min(self.first_sent, env.now)
             if overhead > 0:
                 yield env.timeout(overhead)
-            idx = self.router.choose(req.route_view(), self.replicas)
+            idx = self.router.choose(first.route_view(), self.replicas)
             replica = self.replicas[idx]
             used.add(idx)
-            replica.submit(req)
-            yield req.done
-            if req.rejected:
-                self.rec.rejected += 1
+            for req in reqs:  # a fork's branches go where their shared history is
+                replica.submit(req)
+            yield first.done if len(reqs) == 1 else simpy.AllOf(env, [r.done for r in reqs])
+            if any(r.rejected for r in reqs):
+                self.rec.rejected += sum(r.rejected for r in reqs)
                 break
-            self.rec.turn(
-                k + 1,
-                k > 0,
-                req.first_token_at - req.sent_at,
-                req.finished_at - req.sent_at,
-                prompt,
-                req.cached_tokens,
-                req.tier_hit_tokens,
-                turn.output_tokens,
-            )
-            self.last_done = max(self.last_done, env.now)
-            self.done_turns += 1
-            if self.on_progress is not None and self.done_turns % self.progress_every == 0:
-                self.on_progress("simulating turns", self.done_turns, self.total_turns)
+            self._record(k, turn.output_tokens, reqs)
             if k + 1 < n:
                 nxt = t.turns[k + 1]
-                replica.pause(
-                    t.trajectory_id, nxt.tool, nxt.expected_wait_s, cacheable, cacheable // bt
+                replica.finish_turn(
+                    t.trajectory_id,
+                    nxt.tool,
+                    nxt.expected_wait_s,
+                    cacheable,
+                    cacheable // bt,
+                    self.cfg.pause_after_s,
                 )
             last = replica
             prev_cacheable = cacheable
@@ -223,6 +223,49 @@ class _Fleet:
         self.done_trajs += 1
         if self.done_trajs == len(self.workload.trajectories):
             self.all_done.succeed()
+
+    def _requests(self, t: SimTrajectory, k: int, prev_cacheable: int) -> list[Request]:
+        """Turn ``k``'s requests: one, or one per branch of a fork (the first continues the
+        trajectory; the others, ids ``<trajectory>/fork<k>.<b>``, share its history)."""
+        turn = t.turns[k]
+        out: list[Request] = []
+        for b in range(turn.requests):
+            prompt = turn.branch_prompt(b)
+            req = Request(
+                t.trajectory_id if b == 0 else f"{t.trajectory_id}/fork{k}.{b}",
+                t.prefix_group,
+                prompt,
+                turn.output_tokens,
+                min(t.shared_prefix_tokens, prompt),
+                min(turn.context_tokens, prev_cacheable),
+                prompt + (turn.output_tokens if t.output_in_cache else 0),
+                self.cfg.costs.block_tokens,
+                self.env.now,
+                self.env.event(),
+            )
+            if b:
+                req.parent = t.trajectory_id
+            out.append(req)
+        return out
+
+    def _record(self, k: int, output: int, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.rec.turn(
+                k + 1,
+                k > 0,
+                req.first_token_at - req.sent_at,
+                req.finished_at - req.sent_at,
+                req.prompt,
+                req.cached_tokens,
+                req.tier_hit_tokens,
+                output,
+            )
+        self.last_done = max(self.last_done, self.env.now)
+        before = self.done_turns
+        self.done_turns += len(reqs)
+        every = self.progress_every
+        if self.on_progress is not None and self.done_turns // every != before // every:
+            self.on_progress("simulating turns", self.done_turns, self.total_turns)
 
     def _arrivals(self) -> Generator[simpy.Event, Any, None]:
         env = self.env
@@ -267,7 +310,10 @@ class _Fleet:
             tiers.append(self.remote)
         decisions: dict[str, int] = {}
         prefetch: dict[str, int] = {}
+        writebacks: dict[str, int] = {}
         for r in reps:
+            for k, v in r.writebacks.items():
+                writebacks[k] = writebacks.get(k, 0) + v
             for k, v in r.decisions.items():
                 decisions[k] = decisions.get(k, 0) + v
             for k, v in r.prefetch.items():
@@ -287,6 +333,7 @@ class _Fleet:
             sum(r.preemptions for r in reps),
         )
         summary.prefetch = dict(sorted(prefetch.items()))
+        summary.writebacks = dict(sorted(writebacks.items()))
         return summary
 
 

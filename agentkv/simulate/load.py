@@ -79,8 +79,13 @@ def trajectory_work(costs: EngineCosts, num_blocks: int, t: SimTrajectory) -> tu
         # Only full blocks are cached, and the last prompt token is always computed.
         reusable = min(turn.context_tokens, prev_cacheable, prompt - 1)
         batch = max_batch(costs, num_blocks, prompt + turn.output_tokens)
-        w, a = _turn(costs, prompt, turn.output_tokens, (max(0, reusable) // bt) * bt, batch)
+        cached = (max(0, reusable) // bt) * bt
+        w, a = _turn(costs, prompt, turn.output_tokens, cached, batch)
         work += w
+        for b in range(
+            1, len(turn.branches)
+        ):  # a fork's other branches run alongside, same history
+            work += _turn(costs, turn.branch_prompt(b), turn.output_tokens, cached, batch)[0]
         alone += turn.wait_before_s + a
         prev_cacheable = prompt + (turn.output_tokens if t.output_in_cache else 0)
     return work, alone

@@ -69,6 +69,9 @@ class Summary:
     """Running requests preempted for blocks (recompute), CHUNK admission only."""
     prefetch: dict[str, int] = field(default_factory=dict)
     """Device prefetch outcomes (on_time, late, wasted) and skips (skipped_<rule>)."""
+    writebacks: dict[str, int] = field(default_factory=dict)
+    """Deferred host write-backs (``Writeback.FORECAST``): deferred, copied, lost (evicted
+    before the copy), lost_blocks."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

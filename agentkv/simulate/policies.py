@@ -2,10 +2,11 @@
 
 Primitives:
   PauseContext        what is known at the pause: tool, declared wait, tokens and bytes held,
-                      pool pressure, free room in the host and disk tiers
+                      pool pressure, free room in the host and disk tiers, the pool's eviction
+                      forecast
   PausePlan           'cache' (leave the blocks to the engine's LRU) | 'retain' (pin, lease) |
                       'offload_host' | 'offload_disk' (write-back copy, then unpin), a lease and a
-                      prefetch time
+                      prefetch time; ``deferred``: the host copy waits for the eviction forecast
   KVPolicy            the strategy interface; one instance per replica
   VanillaPolicy       prefix caching only: every pause is 'cache'
   AgentKVPolicy       agentkv's own decision: ``agentkv.predict.WaitPredictor`` for the wait and
@@ -55,6 +56,8 @@ class PauseContext:
     pressure: float
     host_free_bytes: float | None
     disk_free_bytes: float | None
+    eviction_in_s: float = 0.0
+    """The pool's forecast of when a block unpinned now is evicted (``PoolTrend``; 0: now)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,8 @@ class PausePlan:
     """The policy's own name for the decision (agentkv: decide()'s action), for the report."""
     estimate: WaitEstimate | None = None
     """The wait prediction behind it (device prefetch's spread rule reads it)."""
+    deferred: bool = False
+    """offload_host only: the copy waits for an eviction forecast (``writeback_deferred``)."""
 
 
 class KVPolicy:
@@ -79,6 +84,11 @@ class KVPolicy:
     device_prefetch: bool = False
     """Prefetch paused contexts back into device blocks at the predicted return
     (``agentkv.prefetch_rule``, the manager's rule)."""
+    defers_writeback: bool = False
+    """Its offload_host copies may wait for an eviction forecast (``Writeback.FORECAST``)."""
+    holds_grace: bool = False
+    """Runs inside the plugin: a finished turn's blocks stay pinned for the grace period until
+    the harness's pause arrives (``FleetConfig.grace_s``)."""
     free_history: bool = False
     """Every paused history is also kept where it reloads instantly and takes no room (the
     capacity-equal bound; no real policy can do this)."""
@@ -115,6 +125,8 @@ class AgentKVPolicy(KVPolicy):
 
     name = "agentkv"
     expiry_action: PlanAction = DEMOTION_ACTION
+    defers_writeback = True
+    holds_grace = True
 
     def __init__(
         self, costs: EngineCosts, params: PolicyParams | None = None, high_water: float = HIGH_WATER
@@ -149,11 +161,20 @@ class AgentKVPolicy(KVPolicy):
             host_free_bytes=ctx.host_free_bytes,
             disk_free_bytes=ctx.disk_free_bytes,
             params=self.params,
+            eviction_in_s=ctx.eviction_in_s,
         )
         action: PlanAction = "cache"
         if d.action is not Action.DROP:
             action = d.action
-        return PausePlan(action, d.lease_s, d.prefetch_at_s, estimate.p50, d.action, estimate)
+        return PausePlan(
+            action,
+            d.lease_s,
+            d.prefetch_at_s,
+            estimate.p50,
+            d.action,
+            estimate,
+            d.writeback_deferred,
+        )
 
     def on_resume(self, tool: str | None, waited_s: float) -> None:
         name = tool or "tool"
@@ -170,6 +191,7 @@ class RetainAlwaysPolicy(KVPolicy):
     leaves the blocks to the LRU. Pins give way only when a request cannot be admitted."""
 
     name = "retain-always"
+    holds_grace = True
 
     def __init__(self, ttl_s: float = 60.0) -> None:
         self.ttl_s = ttl_s
@@ -182,6 +204,7 @@ class OffloadAlwaysPolicy(KVPolicy):
     """Write every paused trajectory back to host RAM (disk when host has no room)."""
 
     name = "offload-always"
+    holds_grace = True
 
     def on_pause(self, ctx: PauseContext) -> PausePlan:
         host_ok = ctx.host_free_bytes is None or ctx.host_free_bytes >= ctx.kv_bytes

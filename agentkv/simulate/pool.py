@@ -40,6 +40,9 @@ class Allocation:
     private_hit: int
     prefix_hit: int
     evicted: int
+    borrowed: int = 0
+    """Private hits on blocks another trajectory holds (a fork's branch on its parent's
+    history): used in place, neither taken nor freed by this request."""
 
 
 class BlockPool:
@@ -62,7 +65,12 @@ class BlockPool:
         self.prefix_cached: dict[str, int] = {}
         self.prefix_refs: dict[str, int] = {}
         self.evicted_blocks = 0
+        self.filled = 0
+        """Blocks ever given new content (taken empty or evicted): the pool's fill count, what
+        vLLM's free-queue head advances by (``agentkv.admission.PoolTrend`` reads it)."""
         self.on_evict = on_evict
+        self.before_evict: Callable[[int], None] | None = None
+        """Called with the number of blocks about to be evicted, before any is."""
         """Called with (trajectory id, blocks left, blocks evicted) when eviction shortens a
         trajectory's private segment."""
 
@@ -96,6 +104,8 @@ class BlockPool:
 
     def _evict(self, need: int) -> int:
         """Free ``need`` blocks from the LRU head (oldest first, each segment from its tail)."""
+        if self.before_evict is not None and need > 0 and self.lru:
+            self.before_evict(need)
         got = 0
         while got < need and self.lru:
             key, n = next(iter(self.lru.items()))
@@ -149,16 +159,21 @@ class BlockPool:
         if pre_in_lru:
             self._take_from_lru(PREFIX + group)
         self.private.pop(tid, None)
-        # Prefix blocks held by other running requests are shared, not counted twice.
-        self.active += private_hit + pre_in_lru
+        # Prefix blocks held by other running requests are shared, not counted twice; so are
+        # private hits on another trajectory's blocks (a fork's branch: ``borrowed``).
+        borrowed = max(0, private_hit - own_lru)
+        self.active += private_hit - borrowed + pre_in_lru
         evicted = 0
         if new_blocks > self.empty:
             evicted = self._evict(new_blocks - self.empty)
         self.active += new_blocks
+        self.filled += new_blocks
         if prefix_blocks:
             self.prefix_refs[group] = self.prefix_refs.get(group, 0) + 1
             self.prefix_cached[group] = max(self.prefix_cached.get(group, 0), prefix_blocks)
-        return Allocation(total_blocks, prefix_blocks, private_hit + extra_hit, prefix_hit, evicted)
+        return Allocation(
+            total_blocks, prefix_blocks, private_hit + extra_hit, prefix_hit, evicted, borrowed
+        )
 
     def release(
         self,
@@ -171,8 +186,8 @@ class BlockPool:
         """A request ended: its ``cached_private`` full, reusable private blocks stay cached
         (pinned when ``pin``), every other block it held becomes empty; the shared prefix goes
         to the LRU when no running request uses it any more."""
-        held_private = alloc.blocks - alloc.prefix_blocks
-        keep = max(0, min(cached_private, held_private))
+        held_private = alloc.blocks - alloc.prefix_blocks - alloc.borrowed
+        keep = max(0, min(cached_private - alloc.borrowed, held_private))
         self.active -= held_private
         if keep:
             if pin:
@@ -228,6 +243,7 @@ class BlockPool:
             self.lru.move_to_end(key)
             self.cached_free += missing
             self.prefix_cached[group] = prefix_blocks
+        self.filled += n + missing
         self.pinned += n
         self.pins[tid] = n
         self.private[tid] = n

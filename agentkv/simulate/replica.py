@@ -3,7 +3,9 @@
 Primitives:
   Request           one turn inside a replica: prompt, hits, prefill left, decode left, times
   Replica           a SimPy process running the engine in steps; ``submit`` queues a request,
-                    ``pause`` applies a policy's PausePlan, ``close`` forgets a trajectory
+                    ``finish_turn`` ends a turn (the grace period, then ``pause``: grace.py),
+                    ``pause`` applies a policy's PausePlan (an offload_host copy possibly
+                    deferred: writeback.py), ``close`` forgets a trajectory
   Replica.cached_tokens / outstanding / queued_prefill_s   what routers see
 
 The engine follows vLLM's V1 scheduler at step granularity without simulating every step:
@@ -18,6 +20,7 @@ new request into account. Requests are admitted FCFS when their blocks fit (a he
 not fit blocks the queue, as in vLLM); agentkv pins are demoted first when they are in the way.
 Tier hits are loaded before the request's prefill starts (loads queue on the tier's link), or,
 with ``EngineCosts.layerwise_overlap``, while it runs (the first token waits for both).
+A fork's branches share the trajectory's history blocks (forks.py).
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ import simpy
 
 from agentkv.simulate.admission import _FILL, _HEAD, Admission, AdmissionMixin
 from agentkv.simulate.costs import EngineCosts
+from agentkv.simulate.forks import ForkMixin
+from agentkv.simulate.grace import GRACE_S, GraceMixin
 from agentkv.simulate.policies import KVPolicy, PauseContext, PausePlan
 from agentkv.simulate.pool import Allocation, BlockPool
 from agentkv.simulate.prefetch import PrefetchMixin
 from agentkv.simulate.routers import RouteRequest
 from agentkv.simulate.tiers import TierStore
+from agentkv.simulate.writeback import Writeback, WritebackMixin
 from agentkv.tier import Tier
 
 GIB = 2**30
@@ -58,6 +64,7 @@ class Request:
         "first_token_at",
         "group",
         "output",
+        "parent",
         "preempted",
         "prefix_blocks",
         "prompt",
@@ -113,6 +120,8 @@ class Request:
         self.preempted = 0
         self.seq = 0
         """Admission order (vLLM preempts the most recently scheduled request first)."""
+        self.parent: str | None = None
+        """A fork's other branch: the trajectory whose history it shares (``tid`` is its own)."""
 
     def route_view(self) -> RouteRequest:
         return RouteRequest(
@@ -127,7 +136,7 @@ class Request:
 _DECODE = 0  # segment kinds (with _HEAD and _FILL)
 
 
-class Replica(AdmissionMixin, PrefetchMixin):
+class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMixin):
     """One engine with its pool, tiers and policy (see the module docstring)."""
 
     def __init__(
@@ -141,6 +150,8 @@ class Replica(AdmissionMixin, PrefetchMixin):
         disk_capacity_gib: float | None,
         remote: TierStore | None = None,
         admission: Admission = Admission.WHOLE,
+        writeback: Writeback = Writeback.FORECAST,
+        grace_s: float = GRACE_S,
     ) -> None:
         self.env = env
         self.admission = admission
@@ -196,6 +207,9 @@ class Replica(AdmissionMixin, PrefetchMixin):
         self._interrupted = False
         self.on_finish: Callable[[Request], None] | None = None
         self._prefetch_init()
+        self._writeback_init(writeback)
+        self._fork_init()
+        self._grace_init(grace_s)
         self.proc = env.process(self._run())
 
     # -- what routers see ---------------------------------------------------------------------
@@ -213,6 +227,9 @@ class Replica(AdmissionMixin, PrefetchMixin):
     ) -> tuple[int, int, TierStore | None, int]:
         """(prefix hit, private hit, tier, tier blocks) for a prompt, blocks capped at ``cap``."""
         reusable = min(reusable_tokens // self.bt, cap)
+        parent = self.fork_parent.get(tid)
+        if parent is not None:
+            return self._fork_hits(parent, group, prefix_blocks, reusable)
         pre, priv = self.pool.device_hit(
             tid, group, min(prefix_blocks, reusable), max(0, reusable - prefix_blocks)
         )
@@ -245,7 +262,9 @@ class Replica(AdmissionMixin, PrefetchMixin):
             req.finished_at = req.first_token_at = self.env.now
             req.done.succeed()
             return
+        self._fork_submit(req)
         self._prefetch_on_submit(req.tid, req.group, req.prefix_blocks)
+        self._grace_forget(req.tid)
         self.waiting.append(req)
         req.estimate_s = self.costs.prefill_s(req.prompt, 0)
         self.pending_prefill_s += req.estimate_s
@@ -262,6 +281,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
     def _admit(self) -> None:
         pool = self.pool
         running = len(self.prefilling) + len(self.decoding) + self.loading
+        self.head_need = 0
         while self.waiting and running < self.costs.max_num_seqs:
             r = self.waiting[0]
             if r.tid in pool.pins:
@@ -287,12 +307,16 @@ class Replica(AdmissionMixin, PrefetchMixin):
                 blocks = self._first_blocks(r, pre + priv + tier_n)
                 alloc = pool.admit(r.tid, r.group, blocks, r.prefix_blocks, pre, priv, tier_n)
             if alloc is None:
+                self.head_need = blocks
                 break
             self.waiting.popleft()
             running += 1
             self.admitted += 1
             r.seq = self.admitted
             r.alloc = alloc
+            self._fork_admitted(r)
+            # Scheduled: the manager sees the resume now (a deferred copy was due until then).
+            self._writeback_cancel(r.tid)
             hit = (pre + priv) * self.bt
             r.computed = hit + tier_n * self.bt
             if not r.preempted:
@@ -420,6 +444,9 @@ class Replica(AdmissionMixin, PrefetchMixin):
             if plan is None and self.waiting and not self._no_admit:
                 self._admit()
                 plan = self._plan()
+            # The manager's tick: this step's fills feed the pool's trend, due write-backs go.
+            if self._wb_on:
+                self._observe_pool()
             if plan is None:
                 self._wake = env.event()
                 yield self._wake
@@ -447,6 +474,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
     def _finish(self, r: Request, now: float) -> None:
         r.finished_at = now
         assert r.alloc is not None
+        self._fork_finished(r)
         keep = r.cacheable_tokens // self.bt - r.prefix_blocks
         self.pool.release(r.tid, r.group, r.alloc, keep)
         if self.on_finish is not None:
@@ -468,6 +496,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
             pool.usage(),
             self.host.free_bytes() if self.host is not None else 0.0,
             self.disk.free_bytes() if self.disk is not None else 0.0,
+            self._eviction_forecast(),
         )
         plan = self.policy.on_pause(ctx)
         self.copy_blocks[tid] = blocks
@@ -483,7 +512,9 @@ class Replica(AdmissionMixin, PrefetchMixin):
                 self._at(plan.lease_s, partial(self._lease_end, tid, gen))
                 self._check_high_water()
         elif plan.action == "offload_host" and self.host is not None:
-            if self.host.store(tid, blocks, now) is not None:
+            if plan.deferred:
+                self._defer_writeback(tid)
+            elif self.host.store(tid, blocks, now) is not None:
                 self._arm_device_prefetch(tid, plan, blocks)
                 if self.remote is not None:
                     self.remote.store(tid, blocks, now)
@@ -516,6 +547,7 @@ class Replica(AdmissionMixin, PrefetchMixin):
         self._prefetch_on_demote(tid)
         blocks = self.copy_blocks.get(tid, self.pool.private.get(tid, 0))
         self.pool.unpin(tid)
+        self._held.pop(tid, None)  # a grace pin given up: its pause still applies when it comes
         self.returns_at.pop(tid, None)
         self.demotions += 1
         if self.policy.expiry_action == "offload_host" and self.host is not None:
@@ -530,7 +562,9 @@ class Replica(AdmissionMixin, PrefetchMixin):
 
     def _check_high_water(self) -> None:
         hw = self.policy.high_water
-        if hw is None or not self.pool.pins:
+        # Over high water the manager demotes retained branches; grace pins (HELD) end early
+        # only for a queue short of blocks (the admission's demotions).
+        if hw is None or len(self.pool.pins) <= len(self._held):
             return
         excess = self.pool.used - hw * self.pool.capacity
         if excess > 0:
@@ -540,6 +574,8 @@ class Replica(AdmissionMixin, PrefetchMixin):
         """The trajectory ended (agentkv's DELETE): pins go back to the LRU, tier copies go."""
         self.lease_gen[tid] = self.lease_gen.get(tid, 0) + 1
         self._prefetch_close(tid)
+        self._writeback_cancel(tid)
+        self._grace_forget(tid)
         self.pool.unpin(tid)
         self.returns_at.pop(tid, None)
         self.lease_gen.pop(tid, None)

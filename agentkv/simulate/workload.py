@@ -2,7 +2,8 @@
 
 Primitives:
   SimTurn           one request: tokens kept from the trajectory's context, new tokens, output
-                    tokens, the tool wait before it (with the tool's name and declared wait)
+                    tokens, the tool wait before it (with the tool's name and declared wait);
+                    a fork turn (``branches``) runs one request per branch at once
   SimTrajectory     one trajectory: id, start time, shared-prefix group, turns
   SimWorkload       the trajectories; ``with_poisson_arrivals(rate, seed)`` re-times their
                     starts as a Poisson process (for rate questions), ``turns`` counts requests
@@ -14,13 +15,16 @@ neither. A turn's prompt is ``context_tokens`` tokens of the trajectory's histor
 ``input_tokens`` new ones. Of the history, only the previous prompt can hit a cache: both the
 bench and the trace replay commit a scripted reply to the history, never the generated one, so
 the reply's KV never matches (``output_in_cache`` turns that on for engines replaying real
-outputs).
+outputs). A fork (the bench's ``--fork-prob``) runs its branches at once on the same context,
+each with its own new tokens after the turn's; the first branch continues the trajectory (the
+harness joins it), the others end with the turn.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -40,10 +44,22 @@ class SimTurn:
     tool: str | None = None
     expected_wait_s: float | None = None
     """What the harness declares at pause time (None: nothing declared)."""
+    branches: tuple[int, ...] = ()
+    """A fork: each branch's new tokens after ``input_tokens`` (empty: no fork)."""
 
     @property
     def prompt_tokens(self) -> int:
-        return self.context_tokens + self.input_tokens
+        """The prompt of the request that continues the trajectory (a fork's first branch)."""
+        return self.branch_prompt(0)
+
+    def branch_prompt(self, b: int) -> int:
+        """Branch ``b``'s prompt (b = 0 without a fork)."""
+        return self.context_tokens + self.input_tokens + (self.branches[b] if self.branches else 0)
+
+    @property
+    def requests(self) -> int:
+        """Requests this turn sends: its branches, or one."""
+        return max(1, len(self.branches))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +78,12 @@ class SimWorkload:
     trajectories: tuple[SimTrajectory, ...]
     name: str = "workload"
 
-    @property
+    @cached_property
     def turns(self) -> int:
-        return sum(len(t.turns) for t in self.trajectories)
+        """Requests of the whole workload (a fork's branches each count)."""
+        trajs = self.trajectories
+        extra = sum(len(u.branches) - 1 for t in trajs for u in t.turns if u.branches)
+        return sum(len(t.turns) for t in trajs) + extra
 
     def with_poisson_arrivals(self, rate_per_s: float, seed: int = 0) -> SimWorkload:
         """The same trajectories started by a Poisson process of ``rate_per_s`` per second

@@ -33,6 +33,7 @@ from agentkv.simulate.routers import (
 )
 from agentkv.simulate.tiers import TierStore
 from agentkv.simulate.workload import SimTrajectory, SimTurn, SimWorkload
+from agentkv.simulate.writeback import Writeback
 from agentkv.tier import Tier
 
 # -- pool ---------------------------------------------------------------------------------------
@@ -313,12 +314,12 @@ def test_the_core_imports_no_engine_plugin_sdk_or_bench() -> None:
 
 
 def test_a_remote_tier_serves_a_resume_routed_to_another_replica() -> None:
+    # Eager write-backs: a deferred copy (the forecast mode) reaches the remote tier only once
+    # the replica that paused it forecasts eviction, so a resume routed away would find nothing.
     wl = _workload(n=4, turns=4)
-    local = simulate(wl, FleetConfig(replicas=2, router="round-robin", num_blocks=96)).summary
-    shared = simulate(
-        wl,
-        FleetConfig(replicas=2, router="round-robin", num_blocks=96, remote_capacity_gib=4.0),
-    ).summary
+    base = FleetConfig(replicas=2, router="round-robin", num_blocks=96, writeback=Writeback.EAGER)
+    local = simulate(wl, base).summary
+    shared = simulate(wl, replace(base, remote_capacity_gib=4.0)).summary
     assert shared.tier_hit_tokens > local.tier_hit_tokens
     assert (shared.resume_hit_rate or 0) > (local.resume_hit_rate or 1)
 
@@ -452,9 +453,13 @@ def test_vllm_s_null_block_is_not_usable() -> None:
 def test_device_prefetch_turns_the_disk_reload_into_a_device_hit_by_the_managers_rule() -> None:
     """The manager's rule (agentkv.prefetch_rule) in the simulator: the slow trajectory's
     context, evicted by the busy one and copied to disk, is back in device blocks before its
-    resume, so the resume reloads nothing; without the prefetch it reloads from the tier."""
+    resume, so the resume reloads nothing; without the prefetch it reloads from the tier.
+    Eager write-backs: with the forecast, the busy trajectory's copy is deferred (nothing to
+    prefetch: vLLM still caches it)."""
     wl = _slow_and_busy()
-    base = FleetConfig(num_blocks=96, host_capacity_gib=1.0, disk_capacity_gib=4.0)
+    base = FleetConfig(
+        num_blocks=96, host_capacity_gib=1.0, disk_capacity_gib=4.0, writeback=Writeback.EAGER
+    )
     off = simulate(wl, base).summary
     on = simulate(wl, replace(base, device_prefetch=True)).summary
     assert off.prefetch == {}

@@ -16,7 +16,17 @@ FIXTURE = Path(__file__).parent / "fixtures/simulate/bench_agents_small_cpu.json
 
 def test_json_has_every_configuration_and_the_comparison() -> None:
     result = runner.invoke(
-        app, ["simulate", "--json", "--compare", str(FIXTURE), "--policy", "vanilla,agentkv"]
+        app,
+        [
+            "simulate",
+            "--json",
+            "--writeback",
+            "eager",  # the fixture's run predates the forecast write-back
+            "--compare",
+            str(FIXTURE),
+            "--policy",
+            "vanilla,agentkv",
+        ],
     )
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
@@ -146,3 +156,22 @@ def test_a_saturated_small_population_is_simulated_to_its_end() -> None:
     assert out["load"]["overloaded"] and not out["load"]["unbounded"]
     run = out["results"]["session-affinity/agentkv"]
     assert not run["truncated"] and run["summary"]["turns"] == 30
+
+
+def test_the_pause_options_reach_the_simulation() -> None:
+    """--fork-prob (every turn after the first forks in 2), --pause-after never (every turn's
+    blocks take the grace's default action or a demotion), --writeback eager (no deferral)."""
+    args = ["simulate", "-n", "2", "-t", "3", "--policy", "agentkv", "--json"]
+    result = runner.invoke(
+        app, [*args, "--fork-prob", "1", "--pause-after", "never", "--writeback", "eager"]
+    )
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["workload"]["turns"] == 2 * (1 + 2 * 2)
+    s = out["results"]["session-affinity/agentkv"]["summary"]
+    assert s["turns"] == 10 and s["writebacks"] == {}
+    assert set(s["decisions"]) <= {"grace_expired"}  # no pause ever arrives: nothing decided
+    bad = runner.invoke(app, [*args, "--pause-after", "soon"])
+    assert bad.exit_code == 2 and "--pause-after" in bad.output
+    bad = runner.invoke(app, [*args, "--writeback", "lazy"])
+    assert bad.exit_code == 2 and "--writeback" in bad.output

@@ -17,6 +17,7 @@ from agentkv.simulate.costs import BENCH_SMALL_CPU, load_calibration
 from agentkv.simulate.fleet import FleetConfig, simulate
 from agentkv.simulate.metrics import COMPARED
 from agentkv.simulate.validate import compare, load_measured
+from agentkv.simulate.writeback import Writeback
 from agentkv_bench.workload import WorkloadConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +45,7 @@ def test_bench_agents_default_run_within_25_percent() -> None:
             num_blocks=setup["num_blocks"],
             host_capacity_gib=setup["host_capacity_gib"],
             costs=BENCH_SMALL_CPU,
+            writeback=Writeback(setup["writeback"]),
         )
         simulated[policy] = simulate(wl, cfg).summary.to_dict()
     # The cache model alone (no timing constant) gives the bench's token counts.
@@ -92,6 +94,8 @@ def test_trace_bench_run_within_25_percent() -> None:
                 num_blocks=srv["num_blocks"],
                 host_capacity_gib=srv["host_capacity_gib"],
                 costs=costs,
+                # Reports from before issue 26 name no write-back mode: theirs was eager.
+                writeback=Writeback(srv.get("writeback", "eager")),
             ),
         ).summary.to_dict()
         for policy in ("vanilla", "agentkv")

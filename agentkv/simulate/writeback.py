@@ -1,0 +1,211 @@
+"""Deferred host write-backs in the simulated replica: the plugin's ``writeback: forecast``.
+
+Primitives:
+  Writeback         FORECAST (the plugin's default: an offload_host copy waits until the pool
+                    forecasts the blocks' eviction) | EAGER (copy at the pause)
+  WritebackMixin    the replica's write-back operations:
+    _writeback_init(mode)        the pool's trend (``agentkv.admission.PoolTrend``), the heap
+    _observe_pool()              once per engine segment: feed the trend (free blocks, blocks
+                                 written since), then copy every deferred trajectory whose
+                                 eviction is now due (``_check_writebacks``)
+    _eviction_forecast()         what ``policy.decide`` gets as ``eviction_in_s`` at a pause
+                                 (0 in EAGER mode: every copy is made at once)
+    _defer_writeback(tid, n)     an offload_host decision with ``writeback_deferred``: the
+                                 blocks stay in vLLM's cache (the LRU), no copy yet
+    _writeback_cancel(tid)       the trajectory's next turn was scheduled (or it ended) first:
+                                 while that turn waits in the queue the copy can still be due
+    _before_evict(need)          the pool is about to evict ``need`` blocks at once: replay the
+                                 manager's per-step ticks over the steps vLLM takes to write
+                                 them, for each deferred trajectory they reach
+  ``writebacks`` counts deferred / copied / lost trajectories and lost_blocks.
+
+The manager's own rule, on the simulated pool (``agentkv.manager.writeback``): a deferred
+trajectory's eviction is forecast at the pool's fill count when it was paused plus the free
+blocks ahead of it (vLLM's free queue is LRU); its copy is made once the trend says that count
+is within ``PolicyParams.writeback_horizon_s`` of writing, or at once when the waiting queue is
+short of blocks or pool use is above the policy's high water. A burst that writes faster than
+the trend forecast (one large prompt admitted at once) evicts the blocks before the copy: the
+leading blocks that survive are copied, the rest are lost (``lost_blocks``; a trajectory with
+none left is ``lost``), and the resume recomputes them, as on the real engine. The trend is
+observed once per simulated segment (a run of identical steps), where the plugin observes every
+step; the waiting queue's need is its head's (the sim admits FCFS, so the head is what blocks).
+A simulated admission takes a request's blocks at once where vLLM writes at most one chunk
+(``max_batched_tokens`` tokens) per step and the manager ticks between steps, so when an
+allocation would evict a deferred trajectory's blocks, the ticks are replayed step by step (a
+chunk per step, each step the time of a full chunk) on a copy of the trend: the copy is made
+at the first tick that finds the eviction due within the horizon, saving the blocks not yet
+overwritten by then; a trajectory the replay does not catch in time is lost.
+
+Kept apart from replica.py like the admission and prefetch mixins; ``Replica`` is its only user.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from dataclasses import replace
+from enum import StrEnum
+from typing import Any
+
+from agentkv.admission import Admission as AdmissionPicture
+from agentkv.admission import PoolTrend
+from agentkv.policy import PolicyParams
+
+
+class Writeback(StrEnum):
+    """When an offload_host decision's host copy is made (the plugin's ``writeback`` setting;
+    plugins/agentkv_vllm/settings.py defines the same two values for the connector)."""
+
+    FORECAST = "forecast"
+    """The copy waits, the blocks unpinned in vLLM's cache, until eviction is forecast."""
+    EAGER = "eager"
+    """Every offload_host decision copies at once (the plugin before issue 26)."""
+
+
+class WritebackMixin:
+    # The replica's (declared for the type checker; Replica sets them).
+    env: Any
+    pool: Any
+    policy: Any
+    host: Any
+    remote: Any
+    waiting: Any
+    costs: Any
+    copy_blocks: dict[str, int]
+
+    def _writeback_init(self, mode: Writeback) -> None:
+        self.writeback_mode = Writeback(mode)
+        self.writebacks: Counter[str] = Counter()
+        self.trend = PoolTrend()
+        self._wb_on = self.writeback_mode is Writeback.FORECAST and bool(
+            getattr(self.policy, "defers_writeback", False)
+        )
+        self._wb_token: dict[str, int] = {}
+        self._wb_due: dict[str, float] = {}
+        if self._wb_on:
+            self.pool.before_evict = self._before_evict
+        self._wb_heap: list[tuple[float, int, str]] = []
+        self._wb_seq = itertools.count(1)
+        self._wb_filled = 0
+        self.head_need = 0
+        """Blocks the head of the waiting queue lacked at the last admission (0: none left)."""
+
+    def _picture(self) -> AdmissionPicture:
+        pool = self.pool
+        need = self.head_need if self.waiting else 0
+        return AdmissionPicture(
+            waiting=1 if need else 0,
+            blocks_needed=need,
+            free_blocks=pool.empty + pool.cached_free,
+        )
+
+    def _observe_pool(self) -> None:
+        if not self._wb_on:
+            return
+        pool = self.pool
+        filled = pool.filled - self._wb_filled
+        self._wb_filled = pool.filled
+        self.trend.observe(self.env.now, pool.empty + pool.cached_free, float(filled))
+        if self._wb_heap:
+            self._check_writebacks()
+
+    def _eviction_forecast(self) -> float:
+        if not self._wb_on:
+            return 0.0
+        return self.trend.seconds_to_eviction(self._picture())
+
+    def _defer_writeback(self, tid: str) -> None:
+        token = next(self._wb_seq)
+        self._wb_token[tid] = token
+        pic = self._picture()
+        own = self.pool.lru.get(tid, 0)
+        ahead = 0
+        if self.trend.last is not None:
+            ahead = max(0, pic.free_blocks - own - pic.blocks_needed)
+        due = self.trend.filled_total + ahead
+        self._wb_due[tid] = due
+        heapq.heappush(self._wb_heap, (due, token, tid))
+        self.writebacks["deferred"] += 1
+
+    def _writeback_cancel(self, tid: str) -> None:
+        self._wb_token.pop(tid, None)
+        self._wb_due.pop(tid, None)
+
+    def _check_writebacks(self) -> None:
+        heap = self._wb_heap
+        trend = self.trend
+        high_water = self.policy.high_water or 1.0
+        everything = self._picture().blocked or self.pool.usage() > high_water
+        params: PolicyParams = getattr(self.policy, "params", PolicyParams())
+        while heap:
+            due, token, tid = heap[0]
+            live = self._wb_token.get(tid) == token
+            if (
+                live
+                and not everything
+                and trend.seconds_to_write(due - trend.filled_total) > params.writeback_horizon_s
+            ):
+                break
+            heapq.heappop(heap)
+            if live:
+                self._write_back(tid)
+
+    def _write_back(self, tid: str, saved: int | None = None) -> None:
+        """Copy what vLLM still caches of the trajectory (a prefix of its context), or its
+        first ``saved`` blocks (the rest is being overwritten)."""
+        del self._wb_token[tid]
+        self._wb_due.pop(tid, None)
+        pool = self.pool
+        want = self.copy_blocks.get(tid, 0)
+        have = min(want, pool.private.get(tid, 0)) if tid in pool.lru else 0
+        if saved is not None:
+            have = min(have, saved)
+        if have < want:
+            self.writebacks["lost_blocks"] += want - have
+        if have == 0:
+            self.writebacks["lost"] += 1
+            return
+        now = self.env.now
+        if self.host is not None and self.host.store(tid, have, now) is not None:
+            self.writebacks["copied"] += 1
+            if self.remote is not None:
+                self.remote.store(tid, have, now)
+
+    def _before_evict(self, need: int) -> None:
+        if not self._wb_token:
+            return
+        pool = self.pool
+        empty = pool.empty
+        reached: list[tuple[str, int, int]] = []  # (tid, blocks written before it, its blocks)
+        ahead = empty
+        for key, n in pool.lru.items():
+            if ahead >= empty + need:
+                break
+            if key in self._wb_token:
+                reached.append((key, ahead, n))
+            ahead += n
+        for tid, start, n in reached:
+            self._write_back(tid, self._saved_by_ticks(tid, start, n))
+
+    def _saved_by_ticks(self, tid: str, start: int, n: int) -> int:
+        """Blocks of a deferred trajectory (``n``, after ``start`` others in the free queue)
+        that the manager's ticks copy before vLLM, a chunk per step, overwrites them."""
+        if self._picture().blocked or self.pool.usage() > (self.policy.high_water or 1.0):
+            return n  # the manager copies every deferred trajectory at once
+        c = self.costs
+        per_step = max(1, c.max_batched_tokens // c.block_tokens)
+        dt = c.step_s(c.prefill_s(c.max_batched_tokens, 0))
+        horizon = getattr(self.policy, "params", PolicyParams()).writeback_horizon_s
+        trend = replace(self.trend)
+        due = self._wb_due[tid]
+        now = self.env.now
+        free = self.pool.empty + self.pool.cached_free
+        written = 0
+        while written < start + n:
+            if trend.seconds_to_write(due - trend.filled_total) <= horizon:
+                return n - max(0, written - start)
+            now += dt
+            written += per_step
+            trend.observe(now, free - written, float(per_step))
+        return 0
