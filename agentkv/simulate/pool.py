@@ -167,7 +167,9 @@ class BlockPool:
         if new_blocks > self.empty:
             evicted = self._evict(new_blocks - self.empty)
         self.active += new_blocks
-        self.filled += new_blocks
+        # The fill as the plugin measures it: the request's new blocks and its hits, which
+        # leave the LRU as surely as evicted blocks do (scheduler_side._sample_step).
+        self.filled += new_blocks + prefix_hit + private_hit
         if prefix_blocks:
             self.prefix_refs[group] = self.prefix_refs.get(group, 0) + 1
             self.prefix_cached[group] = max(self.prefix_cached.get(group, 0), prefix_blocks)

@@ -167,6 +167,7 @@ class SchedulerSide(ControlOps):
         )
         self._step_sample: tuple[float, int] | None = None
         self._step_tokens = 0
+        self._step_hit_blocks = 0
         self.pinner = VllmBlockPinner()
         config = manager_config(
             settings,
@@ -429,7 +430,7 @@ class SchedulerSide(ControlOps):
             blocks_needed=max(0, head[1]) + self._free_hits(head[2], head[3]) if head else 0,
             free_blocks=free,
             preempted=len(preempted),
-            filled_blocks=self._step_tokens / max(1, self.block_size),
+            filled_blocks=self._step_tokens / max(1, self.block_size) + self._step_hit_blocks,
         )
 
     def _free_hits(self, request: Any, num_computed: int) -> int:
@@ -484,11 +485,22 @@ class SchedulerSide(ControlOps):
         its output (or to the next step when vLLM reports no connector output)."""
         self._end_step_sample()
         self._step_tokens = 0
+        self._step_hit_blocks = 0
         per_req = getattr(scheduler_output, "num_scheduled_tokens", None)
         if not per_req:
             return
         total = sum(per_req.values())
         self._step_tokens = total  # the KV this step writes (the pool's fill, admission_of)
+        # A request scheduled for the first time also takes its prefix-cache hit out of the
+        # free queue (vLLM's touch) and its tier load's blocks off the queue's head: both move
+        # a freed block closer to eviction as surely as new KV does. Without them the forecast
+        # ran late and deferred write-backs lost contexts (issue 26; the simulator found it).
+        # Counting hits that running requests already held overstates the fill: the forecast
+        # errs early, towards a copy nobody reads, never towards a lost context.
+        self._step_hit_blocks = sum(
+            int(getattr(r, "num_computed_tokens", 0) or 0) // max(1, self.block_size)
+            for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ()
+        )
         prefill = sum(n for n in per_req.values() if n > 1)
         if prefill >= PREFILL_SAMPLE_MIN_TOKENS and prefill >= 0.8 * total:
             self._step_sample = (time.perf_counter(), total)
