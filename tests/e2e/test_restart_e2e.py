@@ -1,4 +1,4 @@
-"""Restart and crash recovery with a disk tier, on the real server (two starts per test).
+"""Restart and crash recovery with a disk tier, on the real server (three starts, one test).
 
 - A clean stop and start: a trajectory offloaded to disk before the stop resumes from its disk
   files (tier-cached tokens > 0) with exactly the tokens and logprobs of vLLM's own cache.
@@ -66,38 +66,39 @@ def _resumes_exactly(server: Server, tid: str, turns: tuple[Any, Any], salt: str
     return dict(stats)
 
 
-def test_a_clean_restart_resumes_a_disk_offloaded_trajectory_bit_exactly() -> None:
+def test_a_clean_restart_then_a_kill_9_during_an_offload() -> None:
+    """Three starts on one disk tier (one start per restart: each costs ~20-60 s here).
+
+    1 -> 2, a clean stop: "survivor", offloaded to disk before, is restored and resumes bit
+    exactly. 2 -> 3, kill -9 while "cut"'s disk write is under way: no leftover of the cut write
+    is kept, "done" (offloaded before the kill) resumes bit exactly, and "cut"'s next turn is
+    correct (the tokens of a full recompute)."""
     work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-restart-"))
-    turns = two_turns(700)
-    with start_server(work, own_connector(work)) as before:
-        _offload_to_disk(before, work, "survivor", turns[0])
-    with start_server(work, own_connector(work)) as after:
-        view = after.trajectory("survivor")["branches"]["main"]
+    turns, done, cut = two_turns(700), two_turns(800), two_turns(900)
+    with start_server(work, own_connector(work)) as first:
+        _offload_to_disk(first, work, "survivor", turns[0])
+    with start_server(work, own_connector(work)) as second:
+        view = second.trajectory("survivor")["branches"]["main"]
         assert view["state"] == "offloaded" and view["tier"] == "disk", view
-        assert after.counters()["trajectories_restored"] == 1
-        _resumes_exactly(after, "survivor", turns, "ref-restart")
-
-
-def test_kill_9_during_an_offload_then_restart_serves_only_what_is_whole() -> None:
-    work = Path(tempfile.mkdtemp(prefix="agentkv-e2e-crash-"))
-    done, cut = two_turns(800), two_turns(900)
-    with start_server(work, own_connector(work)) as before:
-        _offload_to_disk(before, work, "done", done[0])
-        before.chat(cut[0], trajectory="cut")
-        decision = before.pause("cut", "cut-tool", 3600.0)
+        assert second.counters()["trajectories_restored"] == 1
+        _resumes_exactly(second, "survivor", turns, "ref-restart")
+        second.end("survivor")
+        _offload_to_disk(second, work, "done", done[0])
+        second.chat(cut[0], trajectory="cut")
+        decision = second.pause("cut", "cut-tool", 3600.0)
         assert decision["decision"]["action"] == "offload_disk"
-        os.killpg(before.proc.pid, signal.SIGKILL)  # the disk write of "cut" is under way
-        before.proc.wait(timeout=30)
+        os.killpg(second.proc.pid, signal.SIGKILL)  # the disk write of "cut" is under way
+        second.proc.wait(timeout=30)
     # What a write cut by the crash could leave: a temp file next to the blocks.
     fanout = next(p for p in (work / "disk" / "rank0").iterdir() if p.is_dir())
     (fanout / ".tmp-cut-write").write_bytes(b"\0" * 4096)
-    with start_server(work, own_connector(work)) as after:
+    with start_server(work, own_connector(work)) as third:
         assert not [p for p in (work / "disk").rglob(".tmp-*")], "a cut write was kept"
-        _resumes_exactly(after, "done", done, "ref-crash-done")
-        first, second = cut
-        after.chat(first, salt="ref-crash-cut")
-        ref = after.chat(second, salt="ref-crash-cut")
-        got = after.chat(second, trajectory="cut")
+        _resumes_exactly(third, "done", done, "ref-crash-done")
+        first_turn, second_turn = cut
+        third.chat(first_turn, salt="ref-crash-cut")
+        ref = third.chat(second_turn, salt="ref-crash-cut")
+        got = third.chat(second_turn, trajectory="cut")
         assert [t for t, _ in tokens_and_logprobs(got)] == [t for t, _ in tokens_and_logprobs(ref)]
         stats = got["kv_transfer_params"]["agentkv"]
         if stats["tier_hit_tokens"]:  # its store finished and was listed before the kill

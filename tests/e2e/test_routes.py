@@ -38,7 +38,8 @@ def test_short_wait_retains_and_resume_hits_device(server: Server) -> None:
     free_blocks = NUM_BLOCKS - 1 - branch["pinned_blocks"]
     noise_blocks, seed = 0, 2050
     while noise_blocks <= free_blocks:
-        noise = [{"role": "user", "content": long_text(seed, 1000)}]  # ~6k tokens, ~47 blocks
+        # ~1.3k tokens, ~10 blocks: short prompts prefill faster per token on this CPU
+        noise = [{"role": "user", "content": long_text(seed, 260)}]
         noise_blocks += len(server.tokenize(noise)) // 128
         server.chat(noise, salt="retain-noise", max_tokens=1)
         seed += 1
