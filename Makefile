@@ -21,8 +21,12 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python examples/demo.py
 
+# Two test processes (pytest-xdist), whole modules each: a vLLM server computes on one torch
+# thread and a server start is one core of imports, so two streams keep both cores busy. Each
+# process starts its own shared e2e server. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -ra --timeout=900
+	$(BIN)/python -m pytest -q -ra --timeout=900 -n $(TEST_WORKERS) --dist loadfile
 
 # The safety net at depth: the manager's stateful test with 5,000 programs of up to 150 steps
 # (docs/testing.md), and the fake-store contract with 2,000 sequences. About an hour on 2 cores.

@@ -225,9 +225,17 @@ def build_model(preset: str = "tiny", out: Path | None = None) -> Path:
             "python": sys.version.split()[0],
         }
         (tmp / MARKER_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        # Concurrent builders (parallel test workers, two servers started at once): the first
+        # to finish wins; never remove a complete folder another process may be loading.
+        if is_complete(target, spec):
+            return target
         if target.exists():
             shutil.rmtree(target)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not is_complete(target, spec):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

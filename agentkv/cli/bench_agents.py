@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from agentkv.cli import bench_agents_options as options
-from agentkv.cli.bench_common import bench_command, run_or_fail
+from agentkv.cli.bench_common import bench_command, print_paths, run_or_fail
 from agentkv.cli.common import fail
 
 if TYPE_CHECKING:
@@ -211,9 +211,7 @@ def _show_report(report: dict[str, Any], out: Path, as_json: bool) -> None:
     from rich.markdown import Markdown
 
     Console().print(Markdown((out / "report.md").read_text()))
-    Console(stderr=True).print(
-        f"report: {out / 'report.json'}, {out / 'report.md'}, plots: {out}/*.png"
-    )
+    print_paths(f"report: {out / 'report.json'}, {out / 'report.md'}, plots: {out}/*.png")
 
 
 def _matrix(
@@ -241,7 +239,7 @@ def _show_sweep(sweep: dict[str, Any], out: Path, as_json: bool) -> None:
     from rich.markdown import Markdown
 
     Console().print(Markdown((out / "sweep.md").read_text()))
-    Console(stderr=True).print(
+    print_paths(
         f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}; each pool size's report: {out}/pool-*/"
     )
 
@@ -309,9 +307,7 @@ def _trace(
     from rich.markdown import Markdown
 
     Console().print(Markdown((out / "report.md").read_text()))
-    Console(stderr=True).print(
-        f"report: {out / 'report.json'}, {out / 'report.md'}, plots: {out}/trace_*.png"
-    )
+    print_paths(f"report: {out / 'report.json'}, {out / 'report.md'}, plots: {out}/trace_*.png")
 
 
 def register(app: typer.Typer) -> None:

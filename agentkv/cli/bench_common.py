@@ -75,4 +75,12 @@ def show_report(
     from rich.markdown import Markdown
 
     Console().print(Markdown((out / "report.md").read_text()))
-    Console(stderr=True).print(f"report: {out / 'report.json'}, {out / 'report.md'}")
+    print_paths(f"report: {out / 'report.json'}, {out / 'report.md'}")
+
+
+def print_paths(line: str) -> None:
+    """One line naming output files, on stderr, never wrapped: a path broken at the terminal's
+    width cannot be copied."""
+    from rich.console import Console
+
+    Console(stderr=True, soft_wrap=True).print(line, highlight=False)
