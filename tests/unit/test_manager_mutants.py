@@ -302,3 +302,46 @@ def test_status_lists_the_tools_the_predictor_learned() -> None:
     rig.clock.advance(0.2)
     assert rig.mgr.resume("t1", "main")[0] == 200
     assert rig.mgr.status()["predictor"] == {"pytest": 1}
+
+
+# ---------------------------------------------------------------- sample E (seed 41, docs/testing.md)
+
+
+def test_a_pause_with_an_empty_tool_list_is_learned_as_unknown() -> None:
+    """Mutant core.pause__mutmut_6 (the placeholder name changed): a pause naming no tool is
+    predicted, shown and learned under "unknown", the name the prefetch stats give no tool."""
+    rig = make_rig()
+    rig.turn("t1", P1)
+    code, body = rig.mgr.pause("t1", "main", [], 30.0)
+    assert code == 200 and "tools" not in body
+    assert branch(rig).tool == "unknown"
+    assert rig.mgr.get("t1")[1]["branches"]["main"]["tool"] == "unknown"
+
+
+def test_a_new_trajectory_arms_no_timer_that_is_already_due() -> None:
+    """Mutant ownership.Namespace.for_request__mutmut_20 (the idle timer armed at now - ttl):
+    the control thread sleeps ``next_deadline()`` seconds, so a new trajectory's idle timer
+    must come up after its TTL, not at once (a spurious wake-up per new trajectory)."""
+    rig = make_rig(idle_ttl_s=600.0)
+    req = rig.eng.new_request("t1", "main", P1, max_new=0)
+    assert rig.mgr.next_deadline() is None
+    rig.eng.schedule(req)  # the lookup creates t1
+    assert rig.mgr.knows("t1")
+    assert rig.mgr.next_deadline() == pytest.approx(600.0)
+
+
+def test_a_new_pause_forgets_why_the_engine_moved_the_branch_last_time() -> None:
+    """Mutant pauses.Pauses._note_pause__mutmut_5 (``demoted_by = ""``): GET says null, not an
+    empty reason, once the branch is paused again."""
+    rig = make_rig()
+    offloaded(rig)  # grace expired: demoted_by grace_expired
+    assert branch(rig).demoted_by is DemotedBy.GRACE_EXPIRED
+    assert rig.mgr.pause("t1", "main", "grep", 30.0)[0] == 200
+    assert branch(rig).demoted_by is None
+    assert rig.mgr.get("t1")[1]["branches"]["main"]["demoted_by"] is None
+
+
+def test_status_names_the_block_size_in_bytes() -> None:
+    """Mutant views._status_view__mutmut_65 (the ``block_bytes`` key renamed)."""
+    rig = make_rig()
+    assert rig.mgr.status()["pool"]["block_bytes"] == 1 << 20

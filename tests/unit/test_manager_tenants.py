@@ -63,8 +63,11 @@ def test_control_ops_of_another_tenant_never_reach_the_trajectory() -> None:
     a_keys = {key_of(h) for h in rig.eng.hashes(secret, "tenant-a")}
     for tenant in ("tenant-b", None):
         assert rig.mgr.get("t1", tenant=tenant)[0] == 404
-        assert rig.mgr.pause("t1", "main", "tool", 1.0, tenant=tenant)[0] == 404
-        assert rig.mgr.resume("t1", "main", tenant=tenant)[0] == 404
+        # The answers name the id as the client sent it, never its namespaced table key.
+        code, body = rig.mgr.pause("t1", "main", "tool", 1.0, tenant=tenant)
+        assert code == 404 and body["detail"] == "unknown trajectory 't1'"
+        code, body = rig.mgr.resume("t1", "main", tenant=tenant)
+        assert code == 404 and body["detail"] == "unknown trajectory or branch 't1'"
         code, body = rig.mgr.delete("t1", tenant=tenant)
         assert code == 404 and body["detail"] == "unknown trajectory 't1'"
         assert not rig.mgr.knows("t1", tenant=tenant)
