@@ -345,3 +345,40 @@ def test_status_names_the_block_size_in_bytes() -> None:
     """Mutant views._status_view__mutmut_65 (the ``block_bytes`` key renamed)."""
     rig = make_rig()
     assert rig.mgr.status()["pool"]["block_bytes"] == 1 << 20
+
+
+# ---------------------------------------------------------------- sample F (seed 43, docs/testing.md)
+
+
+def test_an_offload_counts_one_store_of_its_blocks() -> None:
+    """Mutant transitions.Transitions.offload__mutmut_97 (the ``stores`` counter counts down)."""
+    rig = make_rig()
+    offloaded(rig)
+    assert (rig.mgr.counters["stores"], rig.mgr.counters["store_blocks"]) == (1, 4)
+
+
+def test_a_delete_says_how_many_pinned_blocks_it_released() -> None:
+    """Mutant ownership.Namespace.release__mutmut_31 (released blocks counted down)."""
+    rig = make_rig()
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "main", "fast", 0.001)[1]["state"] == "retained"
+    assert len(branch(rig).pinned) == 4
+    code, body = rig.mgr.delete("t1")
+    assert code == 200 and body["released_blocks"] == 4
+
+
+def test_a_failed_upload_is_counted_once_and_uploads_nothing() -> None:
+    """Mutants jobtable.JobTable._upload_done__mutmut_12 and _16 (a failed upload counted as
+    uploaded blocks, or under another name)."""
+    rig = make_rig(remote_enabled=True)
+    rig.turn("t1", P1)
+    rig.clock.advance(1.0)
+    for _ in range(4):  # grace expires, the host copy is written; the remote tier is down
+        rig.eng.step()
+        for p in rig.workers.completable():
+            upload = getattr(p.job, "kind", None) == "upload"
+            rig.workers.complete(p, "io_error" if upload else "ok")
+        rig.eng.deliver_reports()
+    assert branch(rig).state is BranchState.OFFLOADED
+    assert rig.mgr.counters["remote_upload_failures"] == 1
+    assert rig.mgr.counters["remote_uploaded_blocks"] == 0
