@@ -36,7 +36,7 @@ copy_tests() {  # into $1: the tests the selection names, and what they import
         key_helpers.py remote_fixtures.py \
         test_manager.py test_manager_bugs.py test_manager_mutants.py test_manager_net.py \
         test_manager_pressure.py test_manager_tenants.py test_manager_stateful.py test_recovery.py \
-        test_writeback.py test_preempt_save.py \
+        test_writeback.py test_preempt_save.py test_device_prefetch.py test_invalidation.py \
         test_tiers_store.py test_fake_store.py test_tiers_remote.py test_tiers_store_remote.py; do
         cp "$root/tests/unit/$f" "$1/tests/unit/"
     done

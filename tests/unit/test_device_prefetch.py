@@ -50,6 +50,8 @@ def test_a_resume_after_the_prefetch_is_a_device_hit(disk: bool) -> None:
     assert branch(rig).tier == ("disk" if disk else "host")
     (pre,) = _due(rig)
     assert pre.prompt == P1 and pre.max_new == 1
+    assert rig.mgr.counters["device_prefetch_orders"] == 1
+    assert rig.mgr.counters["device_prefetch_repins"] == 0
     rig.run(pre)
     b = branch(rig)
     assert b.state is BranchState.RETAINED and len(b.pinned) == 4

@@ -302,3 +302,83 @@ def test_status_lists_the_tools_the_predictor_learned() -> None:
     rig.clock.advance(0.2)
     assert rig.mgr.resume("t1", "main")[0] == 200
     assert rig.mgr.status()["predictor"] == {"pytest": 1}
+
+
+# ---------------------------------------------------------------- sample E (seed 41, docs/testing.md)
+
+
+def test_a_pause_with_an_empty_tool_list_is_learned_as_unknown() -> None:
+    """Mutant core.pause__mutmut_6 (the placeholder name changed): a pause naming no tool is
+    predicted, shown and learned under "unknown", the name the prefetch stats give no tool."""
+    rig = make_rig()
+    rig.turn("t1", P1)
+    code, body = rig.mgr.pause("t1", "main", [], 30.0)
+    assert code == 200 and "tools" not in body
+    assert branch(rig).tool == "unknown"
+    assert rig.mgr.get("t1")[1]["branches"]["main"]["tool"] == "unknown"
+
+
+def test_a_new_trajectory_arms_no_timer_that_is_already_due() -> None:
+    """Mutant ownership.Namespace.for_request__mutmut_20 (the idle timer armed at now - ttl):
+    the control thread sleeps ``next_deadline()`` seconds, so a new trajectory's idle timer
+    must come up after its TTL, not at once (a spurious wake-up per new trajectory)."""
+    rig = make_rig(idle_ttl_s=600.0)
+    req = rig.eng.new_request("t1", "main", P1, max_new=0)
+    assert rig.mgr.next_deadline() is None
+    rig.eng.schedule(req)  # the lookup creates t1
+    assert rig.mgr.knows("t1")
+    assert rig.mgr.next_deadline() == pytest.approx(600.0)
+
+
+def test_a_new_pause_forgets_why_the_engine_moved_the_branch_last_time() -> None:
+    """Mutant pauses.Pauses._note_pause__mutmut_5 (``demoted_by = ""``): GET says null, not an
+    empty reason, once the branch is paused again."""
+    rig = make_rig()
+    offloaded(rig)  # grace expired: demoted_by grace_expired
+    assert branch(rig).demoted_by is DemotedBy.GRACE_EXPIRED
+    assert rig.mgr.pause("t1", "main", "grep", 30.0)[0] == 200
+    assert branch(rig).demoted_by is None
+    assert rig.mgr.get("t1")[1]["branches"]["main"]["demoted_by"] is None
+
+
+def test_status_names_the_block_size_in_bytes() -> None:
+    """Mutant views._status_view__mutmut_65 (the ``block_bytes`` key renamed)."""
+    rig = make_rig()
+    assert rig.mgr.status()["pool"]["block_bytes"] == 1 << 20
+
+
+# ---------------------------------------------------------------- sample F (seed 43, docs/testing.md)
+
+
+def test_an_offload_counts_one_store_of_its_blocks() -> None:
+    """Mutant transitions.Transitions.offload__mutmut_97 (the ``stores`` counter counts down)."""
+    rig = make_rig()
+    offloaded(rig)
+    assert (rig.mgr.counters["stores"], rig.mgr.counters["store_blocks"]) == (1, 4)
+
+
+def test_a_delete_says_how_many_pinned_blocks_it_released() -> None:
+    """Mutant ownership.Namespace.release__mutmut_31 (released blocks counted down)."""
+    rig = make_rig()
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "main", "fast", 0.001)[1]["state"] == "retained"
+    assert len(branch(rig).pinned) == 4
+    code, body = rig.mgr.delete("t1")
+    assert code == 200 and body["released_blocks"] == 4
+
+
+def test_a_failed_upload_is_counted_once_and_uploads_nothing() -> None:
+    """Mutants jobtable.JobTable._upload_done__mutmut_12 and _16 (a failed upload counted as
+    uploaded blocks, or under another name)."""
+    rig = make_rig(remote_enabled=True)
+    rig.turn("t1", P1)
+    rig.clock.advance(1.0)
+    for _ in range(4):  # grace expires, the host copy is written; the remote tier is down
+        rig.eng.step()
+        for p in rig.workers.completable():
+            upload = getattr(p.job, "kind", None) == "upload"
+            rig.workers.complete(p, "io_error" if upload else "ok")
+        rig.eng.deliver_reports()
+    assert branch(rig).state is BranchState.OFFLOADED
+    assert rig.mgr.counters["remote_upload_failures"] == 1
+    assert rig.mgr.counters["remote_uploaded_blocks"] == 0

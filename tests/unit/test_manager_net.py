@@ -227,3 +227,21 @@ def test_the_index_knows_its_remote_copies_until_their_ttl_and_does_not_upload_t
     assert not any(rig.mgr.index.external(k, rig.clock.now()) for k in keys)
     rig.mgr.transitions.upload(keys)
     assert [job.kind for job in rig.mgr.jobs.values()] == ["upload"]
+
+
+def test_the_pause_span_keeps_the_observed_wait_and_says_how_the_pause_ended() -> None:
+    """Mutants pauses.Pauses.note_resume__mutmut_51 (the observed wait rounded to whole seconds)
+    and ownership.Namespace.release__mutmut_25 (a DELETE ends the span without its outcome)."""
+    rig = make_rig()
+    spans = _Spans()
+    rig.mgr.otel = spans
+    offloaded(rig)
+    assert rig.mgr.pause("t1", "main", "grep", 30.0)[0] == 200
+    rig.clock.advance(2.25)
+    rig.mgr.resume("t1", "main")
+    ended = spans.ended.pop(("t1", "main"))
+    assert ended["agentkv.outcome"] == "resumed"
+    assert ended["agentkv.observed_wait_s"] == pytest.approx(2.25)
+    assert rig.mgr.pause("t1", "main", "grep", 30.0)[0] == 200
+    assert rig.mgr.delete("t1")[0] == 200
+    assert spans.ended[("t1", "main")] == {"agentkv.outcome": "deleted"}

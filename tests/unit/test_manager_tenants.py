@@ -63,8 +63,11 @@ def test_control_ops_of_another_tenant_never_reach_the_trajectory() -> None:
     a_keys = {key_of(h) for h in rig.eng.hashes(secret, "tenant-a")}
     for tenant in ("tenant-b", None):
         assert rig.mgr.get("t1", tenant=tenant)[0] == 404
-        assert rig.mgr.pause("t1", "main", "tool", 1.0, tenant=tenant)[0] == 404
-        assert rig.mgr.resume("t1", "main", tenant=tenant)[0] == 404
+        # The answers name the id as the client sent it, never its namespaced table key.
+        code, body = rig.mgr.pause("t1", "main", "tool", 1.0, tenant=tenant)
+        assert code == 404 and body["detail"] == "unknown trajectory 't1'"
+        code, body = rig.mgr.resume("t1", "main", tenant=tenant)
+        assert code == 404 and body["detail"] == "unknown trajectory or branch 't1'"
         code, body = rig.mgr.delete("t1", tenant=tenant)
         assert code == 404 and body["detail"] == "unknown trajectory 't1'"
         assert not rig.mgr.knows("t1", tenant=tenant)
@@ -172,4 +175,30 @@ def test_a_request_waiting_for_its_remote_fetch_at_delete_never_recreates_the_tr
     assert not rig.host_keys() and len(rig.mgr.index) == 0
     assert rig.mgr.pinned_blocks() == 0 and not any(rig.pool.pins)
     assert rig.mgr.counters["requests_of_deleted_trajectories"] == 1
+    assert not rig.eng.violations
+
+
+def test_a_request_waiting_for_its_remote_fetch_outlives_a_cap_eviction() -> None:
+    """Mutant ownership.Namespace.release__mutmut_62 (a cap eviction treated as final): only a
+    DELETE orphans the requests that wait for a trajectory. One evicted by the cap is merely
+    forgotten, so its waiting request runs as its turn again (counted, GET answers)."""
+    from agentkv.manager import LookupStatus
+
+    rig = make_rig(remote_enabled=True, max_trajectories=2)
+    offloaded(rig)
+    rig.settle()  # uploaded to the shared remote tier
+    rig.mgr.delete("t1")
+    rig.eng.step()
+    rig.flush()
+    req = rig.eng.new_request("elsewhere", "main", P1)
+    hashes = rig.eng.hashes(P1)
+    assert rig.mgr.on_lookup(req.req_id, req.params, P1, hashes, 0).status is LookupStatus.PENDING
+    for i in range(2):  # two newer trajectories: the cap evicts "elsewhere"
+        rig.turn(f"c{i}", [30 + i] * 5)
+    assert rig.mgr.counters["trajectories_evicted_cap"] >= 1 and not rig.mgr.knows("elsewhere")
+    rig.settle()
+    rig.run(req, steps=16)
+    assert req.status == "FINISHED" and req.stats is not None
+    assert rig.mgr.counters["requests_of_deleted_trajectories"] == 0
+    assert rig.mgr.get("elsewhere")[0] == 200
     assert not rig.eng.violations

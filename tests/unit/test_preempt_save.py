@@ -91,3 +91,24 @@ def test_a_preemption_of_a_deleted_trajectory_saves_nothing() -> None:
     rig.mgr.delete("t1")
     _, plan = _preempt(rig, req)
     assert plan.stores == [] and rig.mgr.counters["preempt_saves"] == 0
+
+
+def test_every_preemption_save_adds_its_tokens() -> None:
+    """Mutant requests.RequestTable.preempt__mutmut_114 (the saved tokens set, not added): a
+    request preempted twice saves 2 blocks, then the 2 it computed since."""
+    rig = make_rig()
+    req = _running(rig, P1, computed=10)  # 2 full blocks computed
+    _preempt(rig, req)
+    rig.eng.deliver_reports()
+    assert rig.mgr.counters["preempt_saved_tokens"] == 8
+    assert rig.eng.schedule(req)  # the device still caches the 2 blocks
+    rig.eng.step()
+    assert rig.eng.compute(req)
+    _, plan = _preempt(rig, req)
+    (store,) = plan.stores
+    assert [t.key for t in store.blocks] == [key_of(h) for h in rig.eng.hashes(P1)[2:4]]
+    counters = rig.mgr.counters
+    assert counters["preempt_saves"] == 2 and counters["preempt_saved_tokens"] == 16
+    rig.eng.deliver_reports()
+    rig.run(req)
+    assert req.status == "FINISHED" and rig.eng.violations == []

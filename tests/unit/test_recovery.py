@@ -131,3 +131,26 @@ def test_a_worker_keeps_only_listed_files_of_its_own_identity(tmp_path: Path) ->
     assert left == [files.path_for(keep_a).name]
     out = np.zeros(block, np.uint8)
     assert files.read_into(keep_a, [out]) and np.array_equal(out, payload)
+
+
+def test_the_keeper_writes_on_its_own_every_interval(tmp_path: Path) -> None:
+    """Mutant recovery.ManifestKeeper._run__mutmut_2 (the thread waits for ``close`` only, so a
+    crash loses everything since the start): the keeper's thread writes without being asked."""
+    import threading
+
+    wrote = threading.Event()
+
+    class Signalling(ManifestKeeper):
+        def write_if_changed(self) -> bool:
+            changed = super().write_if_changed()
+            wrote.set()
+            return changed
+
+    rig = make_rig(disk=32)
+    path = manifest_path(tmp_path)
+    keeper = Signalling(rig.mgr, path, lambda: (IDENTITY, BASE_GENERATION), interval_s=0.01)
+    try:
+        assert wrote.wait(timeout=10.0), "the keeper's thread never wrote the manifest"
+        assert keeper.writes >= 1 and Manifest.read(path) is not None
+    finally:
+        keeper.close()

@@ -354,3 +354,62 @@ def test_a_block_dropped_while_it_is_demoted_is_a_miss_of_its_key(
     [result] = s.demote([key]).result(10)
     assert (result.key, result.status, result.error) == (key, BlockStatus.MISS, None)
     assert s.tier_of(key) is None and s.stats().disk.used_bytes == 0
+
+
+# ---------------------------------------------------------------- mutation sample E (docs/testing.md)
+
+
+def test_a_zero_block_size_is_refused(tmp_path: Path) -> None:
+    """Zero is refused, as a negative size is. (Mutant store.TieredStore.__init____mutmut_2,
+    ``block_bytes < 0``, is equivalent: the host arena built next refuses 0 with this error.)"""
+    from agentkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="block_bytes must be positive"):
+        TieredStore(BLOCK, None, 0, 0)
+
+
+def test_every_host_miss_counts_once(make) -> None:  # type: ignore[no-untyped-def]
+    """Mutant store.TieredStore.acquire_host__mutmut_17 (a miss counted twice)."""
+    s = make(2, None)
+    ks = keys(1)
+    assert store_all(s, ks) == [OK]
+    read = s.acquire_host([ks[0], *keys(2, "absent")])
+    assert read.missing == [1, 2]
+    s.release_host(read)
+    assert s.stats().counters["loads"] == 3 and s.stats().counters["misses"] == 2
+
+
+def test_stats_say_whether_the_disk_tier_bypasses_the_page_cache(make) -> None:  # type: ignore[no-untyped-def]
+    """Mutant store.TieredStore.stats__mutmut_33 (``direct_io`` always None)."""
+    assert make(2, 2, direct_io=False).stats().direct_io is False
+    assert make(2, None).stats().direct_io is None  # no disk tier
+
+
+def test_pin_memory_false_reaches_the_disk_staging_buffers(
+    make, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Mutant store.TieredStore.__init____mutmut_64 (the disk tier given ``pin_memory=None``:
+    with CUDA present it would pin its staging buffers though the caller said never)."""
+    asked: list[bool | None] = []
+    real = disk.allocate_host
+
+    def record(size: int, pin_memory: bool | None = None) -> object:
+        asked.append(pin_memory)
+        return real(size, pin_memory)
+
+    monkeypatch.setattr(disk, "allocate_host", record)
+    s = make(2, 2, pin_memory=False)
+    assert store_all(s, keys(1), tier="disk") == [OK]
+    assert asked and set(asked) == {False}
+
+
+def test_reopening_a_disk_tier_logs_what_it_found(make, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Mutant store_local.LocalTransfers._rebuild_disk_index__mutmut_31 (the log line given one
+    argument for two placeholders: a logging error instead of the line)."""
+    s = make(2, 4)
+    assert store_all(s, keys(3), tier="disk") == [OK] * 3
+    s.close()
+    with caplog.at_level("INFO", logger="agentkv.tiers.store"):
+        make(2, 4)
+    found = [r.getMessage() for r in caplog.records if "disk tier:" in r.msg]
+    assert found == [f"disk tier: 3 blocks found in {tmp_path / 'kv'}"]

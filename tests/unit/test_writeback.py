@@ -211,3 +211,21 @@ def test_a_deleted_cached_trajectory_is_never_copied_and_not_kept() -> None:
     assert rig.mgr.writebacks.heap == []  # the stale entry left the heap
     gc.collect()
     assert ref() is None
+
+
+def test_a_later_disk_decision_writes_a_cached_branch_to_disk() -> None:
+    """Mutant core._apply_pin_ops__mutmut_11 (the deferred copy made to write_back's default
+    tier, host, whatever the decision said): a CACHED branch whose next pause goes to disk is
+    copied to disk."""
+    rig = make_rig(defer_writeback=True, disk=32, policy=PolicyParams(disk_after_s=100.0))
+    _paused(rig)
+    rig.settle()
+    assert _branch(rig).state is BranchState.CACHED
+    code, body = rig.mgr.pause("t1", "main", "human", 400.0)
+    assert code == 200 and body["decision"]["action"] == "offload_disk", body
+    rig.settle()
+    b = _branch(rig)
+    assert b.state is BranchState.OFFLOADED and b.tier == "disk"
+    assert rig.disk_keys() == {key_of(h) for h in rig.eng.hashes(P1)[:4]}
+    assert rig.host_keys() == set()
+    assert rig.eng.violations == []
