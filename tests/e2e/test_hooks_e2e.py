@@ -113,11 +113,15 @@ def test_auto_pause_learns_the_tool_wait_and_keeps_the_prefix(server: Server) ->
     assert branch["state"] != "active"
     assert _hooks(server).get("auto_pauses", 0) == before.get("auto_pauses", 0) + 1
 
+    gaps: list[float] = []  # reply received -> next request sent: the tool wait, as sent
+    received = time.monotonic()
     for cycle in range(3):
-        time.sleep(SLEEP_S)
         nxt = _after_tool(msgs, reply, 17100 + cycle)
-        reply = server.chat(nxt, trajectory=tid, max_tokens=8, **_forced(tool))
         expected = full_blocks(lcp(_tokens(server, msgs, tool), _tokens(server, nxt, tool)))
+        time.sleep(max(0.0, received + SLEEP_S - time.monotonic()))  # the tool runs SLEEP_S
+        gaps.append(time.monotonic() - received)
+        reply = server.chat(nxt, trajectory=tid, max_tokens=8, **_forced(tool))
+        received = time.monotonic()
         assert _hits(reply) == expected > 0, (cycle, reply.get("kv_transfer_params"))
         msgs = nxt
 
@@ -127,7 +131,9 @@ def test_auto_pause_learns_the_tool_wait_and_keeps_the_prefix(server: Server) ->
     assert decision["wait_source"] == "observed", decision
     assert server.status()["predictor"].get(tool) == 3
     p50 = decision["wait_p50_s"]
-    assert abs(p50 - SLEEP_S) <= 0.2 * SLEEP_S, f"predicted p50 {p50} s for {SLEEP_S} s waits"
+    # The engine sees each wait from the response it sent to the request it parsed: the
+    # client's gap plus both ends' HTTP handling, which a loaded machine stretches.
+    assert 0.8 * min(gaps) <= p50 <= max(gaps) + 0.35 * SLEEP_S, (p50, gaps)
     server.end(tid)
 
 
