@@ -39,6 +39,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -349,7 +350,9 @@ def profile_engine(
     measured requests (the sampler takes CPU: it must not be inside a timed phase). Returns the
     file and its ``profile_summary``, or why there is none (never raises: a profile is an
     extra)."""
-    spy = shutil.which("py-spy")
+    # The venv's own py-spy when the bench runs as .venv/bin/agentkv without the venv on PATH.
+    beside = Path(sys.executable).parent / "py-spy"
+    spy = shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
     if spy is None:
         return {"status": "py-spy not installed"}
     pid = _engine_core_pid(server_pid)
