@@ -105,6 +105,11 @@ class EngineCosts:
     layerwise_overlap: bool = False
     """Tier loads overlap the prefill layer by layer (vLLM's KV connectors load layer i+1 while
     layer i computes): a resume waits max(load, prefill) instead of their sum."""
+    causal_attention: bool = False
+    """Count the attention pairs a causal kernel computes: a chunk of n tokens after c cached
+    ones attends to n*c + n(n+1)/2 pairs, not n*(c+n) (FlashAttention skips the masked half).
+    On for rates derived from a hardware peak (GPU presets), where the count must be the FLOPs
+    really done; off for fitted rates, which were fitted to the reference's n*(c+n) form."""
     name: str = "custom"
     source: str = ""
     provenance: Provenance = Provenance.CUSTOM
@@ -134,17 +139,26 @@ class EngineCosts:
         rate = self.attention_flops_per_s or self.prefill_flops_per_s
         return 4.0 * self.num_layers * self.hidden_size / rate
 
+    def attention_pairs(self, new: int, cached: int) -> float:
+        """(token, context token) pairs of ``new`` tokens after ``cached`` ones: n*(c + n), or
+        n*c + n(n+1)/2 with ``causal_attention``."""
+        if self.causal_attention:
+            return new * cached + new * (new + 1) / 2.0
+        return float(new) * (cached + new)
+
     def flops(self, new: int, cached: int) -> float:
         """FLOPs of computing ``new`` tokens that attend to ``cached`` earlier ones and to
-        themselves: 2*P*n + 4*L*d*n*(c + n)."""
-        return 2.0 * self.model_params * new + 4.0 * self.num_layers * self.hidden_size * new * (
-            cached + new
+        themselves: 2*P*n + 4*L*d per attention pair."""
+        return 2.0 * self.model_params * new + 4.0 * self.num_layers * self.hidden_size * (
+            self.attention_pairs(new, cached)
         )
 
     def prefill_s(self, new: int, cached: int = 0) -> float:
         """Compute time of ``new`` tokens after ``cached`` cached ones (prefill chunk or one
         decode token; no step overhead, no queueing)."""
-        return new * (self.linear_s_per_token + self.attention_s_per_pair * (cached + new))
+        return new * self.linear_s_per_token + self.attention_s_per_pair * self.attention_pairs(
+            new, cached
+        )
 
     def decode_token_s(self, context: int) -> float:
         """What one sequence with ``context`` tokens adds to a decode step."""
@@ -178,7 +192,11 @@ class EngineCosts:
         """What agentkv's pause policy is told about this engine: the FLOP form of the recompute
         time when one rate covers both terms, else a measured-looking tokens/s (that of a 4k
         prefill, what the plugin's online profile would see)."""
-        split = self.attention_flops_per_s not in (None, self.prefill_flops_per_s)
+        # The policy's FLOP formula has one rate and the reference's pair count.
+        split = self.causal_attention or self.attention_flops_per_s not in (
+            None,
+            self.prefill_flops_per_s,
+        )
         known = self.policy_prefill_known
         return CostModel(
             host_link_bytes_per_s=self.policy_host_link_bytes_per_s or self.host_link_bytes_per_s,

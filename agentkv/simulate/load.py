@@ -57,8 +57,8 @@ def _turn(
     """(engine seconds at ``batch``, seconds alone on an idle engine) of one turn."""
     new = max(1, prompt - cached)
     chunks = -(-new // costs.max_batched_tokens)
-    lin, attn, step = costs.linear_s_per_token, costs.attention_s_per_pair, costs.step_overhead_s
-    prefill = new * (lin + attn * prompt)
+    step = costs.step_overhead_s
+    prefill = costs.prefill_s(new, prompt - new)
     prefill = max(prefill, chunks * step) if costs.roofline else prefill + chunks * step
     decode_tokens = max(0, output - 1)
     # One token per decode step; the attention cost is that of the context mid-answer.

@@ -6,6 +6,7 @@ Primitives:
   MODELS                     llama-3.1-8b, llama-3.1-70b (GQA), deepseek-v2-lite (MLA)
   get_model(name)            lookup (ConfigError naming the known ones)
   PREFILL_MFU, ATTENTION_EFFICIENCY   achieved fractions of the dense BF16 peak (docs/simulate.md)
+  HOST_LINK_DMA_FRACTION   achieved fraction of the host link's datasheet rate
   gpu_costs(gpu, model, tp)  EngineCosts of one replica: ``tp`` GPUs of the preset serving the
                              model (vLLM's GPU defaults: 16-token blocks, 8,192-token step
                              budget, 1,024 sequences; NVMe disk tier; roofline steps)
@@ -13,9 +14,11 @@ Primitives:
 
 The step model on a GPU is a roofline: a step streams the weights once (the step's floor,
 ``step_overhead_s`` = weight bytes / HBM bandwidth) and overlaps that with its compute (every
-token's 2P FLOPs at PREFILL_MFU of the peak, attention at ATTENTION_EFFICIENCY) and its KV
-reads (context bytes / HBM bandwidth): step = max(weights, compute + KV reads). Framework
-overhead per step (scheduling, kernel launches) is not in any datasheet and is left out.
+token's 2P FLOPs at PREFILL_MFU of the peak, causal attention at ATTENTION_EFFICIENCY) and its
+KV reads (context bytes / HBM bandwidth): step = max(weights, compute + KV reads). The host
+link runs at HOST_LINK_DMA_FRACTION of its datasheet rate. The achieved fractions are measured
+figures (each constant names its source). Framework overhead per step (scheduling, kernel
+launches) and the connector's CPU work per block are not in any datasheet and are left out.
 """
 
 from __future__ import annotations
@@ -26,12 +29,21 @@ from agentkv.errors import ConfigError
 from agentkv.hardware import NVME_GEN4, GpuPreset, get_preset
 from agentkv.simulate.costs import EngineCosts, Provenance
 
-PREFILL_MFU = 0.5
-"""Achieved fraction of the dense peak on prefill GEMMs (45-60% in the reference's worked
-numbers; vLLM on H100 reaches about half of peak on long prefills)."""
-ATTENTION_EFFICIENCY = 0.5
-"""Achieved fraction of the peak in attention (FlashAttention-2 reaches 50-73% of peak on
-H100; FlashAttention-3 75%): the conservative end."""
+PREFILL_MFU = 0.71
+"""Achieved fraction of the dense peak on prefill GEMMs: vLLM prefilled 43,900 tokens/s of
+Llama-3.1-8B on one H100 (the vLLM blog's KV offloading post, 2026-01-08, Figure 2, the run
+without CPU offloading: 10,000 prompts of 512 tokens, where attention is under 2% of the work):
+2 x 8.03e9 x 43,900 = 705 TFLOPS of 989. Was 0.5 (the reference's 45-60%) until that
+comparison (docs/simulate.md, "A measured published result")."""
+ATTENTION_EFFICIENCY = 0.6
+"""Achieved fraction of the peak in causal attention: FlashAttention-3's forward pass, BF16,
+head dim 128, causal, on an H100 SXM5 reaches 579-616 TFLOPS from 4k to 16k tokens (Shah et al.
+2024, arXiv:2407.08608, Figure 5), 59-62% of 989. Counted with ``causal_attention``."""
+HOST_LINK_DMA_FRACTION = 0.8
+"""Share of the PCIe Gen5 x16 figure (64 GB/s each way) a host-to-device copy achieves:
+cudaMemcpyAsync of 2 MiB blocks (Llama-3.1-8B's 16-token block in vLLM >= 0.12) ran at 47.7
+GiB/s = 51.2 GB/s on an H100 (the same vLLM blog post, Figure 4; its Figure 2 reads the same
+rate off a run with every prompt loaded from CPU: 391k tokens/s x 128 KiB)."""
 GPU_BLOCK_TOKENS = 16
 GPU_MAX_BATCHED_TOKENS = 8192
 GPU_MAX_NUM_SEQS = 1024
@@ -132,13 +144,14 @@ def gpu_costs(gpu_name: str, model_name: str, tp: int = 1) -> EngineCosts:
         block_tokens=GPU_BLOCK_TOKENS,
         max_batched_tokens=GPU_MAX_BATCHED_TOKENS,
         max_num_seqs=GPU_MAX_NUM_SEQS,
-        host_link_bytes_per_s=link * tp,
+        host_link_bytes_per_s=link * HOST_LINK_DMA_FRACTION * tp,
         disk_read_bytes_per_s=NVME_GEN4.read_bytes_per_s,
         disk_write_bytes_per_s=NVME_GEN4.write_bytes_per_s,
         decode_seq_s=2.0 * model.params / (PREFILL_MFU * peak * tp),
         decode_context_s_per_token=model.kv_bytes_per_token / (hbm * tp),
         roofline=True,
         layerwise_overlap=True,
+        causal_attention=True,
         name=f"{model.name} on {tp} x {gpu.name}",
         source=f"{gpu.source}; {model.source}; {NVME_GEN4.source}",
         provenance=Provenance.PRESET,
