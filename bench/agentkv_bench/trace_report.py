@@ -513,7 +513,9 @@ def _bounds_markdown(report: dict[str, Any], names: list[str]) -> list[str]:
                 f"{n} pause decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(d.items())),
             ]
     ce = report.get("capacity_equal_bound")
-    if ce:
+    if ce and not ce.get("summary"):
+        lines += ["", f"Capacity-equal bound: {ce['how']} ({'; '.join(ce.get('notes', []))})."]
+    elif ce:
         b = ce["summary"]
         lines += [
             "",

@@ -335,3 +335,16 @@ def test_report_has_three_sections_oracle_ratios_and_check(tmp_path: Path) -> No
     ]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_bound_that_could_not_be_fitted_is_reported_without_numbers() -> None:
+    report = _report()
+    report["capacity_equal_bound"] = {
+        "how": "not computed: the oracle run could not be fitted",
+        "num_blocks": 12,
+        "summary": None,
+        "notes": ["too few measured turns (8) to fit on; kept bench-small-cpu's"],
+    }
+    md = to_markdown(report)
+    assert "Capacity-equal bound: not computed: the oracle run could not be fitted" in md
+    assert "too few measured turns (8)" in md
