@@ -70,3 +70,55 @@ def test_a_row_is_predicted_committed_then_compared_with_its_run(
     assert errs[("agentkv/vanilla", "jct_mean_s")][0] == pytest.approx(1.0)
     text = runner.invoke(app, ["simulate", "validate"]).output
     assert "calibration fitted to the run" in text and "NO" in text
+
+
+def test_a_trace_rows_command_runs_vanilla_and_agentkv_where_the_table_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The printed command is accepted by `agentkv bench agents`, runs no oracle, and its report
+    lands at the prediction's measured_report (a --configs run writes under pool-N/)."""
+    if not TRACE.is_file():
+        pytest.skip("the example trace is not on this machine")
+    import agentkv_bench.sweep_runner as sweep_runner
+    import agentkv_bench.trace_runner as trace_runner
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    args = ["simulate", "validate", "--predict", "ex", "--trace", str(TRACE), "--num-blocks", "12"]
+    pred = json.loads(runner.invoke(app, [*args, "--sessions", "2", "--json"]).stdout)
+    assert pred["row"]["sessions"] == 2
+    seen: dict[str, object] = {}
+
+    def fake_sweep(opts: object, sizes: list[int], progress: object) -> dict[str, object]:
+        seen.update(opts=opts, sizes=sizes)
+        return {}
+
+    monkeypatch.setattr(sweep_runner, "run_trace_sweep", fake_sweep)
+    # Without --configs the bench would run every configuration for real: never here.
+    monkeypatch.setattr(trace_runner, "run_trace_bench", lambda *a, **k: pytest.fail("no sweep"))
+    argv = pred["command"].split()
+    assert argv[:3] == ["agentkv", "bench", "agents"]
+    out = runner.invoke(app, argv[1:])
+    assert out.exit_code == 0, out.output
+    opts = seen["opts"]
+    assert opts.configs == ("vanilla", "agentkv") and opts.sessions == 2  # type: ignore[attr-defined]
+    assert seen["sizes"] == [12]
+    written = opts.out / "pool-12" / "report.json"  # type: ignore[attr-defined]
+    assert str(written) == pred["measured_report"]
+
+
+def test_a_generator_row_is_predicted_at_the_benchs_own_scales(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench generator runs at time scale 0.1 by default and its prompts are x1.125 its
+    targets: the prediction must use the same workload its command measures."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    out = runner.invoke(app, ["simulate", "validate", "--predict", "gen", "--json"])
+    assert out.exit_code == 0, out.output
+    pred = json.loads(out.stdout)
+    bad = runner.invoke(app, ["simulate", "validate", "--predict", "g", "--token-scale", "2"])
+    assert pred["row"]["time_scale"] == 0.1 and pred["row"]["token_scale"] == 1.125
+    assert "--time-scale 0.1 " in pred["command"] and "--host-capacity-gib 2" in pred["command"]
+    assert pred["measured_report"] == "bench/results/validation/gen/report.json"
+    assert bad.exit_code != 0 and "--trace row" in bad.output
