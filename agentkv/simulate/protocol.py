@@ -14,7 +14,9 @@ Primitives:
                           whether the prediction was committed before the report was written
 
 Held out means: the calibration was not fitted to the run it predicts (its provenance is not
-FITTED_TO_RUN) and the prediction's commit is older than the measured report.
+FITTED_TO_RUN) and the prediction's commit is older than the run's start (the report's
+``started_at``; for reports without it, the report file's mtime). ``same_command`` says whether
+the report was written by the row's own command.
 """
 
 from __future__ import annotations
@@ -159,12 +161,23 @@ def table_rows(preds_dir: Path = PREDICTIONS_DIR) -> list[dict[str, Any]]:
             "metrics": [],
         }
         if report_path.is_file():
-            measured_at = datetime.fromtimestamp(report_path.stat().st_mtime, timezone.utc)
+            report = json.loads(report_path.read_text(encoding="utf-8"))
+            started = report.get("started_at")
+            # The run's start when the report has it; else when the report was written (an
+            # older bench: a file's mtime, which a checkout resets).
+            if isinstance(started, str):
+                measured_at = datetime.fromisoformat(started.replace("Z", "+00:00"))
+            else:
+                measured_at = datetime.fromtimestamp(report_path.stat().st_mtime, timezone.utc)
             entry["measured"] = str(report_path)
             entry["measured_at"] = measured_at.strftime("%Y-%m-%dT%H:%M:%SZ")
+            entry["measured_at_is"] = "run start" if isinstance(started, str) else "report mtime"
             before = commit is not None and datetime.fromisoformat(commit[1]) < measured_at
             entry["committed_before_run"] = before
-            meas = _measured(json.loads(report_path.read_text(encoding="utf-8")))
+            # The run must be the row's: the bench writes the command it was given.
+            ran = report.get("command")
+            entry["same_command"] = None if ran is None else ran == pred["command"]
+            meas = _measured(report)
             p = pred["predicted"]
             for key in KEYS:
                 for policy in ("vanilla", "agentkv"):

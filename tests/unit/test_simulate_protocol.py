@@ -122,3 +122,46 @@ def test_a_generator_row_is_predicted_at_the_benchs_own_scales(
     assert "--time-scale 0.1 " in pred["command"] and "--host-capacity-gib 2" in pred["command"]
     assert pred["measured_report"] == "bench/results/validation/gen/report.json"
     assert bad.exit_code != 0 and "--trace row" in bad.output
+
+
+def test_a_run_that_started_before_the_commit_or_ran_another_command_is_flagged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report's own start time counts, not its file's mtime (a checkout resets that, and a
+    prediction committed while the run was under way is not a prediction); a report written by
+    another command than the row's is not the row's measurement."""
+    if not TRACE.is_file():
+        pytest.skip("the example trace is not on this machine")
+    monkeypatch.chdir(tmp_path)
+    _git(tmp_path, "init", "-q")
+    runner = CliRunner()
+    args = ["simulate", "validate", "--predict", "ex", "--trace", str(TRACE), "--num-blocks", "12"]
+    pred = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    _git(tmp_path, "add", "-f", str(protocol.PREDICTIONS_DIR / "ex.json"))
+    _git(tmp_path, "commit", "-qm", "prediction ex")
+    p = pred["predicted"]
+    report = {
+        "command": pred["command"].replace("--num-blocks 12", "--num-blocks 13"),
+        "started_at": "2000-01-01T00:00:00Z",
+        "configs": {"vanilla": {"summary": p["vanilla"]}, "agentkv": {"summary": p["agentkv"]}},
+    }
+    rp = tmp_path / pred["measured_report"]
+    rp.parent.mkdir(parents=True)
+    rp.write_text(json.dumps(report))  # written now, after the commit
+    row = json.loads(runner.invoke(app, ["simulate", "validate", "--json"]).stdout)[0]
+    assert row["measured_at"] == "2000-01-01T00:00:00Z" and row["measured_at_is"] == "run start"
+    assert row["committed_before_run"] is False and row["same_command"] is False
+    text = runner.invoke(app, ["simulate", "validate"]).output
+    assert "committed after the run" in text and "another command" in text
+    report["command"], report["started_at"] = pred["command"], "2999-01-01T00:00:00Z"
+    rp.write_text(json.dumps(report))
+    row = json.loads(runner.invoke(app, ["simulate", "validate", "--json"]).stdout)[0]
+    assert row["committed_before_run"] is True and row["same_command"] is True
+
+
+def test_bench_reports_carry_their_start_time() -> None:
+    import re
+
+    from agentkv_bench.runner import utc_stamp
+
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", utc_stamp())
