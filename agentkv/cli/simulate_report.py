@@ -132,6 +132,7 @@ def print_validation(rows: list[dict[str, Any]]) -> None:
             table.add_row(r["row"], commit, "-", "not run yet", "", "", "", "")
             continue
         flag = "" if r.get("committed_before_run") else " (committed after the run)"
+        flag += " (run with another command)" if r.get("same_command") is False else ""
         flag += "" if r["held_out"] else " (calibration fitted to the run)"
         for config, key, pv, mv, err, ok in r["metrics"]:
             table.add_row(

@@ -76,8 +76,18 @@ def validate_cmd(
     trace: Path | None = typer.Option(
         None, "--trace", exists=True, dir_okay=False, help="The row's trace (default: the bench)."
     ),
-    token_scale: float = typer.Option(1.0, "--token-scale", min=0.0001),
-    time_scale: float = typer.Option(1.0, "--time-scale", min=0.0),
+    token_scale: float | None = typer.Option(
+        None, "--token-scale", min=0.0001, help="A trace row's token scale (default 1)."
+    ),
+    time_scale: float | None = typer.Option(
+        None,
+        "--time-scale",
+        min=0.0,
+        help="The trace's time scale (default 1), or the bench generator's (its default 0.1).",
+    ),
+    sessions: int | None = typer.Option(
+        None, "--sessions", min=1, help="A trace row: only its first N sessions."
+    ),
     num_blocks: int = typer.Option(128, "--num-blocks", min=1, help="The row's pool."),
     host_capacity_gib: float = typer.Option(2.0, "--host-capacity-gib", min=0.1),
     calibration: Path | None = typer.Option(
@@ -92,9 +102,11 @@ def validate_cmd(
 ) -> None:
     """Predictions before runs (docs/simulate.md, "Validation protocol"): write a row's
     prediction, or print predicted vs measured for every row with its commit."""
+    from agentkv.cli.simulate_workload import BENCH_TOKEN_SCALE
     from agentkv.errors import AgentKVError
     from agentkv.simulate import protocol
     from agentkv.simulate.costs import BENCH_SMALL_CPU, load_calibration
+    from agentkv_bench.workload import WorkloadConfig
 
     if predict_row is None:
         rows = protocol.table_rows()
@@ -103,19 +115,25 @@ def validate_cmd(
             return
         print_validation(rows)
         return
+    if trace is None and (token_scale is not None or sessions is not None):
+        fail(
+            "--token-scale and --sessions apply to a --trace row (the bench generator has neither)"
+        )
     try:
         costs = load_calibration(calibration) if calibration is not None else BENCH_SMALL_CPU
-        workload = build_workload(trace, None, None, time_scale, token_scale, 0)
+        # The generator's token scale is the bench's prompt tokens per target token.
+        workload = build_workload(trace, sessions, None, time_scale, token_scale, 0)
     except (AgentKVError, ValueError) as exc:
         fail(str(exc))
     spec = protocol.RowSpec(
         predict_row,
         str(trace) if trace is not None else None,
-        token_scale,
-        time_scale,
+        token_scale if token_scale is not None else (1.0 if trace else BENCH_TOKEN_SCALE),
+        time_scale if time_scale is not None else (1.0 if trace else WorkloadConfig.time_scale),
         num_blocks,
         host_capacity_gib,
         str(calibration) if calibration is not None else None,
+        sessions,
     )
     pred = protocol.predict(spec, workload, costs)
     path = protocol.PREDICTIONS_DIR / f"{predict_row}.json"

@@ -141,14 +141,28 @@ def _decode_steps(
     eng: _Engine, rng: random.Random, batch: int, ctx: int, short: int, long: int
 ) -> float:
     """Seconds per decode step at ``batch`` sequences of ``ctx`` tokens: the difference of
-    ``long`` and ``short`` answers, which cancels prefill and request overhead."""
+    ``long`` and ``short`` answers to the same prompts, cached beforehand. Uncached, each run
+    also prefilled batch x ctx tokens (16k at batch 8: ~16 s on a loaded 2-core machine), whose
+    noise swamped the difference (2026-12-02: 0 to 212 ms per step)."""
+    prompts = [_ids(rng, ctx) for _ in range(batch)]
+    for p in prompts:
+        eng.complete(p, 1)
 
     def run(tokens: int) -> float:
         with ThreadPoolExecutor(batch) as pool:
-            times = list(pool.map(lambda _: eng.complete(_ids(rng, ctx), tokens)[0], range(batch)))
+            times = list(pool.map(lambda p: eng.complete(p, tokens)[0], prompts))
         return max(times)
 
     return max(0.0, (run(long) - run(short)) / (long - short))
+
+
+def _decode_context(ctx: int, batch: int, long: int, bt: int, num_blocks: int | None) -> int:
+    """``ctx`` lowered so that ``batch`` cached prompts and their answers fit in the pool
+    (vLLM keeps one block): otherwise the batch queues or preempts instead of decoding."""
+    if not num_blocks:
+        return ctx
+    per_request = (num_blocks - 1) // batch - 1
+    return max(bt, min(ctx, per_request * bt - long))
 
 
 def _admission(
@@ -246,11 +260,13 @@ def measure_under_load(
                 stop.set()
             for f in futures:
                 f.result()
+        short, long = (4, 16) if quick else (8, 40)
         for batch in (1, 2, 4) if quick else (1, 2, 4, 8):
-            for ctx in (128, 512) if quick else (256, min(2048, top // 2)):
+            for want in (128, 512) if quick else (256, min(2048, top // 2)):
+                ctx = _decode_context(want, batch, long, bt, s.num_blocks)
                 progress(f"decode: batch {batch}, {ctx}-token contexts")
-                step = _decode_steps(eng, rng, batch, ctx, 4 if quick else 8, 16 if quick else 40)
-                s.decode.append((batch, batch * (ctx + 24), step))
+                step = _decode_steps(eng, rng, batch, ctx, short, long)
+                s.decode.append((batch, batch * (ctx + (short + long) // 2), step))
         progress("admission: a burst larger than the pool")
         s.admission = _admission(eng, rng, s, 4 if quick else None)
         return s

@@ -7,7 +7,7 @@ Primitives:
                                    two to four columns these fits have)
   PrefillFit                       TTFT = a + n * linear + n * (c + n) * attention; notes
   fit_prefill(samples, base)       from (new tokens n, cached tokens c, seconds) samples; a term
-                                   the data cannot carry falls back to ``base``'s, with a note
+                                   the data cannot carry is derived from the other with ``base``'s ratio, a note
   DecodeFit                        step = overhead + per_seq * batch + attention * total context
   fit_decode(samples, base)        from (batch, total context tokens, seconds per step) samples
 
@@ -62,8 +62,8 @@ class PrefillFit:
 
 def fit_prefill(samples: Sequence[tuple[int, int, float]], base: EngineCosts) -> PrefillFit:
     """TTFT = a + n * linear + n (c + n) * attention over (n, c, seconds) samples, every term
-    >= 0; a term fitted to 0 falls back to ``base``'s (the linear term then absorbs nothing
-    more: the intercept and remaining term are refitted with the base's value held)."""
+    >= 0. A term fitted to 0 is derived from the other with ``base``'s ratio of the two (the
+    intercept refitted with both held); both 0: ``base``'s."""
     rows = [[1.0, float(n), float(n) * (c + n)] for n, c, _ in samples]
     y = [s for _, _, s in samples]
     a, lin, attn = nnls(rows, y)
@@ -74,22 +74,29 @@ def fit_prefill(samples: Sequence[tuple[int, int, float]], base: EngineCosts) ->
             f"(TTFT does not grow with tokens); kept {base.name}'s"
         )
         return PrefillFit(a, base.linear_s_per_token, base.attention_s_per_pair, tuple(notes))
+    # One term fitted to 0: take the base's ratio of attention to linear cost (the model's
+    # shape, not the machine's speed) and scale it by the term the data did show. Taking the
+    # base's absolute rate mixed two machines: on the noisy profile of 2026-12-02 the base's
+    # attention alone exceeded several measured TTFTs, the refitted linear term went to 0 and
+    # both terms fell back to the base's, whatever the data said.
+    ratio = base.attention_s_per_pair / base.linear_s_per_token
     if attn <= 0:
-        attn = base.attention_s_per_pair
+        attn = lin * ratio
         notes.append(
             "the attention cost fitted to 0 (TTFT did not grow with context: queueing or "
-            f"noise); kept {base.name}'s attention rate and refitted the linear term"
+            f"noise); took {base.name}'s attention / linear ratio at the fitted linear rate"
         )
-        rest = [s - attn * n * (c + n) for n, c, s in samples]
-        a, lin = nnls([[1.0, float(n)] for n, _, _ in samples], rest)
-    if lin <= 0:
-        lin = base.linear_s_per_token
+    elif lin <= 0:
+        lin = attn / ratio
         notes.append(
-            f"the linear cost fitted to 0; kept {base.name}'s linear rate and refitted attention"
+            f"the linear cost fitted to 0; took {base.name}'s linear / attention ratio at the "
+            "fitted attention rate"
         )
-        rest = [s - lin * n for n, _, s in samples]
-        a, attn2 = nnls([[1.0, float(n) * (c + n)] for n, c, _ in samples], rest)
-        attn = attn2 if attn2 > 0 else base.attention_s_per_pair
+    else:
+        return PrefillFit(a, lin, attn, tuple(notes))
+    # The intercept refitted with both terms held (never below 0).
+    rest = [s - n * lin - n * (c + n) * attn for n, c, s in samples]
+    a = max(0.0, sum(rest) / len(rest))
     return PrefillFit(a, lin, attn, tuple(notes))
 
 

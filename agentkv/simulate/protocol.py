@@ -3,17 +3,20 @@
 Primitives:
   PREDICTION_SCHEMA       ``agentkv-simulate-prediction/1``
   PREDICTIONS_DIR         bench/results/predictions/ (one JSON per row)
-  RowSpec                 one row: a name, the workload (a trace with scales, or the bench
-                          generator), the pool, the host tier, the calibration file
+  RowSpec                 one row: a name, the workload (a trace with scales and sessions, or the
+                          bench generator at a time scale), the pool, the host tier, the
+                          calibration file; .bench_command() measures it, .measured_report() is
+                          where that command writes its report
   predict(spec, workload, costs) -> dict   both policies simulated, the bench command that
                           measures the row, the calibration's provenance, when
-  measured_report(pred)   the bench report the row's command writes (None until it ran)
   committed_at(path)      (commit, ISO time) of the commit that added a file, None if none
   table_rows(preds_dir)   every row: predicted, measured, relative errors, held-out or not, and
                           whether the prediction was committed before the report was written
 
 Held out means: the calibration was not fitted to the run it predicts (its provenance is not
-FITTED_TO_RUN) and the prediction's commit is older than the measured report.
+FITTED_TO_RUN) and the prediction's commit is older than the run's start (the report's
+``started_at``; for reports without it, the report file's mtime). ``same_command`` says whether
+the report was written by the row's own command.
 """
 
 from __future__ import annotations
@@ -35,10 +38,16 @@ VALIDATION_DIR = Path("bench/results/validation")
 KEYS = ("resume_ttft_p50_s", "resume_ttft_p99_s", "jct_mean_s", "resume_hit_rate")
 RATIO_TOLERANCE = 0.25
 ABSOLUTE_TOLERANCE = 0.35
+TRACE_CONFIGS = "vanilla,agentkv"
 
 
 @dataclass(frozen=True)
 class RowSpec:
+    """One row. A trace row runs ``vanilla,agentkv`` only (the oracle is not compared, and
+    skipping it saves a server start and a replay): with ``--configs`` the trace bench writes its
+    report under ``pool-<num_blocks>/``. A generator row (``trace`` None) runs the bench's
+    default configurations (vanilla, agentkv) at ``time_scale`` (the bench's default 0.1)."""
+
     name: str
     trace: str | None
     token_scale: float
@@ -46,18 +55,29 @@ class RowSpec:
     num_blocks: int
     host_capacity_gib: float
     calibration: str | None
+    sessions: int | None = None  # a trace row: only the first N sessions (fit the queue)
 
     def bench_command(self) -> str:
         out = VALIDATION_DIR / self.name
+        pool = f"--num-blocks {self.num_blocks} --host-capacity-gib {self.host_capacity_gib:g}"
         if self.trace is None:
             return (
-                f"agentkv bench agents --num-blocks {self.num_blocks} --skip-overhead --out {out}"
+                f"agentkv bench agents --time-scale {self.time_scale:g} {pool} --skip-overhead "
+                f"--out {out} --json"
             )
+        sessions = f" --sessions {self.sessions}" if self.sessions is not None else ""
         return (
             f"agentkv bench agents --trace {self.trace} --token-scale {self.token_scale:g} "
-            f"--time-scale {self.time_scale:g} --num-blocks {self.num_blocks} "
-            f"--host-capacity-gib {self.host_capacity_gib:g} --out {out} --json"
+            f"--time-scale {self.time_scale:g}{sessions} {pool} --configs {TRACE_CONFIGS} "
+            f"--out {out} --json"
         )
+
+    def measured_report(self) -> Path:
+        """Where the row's command writes its report."""
+        out = VALIDATION_DIR / self.name
+        if self.trace is None:
+            return out / "report.json"
+        return out / f"pool-{self.num_blocks}" / "report.json"
 
 
 def predict(spec: RowSpec, workload: SimWorkload, costs: EngineCosts) -> dict[str, Any]:
@@ -84,7 +104,7 @@ def predict(spec: RowSpec, workload: SimWorkload, costs: EngineCosts) -> dict[st
         },
         "held_out": costs.provenance is not Provenance.FITTED_TO_RUN,
         "command": spec.bench_command(),
-        "measured_report": str(VALIDATION_DIR / spec.name / "report.json"),
+        "measured_report": str(spec.measured_report()),
         "predicted": out,
     }
 
@@ -141,12 +161,23 @@ def table_rows(preds_dir: Path = PREDICTIONS_DIR) -> list[dict[str, Any]]:
             "metrics": [],
         }
         if report_path.is_file():
-            measured_at = datetime.fromtimestamp(report_path.stat().st_mtime, timezone.utc)
+            report = json.loads(report_path.read_text(encoding="utf-8"))
+            started = report.get("started_at")
+            # The run's start when the report has it; else when the report was written (an
+            # older bench: a file's mtime, which a checkout resets).
+            if isinstance(started, str):
+                measured_at = datetime.fromisoformat(started.replace("Z", "+00:00"))
+            else:
+                measured_at = datetime.fromtimestamp(report_path.stat().st_mtime, timezone.utc)
             entry["measured"] = str(report_path)
             entry["measured_at"] = measured_at.strftime("%Y-%m-%dT%H:%M:%SZ")
+            entry["measured_at_is"] = "run start" if isinstance(started, str) else "report mtime"
             before = commit is not None and datetime.fromisoformat(commit[1]) < measured_at
             entry["committed_before_run"] = before
-            meas = _measured(json.loads(report_path.read_text(encoding="utf-8")))
+            # The run must be the row's: the bench writes the command it was given.
+            ran = report.get("command")
+            entry["same_command"] = None if ran is None else ran == pred["command"]
+            meas = _measured(report)
             p = pred["predicted"]
             for key in KEYS:
                 for policy in ("vanilla", "agentkv"):

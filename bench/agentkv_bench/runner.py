@@ -114,6 +114,12 @@ def native_offload_status() -> dict[str, Any]:
     }
 
 
+def utc_stamp() -> str:
+    """Now, UTC, to the second: a report's ``started_at`` (the validation protocol compares a
+    prediction's commit with it; a file's mtime changes with every checkout)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or ""
     try:
@@ -286,7 +292,7 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
     from agentkv_bench.plots import write_plots
 
     say = reporter(progress)
-
+    started_at = utc_stamp()
     opts.out.mkdir(parents=True, exist_ok=True)
     say(f"building model preset {opts.preset}")
     model_dir = str(modelgen.ensure_model(opts.preset))
@@ -321,6 +327,7 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
         overhead=overhead,
     )
     report["overhead_spec"] = asdict(opts.overhead) if opts.overhead is not None else None
+    report["started_at"] = started_at
     (opts.out / "report.json").write_text(json.dumps(report, indent=1))
     (opts.out / "report.md").write_text(to_markdown(report))
     write_plots(report, opts.out)

@@ -38,7 +38,13 @@ from agentkv.traces import TraceWorkload, load_trace
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.progress import ProgressFn, reporter
 from agentkv_bench.report import writebacks
-from agentkv_bench.runner import BLOCK_TOKENS, connector_config, counting, machine_info
+from agentkv_bench.runner import (
+    BLOCK_TOKENS,
+    connector_config,
+    counting,
+    machine_info,
+    utc_stamp,
+)
 from agentkv_bench.sampler import Sampler
 from agentkv_bench.trace_prompts import RoundPrompt, build_prompts, oracle_blocks
 from agentkv_bench.trace_replay import MODES, TIMEOUT, RoundRecord, SessionRecord, replay
@@ -230,7 +236,7 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
     from agentkv_bench.plots import write_trace_plots
 
     say = reporter(progress)
-
+    started_at = utc_stamp()
     unknown = [c for c in opts.configs if c not in MODES]
     if unknown or "agentkv" not in opts.configs:
         raise ConfigError(f"configs must include agentkv and be among {MODES}, got {opts.configs}")
@@ -291,6 +297,7 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
         summaries=summaries,
         stall=stall,
     )
+    report["started_at"] = started_at
     (opts.out / "report.json").write_text(json.dumps(report, indent=1))
     (opts.out / "report.md").write_text(to_markdown(report))
     write_trace_plots(report, opts.out)

@@ -88,3 +88,39 @@ def test_a_profile_is_a_held_out_calibration_for_simulate(tmp_path: Path) -> Non
 def test_cache_info_is_read_from_vllm_metrics() -> None:
     assert _parse_cache_info(METRICS) == (16, 512)
     assert _parse_cache_info("") == (None, None)
+
+
+class NoisyPrefillEngine:
+    """Decode 30 ms per token; a prefill of uncached tokens 1 ms each plus up to 2 s of noise
+    (other work on the machine). Cached prompts cost nothing to prefill."""
+
+    def __init__(self) -> None:
+        self.cached: set[tuple[int, ...]] = set()
+        self.noise = iter([0.0, 2.0, 0.5, 1.5, 1.0, 0.2] * 10)
+
+    def complete(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+        key = tuple(prompt)
+        prefill = 0.0 if key in self.cached else len(prompt) * 1e-3 + next(self.noise)
+        self.cached.add(key)
+        return prefill + max_tokens * 0.03, len(prompt)
+
+
+def test_decode_steps_are_measured_on_cached_prompts_so_prefill_noise_cancels() -> None:
+    import random
+
+    from agentkv.simulate.engine_profile import _decode_steps
+
+    eng = NoisyPrefillEngine()
+    for ctx in (256, 2048):
+        step = _decode_steps(eng, random.Random(0), 1, ctx, 8, 40)  # type: ignore[arg-type]
+        assert step == pytest.approx(0.03)
+
+
+def test_a_decode_batch_is_sized_to_fit_the_pool() -> None:
+    from agentkv.simulate.engine_profile import _decode_context
+
+    # 128 blocks of 128 tokens, one kept by vLLM: 8 requests get 14 blocks each, answers included.
+    ctx = _decode_context(2048, 8, 40, 128, 128)
+    assert ctx == 14 * 128 - 40 and 8 * -(-(ctx + 40) // 128) <= 127
+    assert _decode_context(256, 1, 40, 128, 128) == 256
+    assert _decode_context(2048, 8, 40, 128, None) == 2048

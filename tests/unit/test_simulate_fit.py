@@ -53,3 +53,48 @@ def test_flat_samples_fall_back_to_the_base_with_a_note() -> None:
     fit = fit_prefill([(n, 0, 0.3) for n in (10, 100, 1000)], BENCH_SMALL_CPU)
     assert fit.linear_s_per_token == BENCH_SMALL_CPU.linear_s_per_token and fit.notes
     assert fit_decode([], BENCH_SMALL_CPU).overhead_s == BENCH_SMALL_CPU.step_overhead_s
+
+
+def test_a_term_hidden_by_noise_keeps_the_speed_the_data_shows() -> None:
+    """The idle prefill grid of the 2026-12-02 `calibrate --load` run: TTFT grows ~1 ms per new
+    token but not with context (other work on the 2 cores). The attention term fits to 0 and is
+    taken at the base's attention / linear ratio, scaled to the fitted linear rate; it used to be
+    the base's absolute rate, whose attention alone exceeded these TTFTs, so the linear refit
+    went to 0 and both terms ended as the base's."""
+    from agentkv.simulate.fit import fit_prefill
+
+    samples = [
+        (64, 0, 0.2457),
+        (256, 0, 0.5679),
+        (1024, 0, 1.3396),
+        (2048, 0, 2.7894),
+        (4096, 0, 3.6861),
+        (176, 1920, 0.4798),
+        (368, 1920, 0.3446),
+        (1136, 1920, 0.5605),
+        (2160, 1920, 1.2379),
+        (4208, 1920, 6.0616),
+        (160, 3968, 0.4821),
+        (352, 3968, 0.2671),
+        (1120, 3968, 1.0909),
+        (2144, 3968, 1.4513),
+        (4192, 3968, 3.2649),
+    ]
+    fit = fit_prefill(samples, BENCH_SMALL_CPU)
+    assert fit.linear_s_per_token == pytest.approx(9.85e-4, rel=0.01)
+    base = BENCH_SMALL_CPU
+    ratio = base.attention_s_per_pair / base.linear_s_per_token
+    assert fit.attention_s_per_pair == pytest.approx(fit.linear_s_per_token * ratio)
+    assert fit.intercept_s >= 0 and len(fit.notes) == 1 and "ratio" in fit.notes[0]
+
+
+def test_a_linear_term_fitted_to_zero_is_derived_from_the_attention_term() -> None:
+    from agentkv.simulate.fit import fit_prefill
+
+    # Pure attention growth: TTFT = 1e-7 * n * (c + n).
+    samples = [(n, c, 1e-7 * n * (c + n)) for n in (64, 1024, 2048) for c in (0, 2000)]
+    fit = fit_prefill(samples, BENCH_SMALL_CPU)
+    base = BENCH_SMALL_CPU
+    assert fit.attention_s_per_pair == pytest.approx(1e-7, rel=1e-6)
+    ratio = base.attention_s_per_pair / base.linear_s_per_token
+    assert fit.linear_s_per_token == pytest.approx(1e-7 / ratio)
