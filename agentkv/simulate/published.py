@@ -174,7 +174,7 @@ def concurrent_throughput(costs: EngineCosts, hit_pct: int, n: int = 10_000) -> 
     """Prompt tokens per second of ``n`` 512-token requests submitted at once to an idle
     replica, ``hit_pct`` % of them (spread evenly) with their whole prompt in host memory.
     The post does not say whether its hit rate is per request or per token; this is the
-    per-request reading (the per-token one needs the fix in docs/simulate.md)."""
+    per-request reading (the per-token one is in docs/simulate.md)."""
     env = simpy.Environment()
     prompt, bt = 512, costs.block_tokens
     blocks = gpu_num_blocks(get_preset(GPU), get_model(MODEL))

@@ -36,6 +36,18 @@ def test_json_has_every_configuration_and_the_comparison() -> None:
     assert all(row["within"] for row in out["compare"])
 
 
+def test_fit_builtin_re_derives_the_builtin_constants() -> None:
+    result = runner.invoke(app, ["simulate", "fit-builtin", str(FIXTURE), "--top", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2 + 2 + 1 and lines[2].startswith("| 2.8e11 | 40 ms |")
+    assert lines[-1] == (
+        "fit: prefill_flops_per_s=2.8e11 step_overhead_s=0.04 (the built-in constants)"
+    )
+    bad = runner.invoke(app, ["simulate", "fit-builtin", __file__])
+    assert bad.exit_code == 2 and "not a measured bench run" in bad.output
+
+
 def test_table_and_plots(tmp_path: Path) -> None:
     result = runner.invoke(
         app,

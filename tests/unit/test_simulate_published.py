@@ -104,11 +104,6 @@ def test_concurrent_throughput_against_the_cpu_hit_rate() -> None:
     assert 0.45 < concurrent_throughput(costs, 90) / published[90] - 1 < 0.65
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (docs/simulate.md): a request whose tier load ends during a FILL step is "
-    "completed in that step without its compute being timed",
-)
 def test_a_load_that_ends_mid_step_waits_for_the_next_step() -> None:
     costs = offload_connector_costs(gpu_costs(GPU, MODEL))
     env = simpy.Environment()
