@@ -162,9 +162,9 @@ def fit_builtin_cmd(
             host_capacity_gib=setup["host_capacity_gib"],
             writeback=Writeback(setup.get("writeback", "eager")),
         )
+        points = grid_fit(workload, data["configs"], BENCH_SMALL_CPU, fleet)
     except (AgentKVError, KeyError, TypeError, ValueError) as exc:
         fail(f"{measured}: not a measured bench run with its setup ({exc})")
-    points = grid_fit(workload, data["configs"], BENCH_SMALL_CPU, fleet)
     typer.echo("| FLOP rate | step overhead | largest error | on |\n|---:|---:|---:|---|")
     for p in points[:top]:
         w = p.worst

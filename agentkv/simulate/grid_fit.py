@@ -13,10 +13,12 @@ The measured run is a bench run of both policies (``validate.load_measured``); e
 point simulates both with ``base`` changed in those two constants only, and is scored by the
 largest relative error over ``FIT_METRICS`` of vanilla, agentkv and their ratio (the rows
 ``tests/unit/test_simulate_validation.py`` bounds at 25%, so the fit minimizes what that test
-checks). A coarse grid on purpose: the surface is a flat ridge (a faster FLOP rate trades
-against a longer step), and finer steps would only fit the single run's noise. The caller
-builds the workload (the bench's generator lives outside the core: ``agentkv simulate
-fit-builtin``).
+checks). The grid is the one the constants were first set on; the surface is a flat ridge (a
+faster FLOP rate trades against a longer step), so the ranking matters more than the step.
+The caller builds the workload (the bench's generator lives outside the core: ``agentkv
+simulate fit-builtin``).
+
+Contract: raises ConfigError when the measured run has none of FIT_METRICS for both policies.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from agentkv.errors import ConfigError
 from agentkv.simulate.costs import EngineCosts
 from agentkv.simulate.fleet import FleetConfig, simulate
 from agentkv.simulate.metrics import COMPARED
@@ -49,6 +52,8 @@ class GridPoint:
 
 def _score(rate: float, overhead: float, rows: list[Row]) -> GridPoint:
     scored = [r for r in rows if r.rel_error is not None]
+    if not scored:
+        raise ConfigError(f"the measured run has none of {', '.join(FIT_METRICS)} to fit on")
     worst = max(scored, key=lambda r: abs(r.rel_error or 0.0))
     return GridPoint(rate, overhead, abs(worst.rel_error or 0.0), worst, tuple(rows))
 
