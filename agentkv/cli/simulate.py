@@ -3,12 +3,14 @@
 Only typer is imported at module level. The simulator (``agentkv.simulate``) takes a neutral
 workload; simulate_workload.py adapts the two sources to it (the generator of ``agentkv bench
 agents`` and recorded traces). The options are in simulate_options.py, the tables in
-simulate_report.py, ``simulate validate`` and ``calibrate --load`` in simulate_validate.py.
+simulate_report.py, ``simulate validate``, ``simulate fit-builtin`` and ``calibrate --load`` in
+simulate_validate.py.
 
 Primitives:
     simulate_cmd   the command: checks the options, builds the engine costs and the workload,
                    then runs every router x policy (or searches the smallest fleet) and prints.
-    register       adds ``simulate`` and ``simulate validate`` to the root app.
+    register       adds ``simulate``, ``simulate validate`` and ``simulate fit-builtin`` to the
+                   root app.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import typer
 from agentkv.cli import simulate_options as opts
 from agentkv.cli import simulate_report as report
 from agentkv.cli.common import fail, with_progress
-from agentkv.cli.simulate_validate import validate_cmd
+from agentkv.cli.simulate_validate import fit_builtin_cmd, validate_cmd
 from agentkv.cli.simulate_workload import build_workload
 
 if TYPE_CHECKING:
@@ -384,11 +386,12 @@ def _search(
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``simulate`` (and ``simulate validate``) to the root app."""
+    """Add ``simulate`` (and ``simulate validate``, ``simulate fit-builtin``) to the root app."""
     sim = typer.Typer(
         invoke_without_command=True,
         help="Simulate a fleet of vLLM replicas with agentkv behind a router.",
     )
     sim.callback()(simulate_cmd)
     sim.command("validate")(validate_cmd)
+    sim.command("fit-builtin")(fit_builtin_cmd)
     app.add_typer(sim, name="simulate")

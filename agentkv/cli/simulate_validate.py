@@ -6,6 +6,8 @@ Primitives:
                      write its profile (``agentkv.simulate.engine_profile``).
     validate_cmd     ``agentkv simulate validate``: write a row's prediction (``--predict``), or
                      print predicted vs measured for every row with its commit.
+    fit_builtin_cmd  ``agentkv simulate fit-builtin MEASURED``: the built-in calibration's two
+                     fitted constants re-derived from the run they were fitted to.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import typer
 
 from agentkv.cli.common import fail
 from agentkv.cli.simulate_report import print_validation
-from agentkv.cli.simulate_workload import build_workload
+from agentkv.cli.simulate_workload import bench_workload, build_workload
 
 
 def calibrate_load(
@@ -146,4 +148,60 @@ def validate_cmd(
         f"prediction written to {path} (held out: {pred['held_out']}); now\n"
         f"  git add -f {path} && git commit -m 'prediction {predict_row}'\n"
         f"then measure:\n  {pred['command']}\nthen: agentkv simulate validate"
+    )
+
+
+def fit_builtin_cmd(
+    measured: Path = typer.Argument(
+        ...,
+        exists=True,
+        dir_okay=False,
+        help="The measured bench run (tests/unit/fixtures/simulate/bench_agents_small_cpu.json).",
+    ),
+    top: int = typer.Option(5, "--top", min=1, help="Grid points to print, best first."),
+) -> None:
+    """Re-derive the built-in calibration's FLOP rate and step overhead: the grid point that
+    reproduces MEASURED best (``agentkv.simulate.grid_fit``; docs/simulate.md, "The built-in
+    calibration")."""
+    from agentkv.errors import AgentKVError
+    from agentkv.simulate.costs import BENCH_SMALL_CPU
+    from agentkv.simulate.fleet import FleetConfig
+    from agentkv.simulate.grid_fit import grid_fit
+    from agentkv.simulate.validate import load_measured
+    from agentkv.simulate.writeback import Writeback
+    from agentkv_bench.workload import WorkloadConfig
+
+    try:
+        data = load_measured(measured)
+        setup = data["setup"]
+        workload = bench_workload(WorkloadConfig(**setup["workload"]))
+        fleet = FleetConfig(
+            num_blocks=setup["num_blocks"],
+            host_capacity_gib=setup["host_capacity_gib"],
+            writeback=Writeback(setup.get("writeback", "eager")),
+        )
+        points = grid_fit(workload, data["configs"], BENCH_SMALL_CPU, fleet)
+    except (AgentKVError, KeyError, TypeError, ValueError) as exc:
+        fail(f"{measured}: not a measured bench run with its setup ({exc})")
+    typer.echo("| FLOP rate | step overhead | largest error | on |\n|---:|---:|---:|---|")
+    for p in points[:top]:
+        w = p.worst
+        typer.echo(
+            f"| {p.prefill_flops_per_s / 1e11:.1f}e11 | {p.step_overhead_s * 1e3:.0f} ms "
+            f"| {p.max_error:.1%} | {w.config} {w.metric} |"
+        )
+    best, b = points[0], BENCH_SMALL_CPU
+    same = (b.prefill_flops_per_s, b.step_overhead_s) == (
+        best.prefill_flops_per_s,
+        best.step_overhead_s,
+    )
+    typer.echo(
+        f"fit: prefill_flops_per_s={best.prefill_flops_per_s / 1e11:.1f}e11 "
+        f"step_overhead_s={best.step_overhead_s:g} ("
+        + (
+            "the built-in constants"
+            if same
+            else f"the built-in has {b.prefill_flops_per_s / 1e11:.2f}e11, {b.step_overhead_s:g}"
+        )
+        + ")"
     )

@@ -14,6 +14,7 @@ Modules, one idea each:
   metrics     Recorder, Summary (the bench report's metric names), percentile
   search      find_replicas: the smallest fleet meeting a TTFT p99 objective
   validate    simulated vs measured runs (load_measured, compare)
+  grid_fit    BENCH_SMALL_CPU's two fitted constants re-derived from the run they fit
   published   a measured published result (vLLM's single-request TTFT on an H100), simulated
   plots       PNG plots (matplotlib, imported when drawing)
 

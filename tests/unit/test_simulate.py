@@ -304,7 +304,7 @@ def test_the_core_imports_no_engine_plugin_sdk_or_bench() -> None:
 
     code = (
         "import sys, agentkv.simulate.fleet, agentkv.simulate.search, agentkv.simulate.validate, "
-        "agentkv.simulate.plots\n"
+        "agentkv.simulate.plots, agentkv.simulate.grid_fit\n"
         "bad = sorted({m.split('.')[0] for m in sys.modules} & "
         "{'vllm', 'torch', 'agentkv_vllm', 'harness_sdk', 'agentkv_bench', 'matplotlib'})\n"
         "print(','.join(bad))"

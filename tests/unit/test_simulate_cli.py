@@ -36,6 +36,25 @@ def test_json_has_every_configuration_and_the_comparison() -> None:
     assert all(row["within"] for row in out["compare"])
 
 
+def test_fit_builtin_re_derives_the_builtin_constants(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["simulate", "fit-builtin", str(FIXTURE), "--top", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2 + 2 + 1 and lines[2].startswith("| 2.8e11 | 40 ms |")
+    assert lines[-1] == (
+        "fit: prefill_flops_per_s=2.8e11 step_overhead_s=0.04 (the built-in constants)"
+    )
+    bad = runner.invoke(app, ["simulate", "fit-builtin", __file__])
+    assert bad.exit_code == 2 and "not a measured bench run" in bad.output
+    # A measured run without any metric the fit compares: one line, no traceback.
+    data = json.loads(FIXTURE.read_text())
+    data["configs"] = {"vanilla": {}, "agentkv": {}}
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(data))
+    bad = runner.invoke(app, ["simulate", "fit-builtin", str(empty)])
+    assert bad.exit_code == 2 and "none of resume_ttft_p50_s" in bad.output
+
+
 def test_table_and_plots(tmp_path: Path) -> None:
     result = runner.invoke(
         app,

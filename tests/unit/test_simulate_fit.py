@@ -98,3 +98,35 @@ def test_a_linear_term_fitted_to_zero_is_derived_from_the_attention_term() -> No
     assert fit.attention_s_per_pair == pytest.approx(1e-7, rel=1e-6)
     ratio = base.attention_s_per_pair / base.linear_s_per_token
     assert fit.linear_s_per_token == pytest.approx(1e-7 / ratio)
+
+
+def test_the_builtin_constants_are_the_grid_fit_to_the_readme_bench_run() -> None:
+    # docs/simulate.md, "The built-in calibration": BENCH_SMALL_CPU's FLOP rate and step
+    # overhead are the grid point that reproduces the committed measured run best. A simulator
+    # change that moves that optimum fails here until the constants are refitted.
+    from agentkv.cli.simulate_workload import bench_workload
+    from agentkv.simulate.fleet import FleetConfig
+    from agentkv.simulate.grid_fit import FIT_METRICS, OVERHEAD_GRID, RATE_GRID, grid_fit
+    from agentkv.simulate.validate import load_measured
+    from agentkv.simulate.writeback import Writeback
+    from agentkv_bench.workload import WorkloadConfig
+
+    measured = load_measured(FIXTURES / "bench_agents_small_cpu.json")
+    setup = measured["setup"]
+    fleet = FleetConfig(
+        num_blocks=setup["num_blocks"],
+        host_capacity_gib=setup["host_capacity_gib"],
+        writeback=Writeback(setup["writeback"]),
+    )
+    wl = bench_workload(WorkloadConfig(**setup["workload"]))
+    points = grid_fit(wl, measured["configs"], BENCH_SMALL_CPU, fleet)
+    assert len(points) == len(RATE_GRID) * len(OVERHEAD_GRID)
+    best = points[0]
+    assert (best.prefill_flops_per_s, best.step_overhead_s) == (
+        BENCH_SMALL_CPU.prefill_flops_per_s,
+        BENCH_SMALL_CPU.step_overhead_s,
+    )
+    # Scored on vanilla, agentkv and their ratio, by the worst row.
+    assert len(best.rows) == 3 * len(FIT_METRICS)
+    assert best.max_error == max(abs(r.rel_error or 0.0) for r in best.rows) < 0.25
+    assert best.max_error < points[1].max_error
