@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from agentkv.errors import ConfigError
 from harness_sdk.sse import sse_data
 
 
@@ -58,6 +59,12 @@ async def stream_measured(
     async with client.stream("POST", url, json=body, headers=headers) as r:
         if r.status_code >= 400:
             await r.aread()
+            if r.status_code == 400 and "maximum context length" in r.text:
+                raise ConfigError(
+                    f"{what} refused: longer than the server's --max-model-len "
+                    f"({r.text[:300]}). A bench run sets it from its smallest --num-blocks "
+                    "((blocks - 1) x 128 tokens): give a larger smallest pool, or fewer turns"
+                )
             raise RuntimeError(f"{what} failed: {r.status_code} {r.text[:300]}")
         async for data in sse_data(r):
             chunk = json.loads(data)

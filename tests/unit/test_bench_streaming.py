@@ -64,6 +64,21 @@ def test_stream_measured_names_the_failed_request() -> None:
         asyncio.run(go())
 
 
+def test_a_request_longer_than_the_pool_allows_is_a_config_error_that_says_what_to_change() -> None:
+    """A sweep's smallest pool sets --max-model-len for every pool; a workload longer than that
+    used to end the sweep in a traceback (seen: `--quick --num-blocks 48,24,16`)."""
+    from agentkv.errors import ConfigError
+
+    text = '{"error":{"message":"This model\'s maximum context length is 1920 tokens."}}'
+
+    async def go() -> None:
+        async with _client(400, text) as c:
+            await stream_measured(c, "http://x/v1/chat/completions", {}, what="chat completion")
+
+    with pytest.raises(ConfigError, match=r"--max-model-len .* larger smallest pool"):
+        asyncio.run(go())
+
+
 def test_usage_counts_of_a_missing_usage_is_zero() -> None:
     assert usage_counts(None) == (0, 0, 0)
     assert usage_counts({"prompt_tokens": 5}) == (5, 0, 0)
