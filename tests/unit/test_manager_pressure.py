@@ -115,3 +115,29 @@ def test_a_write_back_a_load_read_is_not_counted_unread() -> None:
     rig.mgr.delete("t1")
     rig.settle()
     assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
+
+
+# ============================================================================ (4) host eviction
+
+
+def test_making_room_in_host_drops_copies_disk_also_holds_first() -> None:
+    """A full host tier drops idle copies that disk also holds before host-only ones (those
+    would lose the block), each group least recently used first."""
+    from agentkv.manager import ResidencyIndex
+    from agentkv.tier import Tier
+
+    rig = make_rig(host=4, disk=8)
+    index: ResidencyIndex = rig.mgr.index
+    a, b, c, d = (bytes([i]) * 16 for i in range(4))  # least recently used first
+    for key in (a, b, c, d):
+        index.begin_write(key, Tier.HOST, "t1")
+        assert index.end_write(key, Tier.HOST, True)
+    for key in (c, b):  # disk also holds b and c (written in the other order)
+        index.begin_write(key, Tier.DISK, "t1")
+        assert index.end_write(key, Tier.DISK, True)
+    assert rig.mgr.transitions.make_room(Tier.HOST, 1) == 1
+    assert [op.keys for op in rig.mgr.outbox.drops] == [[b]]
+    assert rig.mgr.transitions.make_room(Tier.HOST, 3) == 3  # 1 free: 2 more go
+    assert [op.keys for op in rig.mgr.outbox.drops] == [[b], [c], [a]]
+    assert index.keys_in(Tier.HOST) == [d] and index.keys_in(Tier.DISK) == [c, b]
+    assert rig.mgr.counters["evictions_host"] == 3
