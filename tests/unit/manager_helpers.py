@@ -10,6 +10,7 @@ Primitives:
     offloaded        one finished turn whose grace expired and host copy was written.
     disk_offloaded   a finished turn paused long enough to go to disk.
     branch           a trajectory's branch by client id and tenant.
+    counted          the counters that moved, to assert exactly.
 """
 
 from __future__ import annotations
@@ -57,3 +58,9 @@ def disk_offloaded(rig: Rig, wait: float = 400.0) -> dict[str, Any]:
     rig.settle()
     assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "disk"
     return body
+
+
+def counted(rig: Rig) -> dict[str, int]:
+    """The manager's counters that moved (a scenario asserts all of them at once, so a counter
+    counted wrong, twice, under another name or not at all fails it)."""
+    return {k: v for k, v in sorted(rig.mgr.counters.items()) if v != 0}

@@ -10,6 +10,7 @@ import pytest
 from agentkv.manager import BranchState
 from agentkv.manager.prefetch import PrefetchState
 from agentkv.policy import PolicyParams
+from tests.unit.manager_helpers import counted
 from tests.unit.sim_engine import Rig, SimRequest, make_rig
 from tests.unit.test_manager import P1, branch
 
@@ -67,6 +68,15 @@ def test_a_resume_after_the_prefetch_is_a_device_hit(disk: bool) -> None:
     per_tool = rig.mgr.status()["device_prefetch"]["per_tool"]
     assert per_tool["human" if disk else "build"]["on_time"] == 1
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "device_prefetch_on_time": 1,
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_without_the_prefetch_the_same_resume_reloads_from_the_tier() -> None:
@@ -77,6 +87,7 @@ def test_without_the_prefetch_the_same_resume_reloads_from_the_tier() -> None:
     rig.clock.advance(0.5)
     stats = rig.turn("t1", NEXT).stats
     assert stats is not None and stats["tier_hit_tokens"] == 16
+    assert counted(rig) == {"load_blocks": 4, "loads": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_a_resume_before_the_prefetch_is_due_is_late_and_loads_exact_kv() -> None:
@@ -88,6 +99,13 @@ def test_a_resume_before_the_prefetch_is_due_is_late_and_loads_exact_kv() -> Non
     assert _outcomes(rig) == {"on_time": 0, "late": 1, "wasted": 0}
     assert rig.eng.issue_prefetches() == []
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "device_prefetch_late": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_a_resume_during_the_prefetch_load_cancels_it_and_pins_nothing_for_it() -> None:
@@ -108,6 +126,14 @@ def test_a_resume_during_the_prefetch_load_cancels_it_and_pins_nothing_for_it() 
     assert b.device_prefetch is None and b.state is not BranchState.RETAINED
     assert rig.mgr.pinned_blocks() == len(b.pinned)
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "device_prefetch_late": 1,
+        "device_prefetch_orders": 1,
+        "load_blocks": 8,
+        "loads": 2,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_a_cancelled_prefetch_request_waits_to_be_aborted_and_never_computes() -> None:
@@ -118,6 +144,12 @@ def test_a_cancelled_prefetch_request_waits_to_be_aborted_and_never_computes() -
     for _ in range(3):
         assert not rig.eng.schedule(pre)  # PENDING until the pump aborts it
     assert rig.mgr.prefetcher.take_cancels() == [pre.params.prefetch]
+    assert counted(rig) == {
+        "device_prefetch_late": 1,
+        "device_prefetch_orders": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_an_unused_prefetch_is_demoted_when_its_lease_ends() -> None:
@@ -137,6 +169,16 @@ def test_an_unused_prefetch_is_demoted_when_its_lease_ends() -> None:
     assert rig.mgr.pinned_blocks() == 0
     stats = rig.turn("t1", NEXT).stats  # still exact: a device or tier hit
     assert stats is not None and stats["hit_tokens"] == 16
+    assert counted(rig) == {
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "device_prefetch_wasted": 1,
+        "lease_expired_demotions": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_pool_pressure_demotes_a_prefetched_branch_first_class() -> None:
@@ -150,6 +192,16 @@ def test_pool_pressure_demotes_a_prefetched_branch_first_class() -> None:
     rig.settle()
     assert branch(rig).state is BranchState.OFFLOADED
     assert _outcomes(rig)["wasted"] == 1
+    assert counted(rig) == {
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "device_prefetch_wasted": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "pressure_demotions": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_a_context_still_cached_on_the_device_is_repinned_without_a_request() -> None:
@@ -167,6 +219,12 @@ def test_a_context_still_cached_on_the_device_is_repinned_without_a_request() ->
     stats = rig.turn("t1", NEXT).stats
     assert stats is not None and stats["device_hit_tokens"] == 16
     assert _outcomes(rig)["on_time"] == 1
+    assert counted(rig) == {
+        "device_prefetch_on_time": 1,
+        "device_prefetch_repins": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_delete_cancels_an_ordered_prefetch() -> None:
@@ -179,6 +237,12 @@ def test_delete_cancels_an_ordered_prefetch() -> None:
     rig.mgr.delete("t1")
     orders, cancels = rig.mgr.take_prefetch_work()
     assert orders == [] and cancels == [ticket]
+    assert counted(rig) == {
+        "device_prefetch_orders": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 1,
+    }
 
 
 def test_a_forged_ticket_is_served_as_a_vanilla_request() -> None:
@@ -189,6 +253,7 @@ def test_a_forged_ticket_is_served_as_a_vanilla_request() -> None:
     assert forged.status == "FINISHED" and forged.stats is None
     assert rig.mgr.table["t1"].turn_count == 1
     assert branch(rig).state is BranchState.OFFLOADED
+    assert counted(rig) == {"store_blocks": 4, "stores": 1}
 
 
 # ---------------------------------------------------------------- the "never worse" rules
@@ -205,6 +270,12 @@ def test_skip_a_wide_prediction_spread_and_keep_the_disk_promote() -> None:
     assert _due(rig) == []  # a declared wait's p90 / p10 is 4
     assert _skipped(rig) == {"spread": 1}
     assert rig.mgr.counters["prefetches"] == 1  # disk -> host still runs
+    assert counted(rig) == {
+        "device_prefetch_skipped_spread": 1,
+        "prefetches": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_skip_when_the_queue_waits_on_blocks() -> None:
@@ -213,6 +284,7 @@ def test_skip_when_the_queue_waits_on_blocks() -> None:
     assert not rig.eng.spike(40)  # a request the scheduler cannot admit
     assert _due(rig) == []
     assert _skipped(rig) == {"queue": 1}
+    assert counted(rig) == {"device_prefetch_skipped_queue": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_skip_when_the_prefetch_would_pass_high_water() -> None:
@@ -221,6 +293,7 @@ def test_skip_when_the_prefetch_would_pass_high_water() -> None:
     assert rig.eng.spike(14)  # running work: 14 + 5 blocks > 0.75 * 24
     assert _due(rig) == []
     assert _skipped(rig) == {"headroom": 1}
+    assert counted(rig) == {"device_prefetch_skipped_headroom": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_skip_a_running_branch_and_a_deleted_trajectory_orders_nothing() -> None:
@@ -231,6 +304,12 @@ def test_skip_a_running_branch_and_a_deleted_trajectory_orders_nothing() -> None
     rig.mgr.delete("t1")
     assert not rig.mgr.prefetcher.start(traj, b, rig.clock.now())
     assert _skipped(rig) == {"busy": 1}
+    assert counted(rig) == {
+        "device_prefetch_skipped_busy": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 1,
+    }
 
 
 def test_the_clients_resume_counts_the_outcome_and_the_next_turn_reports_it() -> None:
@@ -244,6 +323,15 @@ def test_the_clients_resume_counts_the_outcome_and_the_next_turn_reports_it() ->
     assert stats is not None and stats["prefetch"] == "on_time"
     assert stats["device_hit_tokens"] == 16
     assert _outcomes(rig)["on_time"] == 1  # counted once
+    assert counted(rig) == {
+        "device_prefetch_on_time": 1,
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 # ---------------------------------------------------------------- the shared rule, alone

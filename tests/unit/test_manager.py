@@ -20,6 +20,7 @@ from tests.unit.manager_helpers import (
     P1,
     SYS,
     branch,
+    counted,
     disk_offloaded,
     in_thread,
     keys_of,
@@ -68,6 +69,16 @@ def test_abort_during_async_load_pins_only_the_device_hit_and_stores_nothing_unl
     for tier in ("host", "disk"):
         for key, content in rig.workers.tiers[0][tier].items():
             assert content is not None and key_of(content) == key
+    assert counted(rig) == {
+        "aborted_loads": 1,
+        "grace_expired": 2,
+        "load_blocks": 6,
+        "load_failures": 1,
+        "loads": 3,
+        "store_blocks": 4,
+        "stores": 1,
+        "tier_misses": 2,
+    }
 
 
 # ============================================================================ (2) fail closed
@@ -95,6 +106,12 @@ def test_fail_load_queues_a_load_covering_every_counted_block_with_unheld_keys()
     assert report is not None and load.job_id in report.jobs_failed
     rig.mgr.on_report(report)
     assert rig.mgr.index.usable(keys_of(rig, P1)[0]) == "host"  # an empty key loses nothing
+    assert counted(rig) == {
+        "failed_closed_loads": 1,
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_plan_mismatch_fails_closed_over_every_counted_block() -> None:
@@ -112,6 +129,12 @@ def test_plan_mismatch_fails_closed_over_every_counted_block() -> None:
     assert [t.block_id for t in load.blocks] == blocks[:5]
     assert all(t.key == b"" for t in load.blocks)
     assert all(rig.mgr.index.get(k).readers == 0 for k in keys_of(rig, P1))  # type: ignore[union-attr]
+    assert counted(rig) == {
+        "failed_closed_loads": 1,
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_take_step_returns_queued_loads_when_the_tick_raises(
@@ -130,6 +153,14 @@ def test_take_step_returns_queued_loads_when_the_tick_raises(
     plan = rig.mgr.take_step()
     assert [job.req_id for job in plan.loads] == [req.req_id]
     assert rig.mgr.counters["internal_errors"] == 1
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "internal_errors": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 # ============================================================================ (4) co-ownership
@@ -150,6 +181,7 @@ def test_prefix_blocks_in_flight_for_a_are_owned_by_b_and_survive_deleting_a() -
     assert rig.mgr.delete("B")[0] == 200
     rig.settle()
     assert len(rig.mgr.index) == 0 and not rig.host_keys()
+    assert counted(rig) == {"store_blocks": 2, "stores": 1, "trajectories_deleted": 2}
 
 
 def test_delete_drops_keys_a_trajectory_wrote_itself() -> None:
@@ -160,6 +192,12 @@ def test_delete_drops_keys_a_trajectory_wrote_itself() -> None:
     assert code == 200 and body["dropped_tier_blocks"] == 4
     rig.settle()
     assert len(rig.mgr.index) == 0 and not rig.host_keys()
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 1,
+    }
 
 
 # ============================================================================ (5) DELETE mid-request
@@ -183,6 +221,7 @@ def test_delete_while_a_request_runs_pins_and_stores_nothing_and_never_comes_bac
     assert not any(plan.stores for plan in plans)
     rig.settle()
     assert len(rig.mgr.index) == 0 and not rig.host_keys()
+    assert counted(rig) == {"store_blocks": 4, "stores": 1, "trajectories_deleted": 1}
 
 
 # ============================================================================ (6) index == stores
@@ -198,6 +237,12 @@ def test_the_manager_evicts_and_the_stores_follow_the_index_exactly() -> None:
         assert rig.host_keys(rank) == index_host
         assert len(rig.host_keys(rank)) <= 6
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "evictions_host": 4,
+        "grace_expired": 5,
+        "store_blocks": 10,
+        "stores": 5,
+    }
 
 
 def test_prefetch_outcome_is_scored_from_the_promote_completion_time() -> None:
@@ -217,6 +262,7 @@ def test_prefetch_outcome_is_scored_from_the_promote_completion_time() -> None:
     rig.clock.advance(0.5)
     rig.mgr.resume("t1", "main")
     assert rig.mgr.prefetch_outcomes.counts()["on_time"] == 1  # from the queue time: 'early'
+    assert counted(rig) == {"prefetches": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_a_resume_during_the_promote_is_late_not_done() -> None:
@@ -228,6 +274,7 @@ def test_a_resume_during_the_promote_is_late_not_done() -> None:
     rig.clock.advance(0.2)
     rig.mgr.resume("t1", "main")  # the promote is still copying
     assert rig.mgr.prefetch_outcomes.counts()["late"] == 1
+    assert counted(rig) == {"prefetches": 1, "store_blocks": 4, "stores": 1}
 
 
 # ============================================================================ (7) bounded
@@ -247,6 +294,14 @@ def test_idle_trajectories_expire_and_the_table_is_capped() -> None:
         assert len(rig.mgr.table) <= 3
     assert rig.mgr.counters["trajectories_evicted_cap"] == 2
     assert list(rig.mgr.table) == ["c2", "c3", "c4"]
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_capacity": 2,
+        "trajectories_evicted_cap": 2,
+        "trajectories_expired": 1,
+    }
 
 
 def test_per_step_work_never_touches_idle_branches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,6 +326,7 @@ def test_per_step_work_never_touches_idle_branches(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(Branch, "__getattribute__", original)
     assert live.status == "FINISHED"
     assert not touched & idle
+    assert counted(rig) == {}
 
 
 # ============================================================================ (8) timers
@@ -290,6 +346,7 @@ def test_a_control_thread_tick_fires_the_prefetch_at_its_due_time() -> None:
     assert rig.mgr.engine_work_pending()
     (move,) = rig.mgr.take_step().moves
     assert move.kind == "promote" and set(move.keys) == set(keys_of(rig, P1))
+    assert counted(rig) == {"prefetches": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_a_control_thread_tick_expires_a_lease() -> None:
@@ -305,6 +362,7 @@ def test_a_control_thread_tick_expires_a_lease() -> None:
     assert branch(rig).demoted_by is DemotedBy.LEASE_EXPIRED
     plan = rig.mgr.take_step()
     assert [t.block_id for job in plan.stores for t in job.blocks] == branch(rig).block_ids
+    assert counted(rig) == {"lease_expired_demotions": 1, "store_blocks": 4, "stores": 1}
 
 
 # ============================================================================ (10) late pause
@@ -319,6 +377,7 @@ def test_a_late_retain_repins_the_blocks_still_cached() -> None:
     rig.eng.step()
     assert branch(rig).pinned == branch(rig).block_ids and len(branch(rig).pinned) == 4
     assert rig.mgr._pins == Counter(branch(rig).block_ids)
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_a_late_retain_after_eviction_is_not_applied_and_says_why() -> None:
@@ -327,6 +386,7 @@ def test_a_late_retain_after_eviction_is_not_applied_and_says_why() -> None:
     rig.flush()
     code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
     assert code == 200 and not body["applied"] and "evicted" in body["reason"]
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_a_late_disk_decision_copies_host_copies_down_then_drops_them_from_host() -> None:
@@ -343,6 +403,7 @@ def test_a_late_disk_decision_copies_host_copies_down_then_drops_them_from_host(
     assert not rig.host_keys() & keys
     assert all(rig.mgr.index.usable(k) == "disk" for k in keys)
     assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "disk"
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_two_late_retains_pin_once() -> None:
@@ -355,6 +416,7 @@ def test_two_late_retains_pin_once() -> None:
     assert rig.mgr._pins == Counter(branch(rig).block_ids)
     rig.turn("t1", [*P1, 3])
     assert rig.mgr._pins == Counter(branch(rig).pinned)
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
 
 
 # ============================================================================ (13) lease
@@ -372,6 +434,7 @@ def test_the_lease_is_policy_lease_seconds(wait: float) -> None:
     expected = lease_seconds(decision["break_even_wait_s"], decision["wait_p50_s"], policy)
     assert decision["lease_s"] == pytest.approx(expected)
     assert branch(rig).lease_until - now == pytest.approx(expected)
+    assert counted(rig) == {}
 
 
 def test_a_client_retention_ttl_caps_the_lease() -> None:
@@ -383,6 +446,7 @@ def test_a_client_retention_ttl_caps_the_lease() -> None:
     assert body["decision"]["action"] == "retain"
     assert body["decision"]["lease_s"] == 0.5  # the policy alone would give >= 5 s
     assert branch(rig).lease_until - now == pytest.approx(0.5)
+    assert counted(rig) == {}
 
 
 def test_a_pause_is_logged_with_its_decision(caplog: pytest.LogCaptureFixture) -> None:
@@ -395,6 +459,7 @@ def test_a_pause_is_logged_with_its_decision(caplog: pytest.LogCaptureFixture) -
     assert any(
         "t1/main" in x and "tool=fast" in x and body["decision"]["action"] in x for x in lines
     )
+    assert counted(rig) == {}
 
 
 def test_a_late_offload_after_the_engine_dropped_the_branch_is_not_applied() -> None:
@@ -411,3 +476,4 @@ def test_a_late_offload_after_the_engine_dropped_the_branch_is_not_applied() -> 
     assert body["applied"] is False
     assert "released before the decision" in body["reason"]
     assert branch(rig).state is BranchState.DROPPED
+    assert counted(rig) == {"grace_expired": 1}

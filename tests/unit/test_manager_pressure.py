@@ -8,6 +8,7 @@ from agentkv.manager import BranchState, DemotedBy
 from tests.unit.manager_helpers import (
     P1,
     branch,
+    counted,
     in_thread,
     offloaded,
 )
@@ -38,6 +39,7 @@ def test_one_spike_with_write_back_offloads_in_flight_demotes_exactly_one_branch
     assert rig.mgr.counters["pressure_demotions"] == 1
     states = sorted(branch(rig, t).state.value for t in ids)
     assert states == ["offloading", "retained", "retained"]
+    assert counted(rig) == {"pressure_demotions": 1, "store_blocks": 3, "stores": 1}
 
 
 def test_control_thread_ticks_do_not_cascade_before_the_engine_unpins() -> None:
@@ -52,6 +54,7 @@ def test_control_thread_ticks_do_not_cascade_before_the_engine_unpins() -> None:
     rig.eng.step()
     assert rig.mgr.counters["pressure_demotions"] == 1
     assert sum(branch(rig, t).state is BranchState.RETAINED for t in ids) == 2
+    assert counted(rig) == {"pressure_demotions": 1}
 
 
 def test_a_blocked_queue_demotes_retained_branches_in_the_same_step() -> None:
@@ -71,6 +74,7 @@ def test_a_blocked_queue_demotes_retained_branches_in_the_same_step() -> None:
     rig.settle()  # the write-back completes and hands the blocks back
     assert rig.eng.spike(6)  # the waiting request is admitted now
     assert rig.eng.violations == []
+    assert counted(rig) == {"queue_demotions": 1, "store_blocks": 3, "stores": 1}
 
 
 def test_a_blocked_queue_ends_grace_pins_early() -> None:
@@ -84,6 +88,7 @@ def test_a_blocked_queue_ends_grace_pins_early() -> None:
     assert branch(rig, "t0").state is not BranchState.HELD
     assert branch(rig, "t0").demoted_by is DemotedBy.QUEUE_BLOCKED
     assert rig.eng.violations == []
+    assert counted(rig) == {"grace_shortened": 1, "store_blocks": 3, "stores": 1}
 
 
 def test_a_pause_while_the_queue_is_blocked_does_not_retain() -> None:
@@ -95,6 +100,7 @@ def test_a_pause_while_the_queue_is_blocked_does_not_retain() -> None:
     code, body = rig.mgr.pause("t0", "main", "fast", 0.001)  # retains on a free pool
     assert code == 200 and body["decision"]["action"] != "retain"
     assert "retain would delay waiting requests" in body["decision"]["rationale"]
+    assert counted(rig) == {"grace_shortened": 1, "store_blocks": 3, "stores": 1}
 
 
 def test_writebacks_unread_counts_copies_that_left_without_a_load() -> None:
@@ -104,6 +110,12 @@ def test_writebacks_unread_counts_copies_that_left_without_a_load() -> None:
     rig.mgr.delete("t1")
     rig.settle()
     assert rig.mgr.status()["counters"]["writebacks_unread"] == 4
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 1,
+    }
 
 
 def test_a_write_back_a_load_read_is_not_counted_unread() -> None:
@@ -115,6 +127,14 @@ def test_a_write_back_a_load_read_is_not_counted_unread() -> None:
     rig.mgr.delete("t1")
     rig.settle()
     assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 1,
+    }
 
 
 # ============================================================================ (4) host eviction
@@ -141,3 +161,4 @@ def test_making_room_in_host_drops_copies_disk_also_holds_first() -> None:
     assert [op.keys for op in rig.mgr.outbox.drops] == [[b], [c], [a]]
     assert index.keys_in(Tier.HOST) == [d] and index.keys_in(Tier.DISK) == [c, b]
     assert rig.mgr.counters["evictions_host"] == 3
+    assert counted(rig) == {"evictions_host": 3}

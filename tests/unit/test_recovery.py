@@ -26,6 +26,7 @@ from agentkv.manager.recovery import (
 )
 from agentkv.tiers.disk import TEMP_PREFIX, BlockFiles
 from agentkv.tiers.keys import BlockKey
+from tests.unit.manager_helpers import counted
 from tests.unit.sim_engine import Rig, make_rig
 
 SYS = [7, 7, 7, 7, 9, 9, 9, 9]
@@ -79,6 +80,7 @@ def test_a_manifest_of_another_identity_or_generation_or_tampered_restores_nothi
     path.write_bytes(path.read_bytes()[:50])  # torn
     assert load_records(path, IDENTITY, BASE_GENERATION, 4) == []
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+    assert counted(rig) == {"store_blocks": 4, "stores": 1}
 
 
 def test_the_keeper_rewrites_only_on_change_and_at_close(tmp_path: Path) -> None:
@@ -94,6 +96,7 @@ def test_the_keeper_rewrites_only_on_change_and_at_close(tmp_path: Path) -> None
     keeper.close()
     manifest = Manifest.read(path)
     assert manifest is not None and [r.trajectory_id for r in manifest.records] == ["t1"]
+    assert counted(rig) == {"store_blocks": 4, "stores": 1}
 
 
 def test_a_worker_keeps_only_listed_files_of_its_own_identity(tmp_path: Path) -> None:
@@ -154,3 +157,4 @@ def test_the_keeper_writes_on_its_own_every_interval(tmp_path: Path) -> None:
         assert keeper.writes >= 1 and Manifest.read(path) is not None
     finally:
         keeper.close()
+    assert counted(rig) == {}
