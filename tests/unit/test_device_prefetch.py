@@ -10,7 +10,7 @@ import pytest
 from agentkv.manager import BranchState
 from agentkv.manager.prefetch import PrefetchState
 from agentkv.policy import PolicyParams
-from tests.unit.manager_helpers import counted
+from tests.unit.manager_helpers import assert_answers, counted
 from tests.unit.sim_engine import Rig, SimRequest, make_rig
 from tests.unit.test_manager import P1, branch
 
@@ -332,6 +332,7 @@ def test_the_clients_resume_counts_the_outcome_and_the_next_turn_reports_it() ->
         "store_blocks": 4,
         "stores": 1,
     }
+    assert_answers(rig, "t1")
 
 
 # ---------------------------------------------------------------- the shared rule, alone

@@ -19,6 +19,7 @@ from agentkv.policy import Action, PolicyParams, lease_seconds
 from tests.unit.manager_helpers import (
     P1,
     SYS,
+    assert_answers,
     branch,
     counted,
     disk_offloaded,
@@ -79,6 +80,7 @@ def test_abort_during_async_load_pins_only_the_device_hit_and_stores_nothing_unl
         "stores": 1,
         "tier_misses": 2,
     }
+    assert_answers(rig, "t1", "t2")
 
 
 # ============================================================================ (2) fail closed
@@ -263,6 +265,7 @@ def test_prefetch_outcome_is_scored_from_the_promote_completion_time() -> None:
     rig.mgr.resume("t1", "main")
     assert rig.mgr.prefetch_outcomes.counts()["on_time"] == 1  # from the queue time: 'early'
     assert counted(rig) == {"prefetches": 1, "store_blocks": 4, "stores": 1}
+    assert_answers(rig, "t1")
 
 
 def test_a_resume_during_the_promote_is_late_not_done() -> None:
@@ -302,6 +305,7 @@ def test_idle_trajectories_expire_and_the_table_is_capped() -> None:
         "trajectories_evicted_cap": 2,
         "trajectories_expired": 1,
     }
+    assert_answers(rig, "c2", "c3", "c4")
 
 
 def test_per_step_work_never_touches_idle_branches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -387,6 +391,7 @@ def test_a_late_retain_after_eviction_is_not_applied_and_says_why() -> None:
     code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
     assert code == 200 and not body["applied"] and "evicted" in body["reason"]
     assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
+    assert_answers(rig, "t1")
 
 
 def test_a_late_disk_decision_copies_host_copies_down_then_drops_them_from_host() -> None:

@@ -11,6 +11,7 @@ import pytest
 from agentkv.manager import BranchState, DemotedBy
 from tests.unit.manager_helpers import (
     P1,
+    assert_answers,
     branch,
     counted,
     disk_offloaded,
@@ -68,6 +69,7 @@ def test_a_disk_hit_turn_says_disk() -> None:
     assert turn2["tier"] == "disk" and turn2["tier_hit_tokens"] == 16
     assert turn2["hit_ratio"] == round(16 / 18, 6) and turn1["hit_ratio"] == 0.0
     assert counted(rig) == {"load_blocks": 4, "loads": 1, "store_blocks": 4, "stores": 1}
+    assert_answers(rig, "t1")
 
 
 def test_a_remote_fetch_is_counted() -> None:
@@ -295,6 +297,7 @@ def test_a_layerwise_load_is_counted_and_the_turn_stats_carry_the_hit_ratio() ->
         "store_blocks": 4,
         "stores": 1,
     }
+    assert_answers(rig, "t1")
 
 
 def test_pool_trend_forecasts_eviction_from_the_free_block_drain() -> None:
@@ -453,3 +456,4 @@ def test_a_failed_upload_is_counted_once_and_uploads_nothing() -> None:
         "store_blocks": 4,
         "stores": 1,
     }
+    assert_answers(rig, "t1")

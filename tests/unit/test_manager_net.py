@@ -10,6 +10,7 @@ import pytest
 
 from tests.unit.manager_helpers import (
     P1,
+    assert_answers,
     branch,
     counted,
     keys_of,
@@ -155,6 +156,7 @@ def test_a_damaged_disk_copy_is_reported_corrupt_and_recomputed() -> None:
         "stores": 1,
         "tier_corrupt_blocks": 1,
     }
+    assert_answers(rig, "t1")
 
 
 class _Spans:
@@ -242,6 +244,7 @@ def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
         "store_blocks": 4,
         "stores": 1,
     }
+    assert_answers(rig, "t1")
 
 
 def test_the_index_knows_its_remote_copies_until_their_ttl_and_does_not_upload_them_again() -> None:

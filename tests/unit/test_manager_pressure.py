@@ -7,6 +7,7 @@ from __future__ import annotations
 from agentkv.manager import BranchState, DemotedBy
 from tests.unit.manager_helpers import (
     P1,
+    assert_answers,
     branch,
     counted,
     in_thread,
@@ -75,6 +76,7 @@ def test_a_blocked_queue_demotes_retained_branches_in_the_same_step() -> None:
     assert rig.eng.spike(6)  # the waiting request is admitted now
     assert rig.eng.violations == []
     assert counted(rig) == {"queue_demotions": 1, "store_blocks": 3, "stores": 1}
+    assert_answers(rig, "t0", "t1", "t2")
 
 
 def test_a_blocked_queue_ends_grace_pins_early() -> None:

@@ -6,7 +6,7 @@ request held, as the adapter does from the blocks it noted in ``has_pending_bloc
 from __future__ import annotations
 
 from agentkv.manager.jobs import StepPlan
-from tests.unit.manager_helpers import counted
+from tests.unit.manager_helpers import assert_answers, counted
 from tests.unit.sim_engine import Rig, SimRequest, key_of, make_rig
 
 P1 = [7, 7, 7, 7, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 17 tokens: 4 full blocks
@@ -63,6 +63,7 @@ def test_preemption_saves_exactly_the_computed_blocks_and_the_reschedule_loads_t
         "preempt_saved_tokens": 16,
         "preempt_saves": 1,
     }
+    assert_answers(rig, "t1")
 
 
 def test_a_partly_computed_prompt_saves_only_its_full_computed_blocks() -> None:

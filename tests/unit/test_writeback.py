@@ -12,7 +12,7 @@ from agentkv.admission import Admission, PoolTrend
 from agentkv.costs import CostModel
 from agentkv.manager import BranchState, DemotedBy
 from agentkv.policy import Action, PolicyParams, decide
-from tests.unit.manager_helpers import counted
+from tests.unit.manager_helpers import assert_answers, counted
 from tests.unit.sim_engine import Rig, key_of, make_rig
 
 P1 = [7, 7, 7, 7, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 17 tokens: 4 full blocks
@@ -101,6 +101,7 @@ def test_roomy_pool_unpins_without_a_copy_and_the_resume_hits_the_device() -> No
     assert rig.mgr.status()["counters"]["writebacks_deferred"] == 1
     assert rig.eng.violations == []
     assert counted(rig) == {"trajectories_deleted": 1, "writebacks_deferred": 1}
+    assert_answers(rig, "t1")
 
 
 def test_eager_setting_copies_at_once() -> None:
