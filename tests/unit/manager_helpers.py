@@ -74,15 +74,16 @@ def counted(rig: Rig) -> dict[str, int]:
 ANSWERS = Path(__file__).with_name("manager_answers.json")
 
 
-def assert_answers(rig: Rig, *trajectories: str) -> None:
+def assert_answers(rig: Rig, *trajectories: str, **replies: Any) -> None:
     """/status (its counters: ``counted``'s), the metrics and the GET of each named trajectory
     equal what manager_answers.json holds for the running test: every field the control channel
-    and the scrape answer, pinned to its exact value. ``AGENTKV_UPDATE_ANSWERS=1`` stores what the code answers
+    and the scrape answer, pinned to its exact value; ``replies``: earlier replies the test kept
+    (a pause's, a resume's), pinned the same way. ``AGENTKV_UPDATE_ANSWERS=1`` stores what the code answers
     instead (run serially; review the file's diff: it is the behaviour change)."""
     status = rig.mgr.status()
     status["counters"] = {k: v for k, v in sorted(status["counters"].items()) if v != 0}
     got = {"status": status, "metrics": rig.mgr.metrics.snapshot()}
-    got = json.loads(json.dumps({**got, **{t: rig.mgr.get(t)[1] for t in trajectories}}))
+    got = json.loads(json.dumps({**got, **{t: rig.mgr.get(t)[1] for t in trajectories}, **replies}))
     test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]  # "path::name[param]"
     stored = json.loads(ANSWERS.read_text()) if ANSWERS.exists() else {}
     if os.environ.get("AGENTKV_UPDATE_ANSWERS") == "1":

@@ -249,7 +249,7 @@ def test_the_manager_evicts_and_the_stores_follow_the_index_exactly() -> None:
 
 def test_prefetch_outcome_is_scored_from_the_promote_completion_time() -> None:
     rig = make_rig(disk=32)
-    disk_offloaded(rig)
+    paused = disk_offloaded(rig)
     b = branch(rig)
     assert b.prefetch_due is not None
     rig.clock.t = b.prefetch_due + 0.01
@@ -262,10 +262,10 @@ def test_prefetch_outcome_is_scored_from_the_promote_completion_time() -> None:
     done = rig.clock.now()
     assert b.prefetch_done_at == done
     rig.clock.advance(0.5)
-    rig.mgr.resume("t1", "main")
+    resumed = rig.mgr.resume("t1", "main")
     assert rig.mgr.prefetch_outcomes.counts()["on_time"] == 1  # from the queue time: 'early'
     assert counted(rig) == {"prefetches": 1, "store_blocks": 4, "stores": 1}
-    assert_answers(rig, "t1")
+    assert_answers(rig, "t1", pause=paused, resume=resumed)
 
 
 def test_a_resume_during_the_promote_is_late_not_done() -> None:
@@ -391,7 +391,7 @@ def test_a_late_retain_after_eviction_is_not_applied_and_says_why() -> None:
     code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
     assert code == 200 and not body["applied"] and "evicted" in body["reason"]
     assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
-    assert_answers(rig, "t1")
+    assert_answers(rig, "t1", pause=body)
 
 
 def test_a_late_disk_decision_copies_host_copies_down_then_drops_them_from_host() -> None:

@@ -232,9 +232,31 @@ def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
     assert status["counters"]["loads"] == 1
 
     rig.clock.advance(5.0)
-    rig.mgr.resume("t1", "main")
+    resumed = rig.mgr.resume("t1", "main")
     ended = spans.ended[("t1", "main")]
     assert ended["agentkv.outcome"] == "resumed" and ended["agentkv.observed_wait_s"] == 5.0
+    assert spans.started == {
+        ("t1", "main"): {
+            "agentkv.trajectory_id": "t1",
+            "agentkv.branch": "main",
+            "agentkv.tool": "grep",
+            "agentkv.expected_wait_s": 30.0,
+            "agentkv.predicted_wait_s": 30.0,
+            "agentkv.action": "offload_host",
+            "agentkv.kv_tokens": 18,
+            "agentkv.kv_bytes": 4 << 20,
+            "agentkv.rationale": body["decision"]["rationale"],
+        }
+    }
+    assert spans.ended == {
+        ("t1", "main"): {
+            "agentkv.outcome": "resumed",
+            "agentkv.observed_wait_s": 5.0,
+            "agentkv.resumed_state": "offloaded",
+            "agentkv.resumed_tier": "host",
+            "agentkv.prefetch_outcome": None,
+        }
+    }
     (obs,) = rig.mgr.metrics.snapshot()["histogram"][m.TOOL_WAIT_OBSERVED.name]
     assert obs[0] == "grep" and obs[-1] == 1 and obs[-2] == 5.0
     assert counted(rig) == {
@@ -244,7 +266,7 @@ def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
         "store_blocks": 4,
         "stores": 1,
     }
-    assert_answers(rig, "t1")
+    assert_answers(rig, "t1", pause=body, resume=resumed)
 
 
 def test_the_index_knows_its_remote_copies_until_their_ttl_and_does_not_upload_them_again() -> None:
