@@ -11,7 +11,7 @@ import pytest
 from agentkv.admission import Admission, PoolTrend
 from agentkv.costs import CostModel
 from agentkv.manager import BranchState, DemotedBy
-from agentkv.policy import Action, PolicyParams, decide
+from agentkv.policy import Action, PolicyParams, Writeback, decide
 from tests.unit.manager_helpers import assert_answers, counted
 from tests.unit.sim_engine import Rig, key_of, make_rig
 
@@ -68,7 +68,7 @@ def test_the_fill_rate_forecasts_eviction_in_a_pool_whose_free_count_holds() -> 
 
 
 def _rig() -> Rig:
-    return make_rig(defer_writeback=True, policy=PolicyParams(disk_after_s=100.0))
+    return make_rig(writeback=Writeback.FORECAST, policy=PolicyParams(disk_after_s=100.0))
 
 
 def _paused(rig: Rig, wait: float = 2.0) -> dict[str, object]:
@@ -105,7 +105,7 @@ def test_roomy_pool_unpins_without_a_copy_and_the_resume_hits_the_device() -> No
 
 
 def test_eager_setting_copies_at_once() -> None:
-    rig = make_rig(defer_writeback=False)
+    rig = make_rig(writeback=Writeback.EAGER)
     _paused(rig)
     rig.settle()
     assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
@@ -195,7 +195,9 @@ def test_a_later_pause_with_a_near_resume_forecast_copies_a_cached_branch() -> N
     assert code == 200 and body["decision"]["writeback_deferred"] is True
     rig.settle()
     assert _branch(rig).state is BranchState.CACHED  # still deferred: nothing to do
-    rig.mgr.config = type(rig.mgr.config)(**{**rig.mgr.config.__dict__, "defer_writeback": False})
+    rig.mgr.config = type(rig.mgr.config)(
+        **{**rig.mgr.config.__dict__, "writeback": Writeback.EAGER}
+    )
     rig.mgr.pause("t1", "main", "pytest", 2.0)  # now the copy must be made
     rig.settle()
     assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
@@ -244,7 +246,7 @@ def test_a_later_disk_decision_writes_a_cached_branch_to_disk() -> None:
     """Mutant core._apply_pin_ops__mutmut_11 (the deferred copy made to write_back's default
     tier, host, whatever the decision said): a CACHED branch whose next pause goes to disk is
     copied to disk."""
-    rig = make_rig(defer_writeback=True, disk=32, policy=PolicyParams(disk_after_s=100.0))
+    rig = make_rig(writeback=Writeback.FORECAST, disk=32, policy=PolicyParams(disk_after_s=100.0))
     _paused(rig)
     rig.settle()
     assert _branch(rig).state is BranchState.CACHED
