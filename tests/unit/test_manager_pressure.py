@@ -164,3 +164,40 @@ def test_making_room_in_host_drops_copies_disk_also_holds_first() -> None:
     assert index.keys_in(Tier.HOST) == [d] and index.keys_in(Tier.DISK) == [c, b]
     assert rig.mgr.counters["evictions_host"] == 3
     assert counted(rig) == {"evictions_host": 3}
+
+
+def test_a_nearly_full_host_copies_its_least_recently_used_blocks_down_to_disk() -> None:
+    """Host at 90% of its slots after a store: the least recently used host-only blocks are
+    copied down until host-only use would be 80%, so making room later drops copies disk holds."""
+    from agentkv.tier import Tier
+
+    rig = make_rig(host=10, disk=32)
+    for i in range(5):
+        offloaded(rig, f"t{i}", [20 + i] * 8 + [1])  # 2 blocks each
+    t0, t1 = (set(branch(rig, t).keys) for t in ("t0", "t1"))
+    # t4's store filled host to 10 of 10 slots: 10 - 8 = 2 blocks go down, t0's (the oldest).
+    assert rig.disk_keys() == t0
+    assert rig.host_keys() >= t0 | t1
+    index = rig.mgr.index
+    assert set(index.keys_in(Tier.DISK)) == t0
+    assert all(index.get(k).host for k in t0)  # type: ignore[union-attr]
+    assert counted(rig) == {"grace_expired": 5, "store_blocks": 10, "stores": 5}
+    offloaded(rig, "t5", [30] * 8 + [1])  # no room: the copies disk also holds leave host
+    assert not rig.host_keys() & t0 and rig.disk_keys() >= t0
+    assert rig.mgr.counters["evictions_host"] == 2 and rig.eng.violations == []
+
+
+def test_a_new_trajectory_waits_for_admission_above_high_water_at_most_five_seconds() -> None:
+    rig = make_rig(admission_wait=True, high_water=0.5)
+    rig.turn("old", P1)
+    assert rig.eng.spike(rig.pool.num_free() - 4)  # far above high water
+    req = rig.eng.new_request("new", "main", [40] * 9)
+    assert not rig.eng.schedule(req) and req.status == "WAITING"
+    assert not rig.eng.schedule(req)
+    assert rig.mgr.counters["admission_waits"] == 2
+    rig.clock.advance(5.0)  # waited long enough: it evicts rather than wait any longer
+    assert rig.eng.schedule(req)
+    assert rig.mgr.counters["admission_waits"] == 2
+    again = rig.eng.new_request("old", "main", [*P1, 4])  # a trajectory with turns never waits
+    assert rig.eng.schedule(again)
+    assert rig.mgr.counters["admission_waits"] == 2
