@@ -365,3 +365,48 @@ def test_the_rule_checks_alive_context_spread_queue_headroom_in_that_order() -> 
     ]
     for change, why in cases:
         assert device_prefetch_skip(**{**ok, **change}) is why, change  # type: ignore[arg-type]
+
+
+def test_a_prefetch_aborted_during_its_load_pins_nothing_and_counts_failed() -> None:
+    rig = make_rig(device_prefetch=True)
+    _offloaded(rig)
+    (pre,) = _due(rig)
+    rig.eng.schedule(pre)
+    assert pre.status == "WAITING_FOR_REMOTE_KVS"  # its tier load is in flight
+    rig.eng.abort(pre)  # the engine ends it before any block was loaded or computed
+    rig.settle()
+    b = branch(rig)
+    assert b.device_prefetch is None and b.state is BranchState.OFFLOADED and b.pinned == []
+    assert rig.mgr.pinned_blocks() == 0
+    stats = rig.turn("t1", NEXT).stats  # the real turn loads from the tier
+    assert stats is not None and (stats["tier_hit_tokens"], stats["prefetch"]) == (16, None)
+    assert not rig.eng.violations
+    assert counted(rig) == {
+        "device_prefetch_failed": 1,
+        "device_prefetch_orders": 1,
+        "load_blocks": 8,  # the prefetch's load, then the turn's
+        "loads": 2,
+        "store_blocks": 4,
+        "stores": 1,
+    }
+
+
+def test_a_new_pause_while_the_prefetch_is_ready_counts_it_wasted() -> None:
+    rig = make_rig(device_prefetch=True)
+    _offloaded(rig)
+    (pre,) = _due(rig)
+    rig.run(pre)
+    assert branch(rig).device_prefetch.state is PrefetchState.READY  # type: ignore[union-attr]
+    assert rig.mgr.pause("t1", "main", "build", 2.0)[0] == 200  # no turn since: a new pause
+    assert branch(rig).device_prefetch is None
+    assert _outcomes(rig) == {"on_time": 0, "late": 0, "wasted": 1}
+    assert rig.mgr.status()["device_prefetch"]["per_tool"]["build"]["wasted"] == 1
+    assert counted(rig) == {
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "device_prefetch_wasted": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
