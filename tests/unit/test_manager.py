@@ -482,3 +482,46 @@ def test_a_late_offload_after_the_engine_dropped_the_branch_is_not_applied() -> 
     assert "released before the decision" in body["reason"]
     assert branch(rig).state is BranchState.DROPPED
     assert counted(rig) == {"grace_expired": 1}
+
+
+def test_a_pause_while_the_branch_runs_is_applied_when_the_request_finishes() -> None:
+    rig = make_rig()
+    rig.turn("t1", P1)
+    req = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4], max_new=2)
+    assert rig.eng.schedule(req)
+    code, body = rig.mgr.pause("t1", "main", "human", 300.0)
+    assert (code, body["applied"], body["state"]) == (200, False, "active")
+    assert body["reason"] == "a request of this branch is running: applied when it finishes"
+    assert body["decision"]["action"] == "offload_host" and branch(rig).pending is not None
+    rig.run(req)
+    assert branch(rig).pending is None
+    assert branch(rig).state is BranchState.OFFLOADING  # no grace: the decision, at once
+    rig.settle()
+    assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "host"
+    assert counted(rig) == {"store_blocks": 5, "stores": 1}  # 22 tokens: 5 full blocks
+
+
+def test_a_fixed_disk_policy_without_a_disk_tier_offloads_to_host() -> None:
+    rig = make_rig(policy_override=Action.OFFLOAD_DISK)
+    rig.turn("t1", P1)
+    code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
+    assert code == 200 and body["decision"]["action"] == "offload_host"
+    assert body["decision"]["rationale"].startswith("offload_disk (fixed by policy_override")
+    assert rig.mgr.status()["decisions"] == {"offload_host": 1}
+    rig.settle()
+    assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "host"
+
+
+def test_a_pause_of_an_unknown_branch_is_a_404_that_names_it() -> None:
+    rig = make_rig()
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "side", "grep", 1.0) == (
+        404,
+        {"detail": "trajectory 't1' has no branch 'side'"},
+    )
+    assert rig.mgr.pause("t9", "main", "grep", 1.0) == (404, {"detail": "unknown trajectory 't9'"})
+    assert rig.mgr.resume("t1", "side") == (
+        404,
+        {"detail": "unknown trajectory or branch 't1'"},
+    )
+    assert rig.mgr.status()["decisions"] == {} and branch(rig).tool is None
