@@ -457,3 +457,65 @@ def test_a_failed_upload_is_counted_once_and_uploads_nothing() -> None:
         "stores": 1,
     }
     assert_answers(rig, "t1")
+
+
+def test_the_residency_index_by_itself() -> None:
+    """The index's own contract, one call at a time: what each call does to the counts, the LRU,
+    the change log, and that calls about a key it does not hold change nothing."""
+    from agentkv.manager import ResidencyIndex
+    from agentkv.tier import Tier
+
+    index = ResidencyIndex({Tier.HOST: 3, Tier.DISK: 2})
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    for key in (a, b, c, b"?"):  # nothing known: every call is a no-op
+        index.end_read(key)
+        index.touch(key)
+        index.remove_copy(key, None)
+        assert not index.end_write(key, Tier.HOST, True)
+        assert index.usable(key) is None and index.owners(key) == frozenset()
+    assert index.take_changes() == []  # not recording yet
+    index.record_changes()
+    index.begin_write(a, Tier.HOST, "t1")
+    assert (index.reserved(Tier.HOST), index.count(Tier.HOST), index.free(Tier.HOST)) == (1, 0, 2)
+    assert index.usable(a) is None  # not readable before every rank wrote it
+    assert index.end_write(a, Tier.HOST, True) and index.usable(a) is Tier.HOST
+    index.begin_write(a, Tier.DISK, None)
+    assert not index.end_write(a, Tier.DISK, False)  # a failed write frees its slot
+    assert (index.reserved(Tier.DISK), index.get(a).has(Tier.DISK)) == (0, False)  # type: ignore[union-attr]
+    for key in (b, c):
+        index.begin_write(key, Tier.HOST, "t2")
+        index.end_write(key, Tier.HOST, True)
+    assert index.keys_in(Tier.HOST) == [a, b, c] and index.free(Tier.HOST) == 0
+    index.touch(a)  # used again: the most recently used
+    assert index.keys_in(Tier.HOST) == [b, c, a]
+    assert index.victims(Tier.HOST, 0) == [] and index.victims(Tier.HOST, 2) == [b, c]
+    index.begin_read(b)
+    assert index.victims(Tier.HOST, 2) == [c, a]  # a key being read is never a victim
+    index.end_read(b)
+    index.end_read(b)  # one more end than begins: stays at zero readers
+    assert index.get(b).readers == 0  # type: ignore[union-attr]
+    index.hold_late(Tier.HOST, 2)
+    assert index.reserved(Tier.HOST) == 5 and index.free(Tier.HOST) == 0
+    index.release_late(Tier.HOST, 5)
+    assert index.reserved(Tier.HOST) == 3
+    index.begin_write(c, Tier.DISK, "t2")
+    assert index.end_write(c, Tier.DISK, True) and index.usable(c) is Tier.HOST
+    index.remove_copy(c, Tier.HOST)
+    assert index.usable(c) is Tier.DISK and index.keys_in(Tier.DISK) == [c]
+    index.note_external(c, 50.0)
+    index.note_external(c, 20.0)  # an earlier expiry never shortens what is known
+    assert index.external(c, 49.0) and not index.external(c, 50.0)
+    assert index.get(c).has(Tier.REMOTE) and not index.get(a).has(Tier.REMOTE)  # type: ignore[union-attr]
+    assert index.owners(a) == frozenset({"t1"}) and index.owners(b) == frozenset({"t2"})
+    assert index.take_changes() == [
+        (a, Tier.HOST, True),
+        (b, Tier.HOST, True),
+        (c, Tier.HOST, True),
+        (c, Tier.DISK, True),
+        (c, Tier.HOST, False),
+    ]
+    assert index.take_changes() == []
+    assert index.disown([a, b, c], "t2") == [b, c]  # t1 still owns a
+    assert len(index) == 1 and list(index) == [a]
+    assert index.take_changes() == [(b, Tier.HOST, False), (c, Tier.DISK, False)]
+    assert index.unread_dropped == 2  # c's host and disk copies; b was read (begin_read)
