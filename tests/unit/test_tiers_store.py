@@ -446,22 +446,22 @@ def test_reopening_a_disk_tier_logs_what_it_found(make, tmp_path: Path, caplog) 
 def test_what_a_store_refuses_and_says_why(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from agentkv.errors import ConfigError, TierError
 
-    with pytest.raises(ConfigError, match="^workers must be at least 1$"):
+    with pytest.raises(ConfigError, match=r"^workers must be at least 1$"):
         TieredStore(BLOCK, None, 0, BLOCK, workers=0)
     with pytest.raises(ConfigError, match=rf"^disk capacity {FILE - 1} B is smaller than one"):
         TieredStore(BLOCK, tmp_path / "small", FILE - 1, BLOCK)
     host_only, disk_only = make(2, None), make(0, 2)
     for call in (host_only.demote, host_only.copy_to_disk):
-        with pytest.raises(ConfigError, match="^this store has no disk tier$"):
+        with pytest.raises(ConfigError, match=r"^this store has no disk tier$"):
             call(keys(1))
-    with pytest.raises(ConfigError, match="^unknown tier 'tape'$"):
+    with pytest.raises(ConfigError, match=r"^unknown tier 'tape'$"):
         host_only.submit_store(keys(1), [content(k) for k in keys(1)], tier="tape")
-    with pytest.raises(ConfigError, match="^this store has neither host capacity nor a disk"):
+    with pytest.raises(ConfigError, match=r"^this store has neither host capacity nor a disk"):
         TieredStore(0, None, 0, BLOCK).submit_store(keys(1), [content(keys(1)[0])])
     assert store_all(disk_only, keys(1)) == [OK]  # no host slots: the block goes to disk
     assert disk_only.tier_of(keys(1)[0]) is Tier.DISK
     empty = host_only.submit_load([], [])
     assert empty.done() and empty.result(timeout=0) == []
     host_only.close()
-    with pytest.raises(TierError, match="^the store is closed$"):
+    with pytest.raises(TierError, match=r"^the store is closed$"):
         host_only.submit_store(keys(1), [content(keys(1)[0])])
