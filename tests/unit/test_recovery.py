@@ -158,3 +158,36 @@ def test_the_keeper_writes_on_its_own_every_interval(tmp_path: Path) -> None:
     finally:
         keeper.close()
     assert counted(rig) == {}
+
+
+def test_the_snapshot_lists_only_offloaded_disk_prefixes_and_restore_what_fits() -> None:
+    rig = _disk_offloaded()  # t1: 4 blocks on disk
+    rig.turn("t2", [5] * 16 + [1])
+    rig.clock.advance(1.0)
+    rig.settle()  # t2: offloaded to host only
+    assert rig.mgr.table["t2"].branches["main"].state is BranchState.OFFLOADED
+    rig.turn("t3", [*SYS, 6, 6, 6, 6, 1])  # held: its shared prefix is on disk, but it runs on
+    t1 = rig.mgr.table["t1"].branches["main"]
+    index = rig.mgr.index
+    index.remove_copy(t1.keys[2], None)  # its third block lost: the first two are the prefix
+    (rec,) = snapshot(rig.mgr)
+    assert (rec.trajectory_id, rec.branch) == ("t1", "main")
+    assert rec.keys == tuple(t1.keys[:2]) and rec.hashes == tuple(t1.hashes[:2])
+    assert rec.token_ids == tuple(P1[:8])
+    rig.mgr.delete("t1")
+    assert snapshot(rig.mgr) == []
+
+    after = make_rig(disk=3)  # a smaller disk tier than last run
+    first = TrajectoryRecord("a", "main", tuple(P1[:8]), rec.keys, rec.hashes)
+    again = TrajectoryRecord("a", "main", tuple(P1[:4]), rec.keys[:1], rec.hashes[:1])
+    empty = TrajectoryRecord("e", "main", (), (), ())
+    other = TrajectoryRecord("b", "main", tuple(range(8)), (b"x" * 16, b"y" * 16), (b"h", b"i"))
+    assert restore(after.mgr, [first, again, empty, other]) == 2
+    a = after.mgr.table["a"].branches["main"]
+    assert a.keys == list(rec.keys) and a.token_ids == P1[:8]  # the first record wins
+    b = after.mgr.table["b"].branches["main"]
+    assert b.keys == [b"x" * 16]  # the prefix that fits: one slot was left
+    assert b.token_ids == list(range(4)) and b.state is BranchState.OFFLOADED
+    assert "e" not in after.mgr.table
+    assert after.mgr.index.count("disk") == 3
+    assert counted(after) == {"trajectories_restored": 2}
