@@ -525,3 +525,34 @@ def test_a_pause_of_an_unknown_branch_is_a_404_that_names_it() -> None:
         {"detail": "unknown trajectory or branch 't1'"},
     )
     assert rig.mgr.status()["decisions"] == {} and branch(rig).tool is None
+
+
+def test_a_disk_decision_during_the_host_store_is_applied_when_the_store_completes() -> None:
+    rig = make_rig(disk=32)
+    rig.turn("t1", P1)
+    rig.clock.advance(1.0)
+    rig.eng.step()  # grace expired: the host store is in flight
+    assert branch(rig).state is BranchState.OFFLOADING
+    code, body = rig.mgr.pause("t1", "main", "human", 400.0)
+    assert (code, body["applied"], body["state"]) == (200, True, "offloading")
+    assert body["reason"] == "applied when the copy in flight completes"
+    rig.settle()  # the host store completes, then the pending disk decision copies down
+    assert branch(rig).pending is None
+    assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "disk"
+    assert rig.disk_keys() == set(keys_of(rig, P1)) and not rig.host_keys()
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
+
+
+def test_a_late_drop_decision_releases_the_tier_copy() -> None:
+    from agentkv.costs import CostModel
+
+    rig = make_rig()
+    offloaded(rig)
+    rig.mgr.costs = CostModel(host_link_bytes_per_s=1e8, prefill_tokens_per_s=1e9)  # recompute
+    code, body = rig.mgr.pause("t1", "main", "tool", 5.0)
+    assert (code, body["applied"], body["state"]) == (200, True, "dropped")
+    assert body["decision"]["action"] == "drop" and "reason" not in body
+    assert branch(rig).tier is None and not rig.mgr.table["t1"].owned
+    rig.settle()
+    assert len(rig.mgr.index) == 0 and not rig.host_keys()
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
