@@ -465,3 +465,30 @@ def test_what_a_store_refuses_and_says_why(make, tmp_path: Path) -> None:  # typ
     host_only.close()
     with pytest.raises(TierError, match=r"^the store is closed$"):
         host_only.submit_store(keys(1), [content(keys(1)[0])])
+
+
+def test_moves_of_absent_blocks_miss_and_moves_already_done_are_ok(make) -> None:  # type: ignore[no-untyped-def]
+    s = make(2, 4)
+    absent, on_host, on_disk = keys(3, salt="moves")
+    assert store_all(s, [on_host]) == [OK]
+    assert store_all(s, [on_disk], tier="disk") == [OK]
+
+    def moved_to(handle) -> list[tuple[BlockStatus, Tier | None]]:  # type: ignore[no-untyped-def]
+        return [(r.status, r.tier) for r in handle.result(10)]
+
+    miss = (BlockStatus.MISS, None)
+    assert moved_to(s.promote([absent, on_host])) == [miss, (OK, Tier.HOST)]
+    assert moved_to(s.demote([absent, on_disk])) == [miss, (OK, Tier.DISK)]
+    assert moved_to(s.copy_to_disk([absent])) == [miss]
+    assert moved(s) == {"misses": 3, "stores": 2}  # nothing moved: no promotion, no demotion
+    assert s.tier_of(on_host) is Tier.HOST and s.tier_of(on_disk) is Tier.DISK
+    assert moved_to(s.promote([on_disk])) == [(OK, Tier.HOST)]
+    assert moved_to(s.demote([on_host])) == [(OK, Tier.DISK)]
+    assert s.tier_of(on_host) is Tier.DISK and s.tier_of(on_disk) is Tier.HOST
+    assert moved(s) == {
+        "demotions": 1,
+        "hits_disk": 1,  # the promote read it
+        "misses": 3,
+        "promotions": 1,
+        "stores": 2,
+    }
