@@ -201,3 +201,25 @@ def test_a_new_trajectory_waits_for_admission_above_high_water_at_most_five_seco
     again = rig.eng.new_request("old", "main", [*P1, 4])  # a trajectory with turns never waits
     assert rig.eng.schedule(again)
     assert rig.mgr.counters["admission_waits"] == 2
+
+
+def test_a_full_disk_tier_drops_its_least_recently_used_idle_copies() -> None:
+    """The host copy-down near full needs disk slots: a full disk drops its idle copies."""
+    rig = make_rig(host=10, disk=2)
+    rig.turn("d", [50] * 8 + [1])
+    code, body = rig.mgr.pause("d", "main", "human", 400.0)
+    assert code == 200 and body["decision"]["action"] == "offload_disk", body
+    rig.settle()
+    on_disk = set(branch(rig, "d").keys)
+    assert rig.disk_keys() == on_disk and rig.mgr.index.free("disk") == 0
+    for i in range(5):
+        offloaded(rig, f"t{i}", [20 + i] * 8 + [1])  # host fills: t0's blocks go down
+    assert rig.disk_keys() == set(branch(rig, "t0").keys)
+    assert all(rig.mgr.index.usable(k) is None for k in on_disk)  # d recomputes next time
+    assert rig.eng.violations == []
+    assert counted(rig) == {
+        "evictions_disk": 2,
+        "grace_expired": 5,
+        "store_blocks": 12,  # d's 2 to disk, 5 x 2 to host
+        "stores": 6,
+    }
