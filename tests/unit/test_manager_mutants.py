@@ -84,6 +84,7 @@ def test_a_remote_fetch_is_counted() -> None:
     assert not rig.mgr.job_pending(job)
     assert rig.mgr.counters["remote_fetched_blocks"] == 4
     assert rig.mgr.counters["remote_missed_blocks"] == 1
+    assert rig.mgr.fetch_remote("t9", keys) is None  # all on host now: nothing to fetch
     assert counted(rig) == {
         "remote_fetched_blocks": 4,
         "remote_fetches": 1,
