@@ -295,14 +295,13 @@ def test_idle_trajectories_expire_and_the_table_is_capped() -> None:
     for i in range(5):
         rig.turn(f"c{i}", [30 + i] * 5)
         assert len(rig.mgr.table) <= 3
-    assert rig.mgr.counters["trajectories_evicted_cap"] == 2
+    assert rig.mgr.counters["trajectories_capacity"] == 2
     assert list(rig.mgr.table) == ["c2", "c3", "c4"]
     assert counted(rig) == {
         "grace_expired": 1,
         "store_blocks": 4,
         "stores": 1,
         "trajectories_capacity": 2,
-        "trajectories_evicted_cap": 2,
         "trajectories_expired": 1,
     }
     assert_answers(rig, "c2", "c3", "c4")

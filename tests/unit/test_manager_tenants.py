@@ -129,7 +129,7 @@ def test_deleted_and_cap_evicted_trajectories_are_freed_at_once() -> None:
     for i in range(10):
         rig.turn(f"d{i}", [40 + i] * 9)  # HELD: a 30 s GRACE timer armed too
         refs.append(weakref.ref(rig.mgr.table[f"d{i}"]))
-    assert rig.mgr.counters["trajectories_evicted_cap"] == 6
+    assert rig.mgr.counters["trajectories_capacity"] == 6
     for i in range(6, 10):
         assert rig.mgr.delete(f"d{i}")[0] == 200
     rig.settle()
@@ -138,7 +138,6 @@ def test_deleted_and_cap_evicted_trajectories_are_freed_at_once() -> None:
     assert counted(rig) == {
         "trajectories_capacity": 6,
         "trajectories_deleted": 4,
-        "trajectories_evicted_cap": 6,
     }
 
 
@@ -153,9 +152,9 @@ def test_the_cap_holds_while_the_oldest_trajectory_runs() -> None:
         rig.turn(f"c{i}", [30 + i] * 5)
         assert len(rig.mgr.table) <= 3
     assert "busy" in rig.mgr.table
-    assert rig.mgr.counters["trajectories_evicted_cap"] == 4
+    assert rig.mgr.counters["trajectories_capacity"] == 4
     assert list(rig.mgr.table)[-2:] == ["c4", "c5"]
-    assert counted(rig) == {"trajectories_capacity": 4, "trajectories_evicted_cap": 4}
+    assert counted(rig) == {"trajectories_capacity": 4}
 
 
 # ============================================================================ DELETE is final (25, 5)
@@ -221,7 +220,7 @@ def test_a_request_waiting_for_its_remote_fetch_outlives_a_cap_eviction() -> Non
     assert rig.mgr.on_lookup(req.req_id, req.params, P1, hashes, 0).status is LookupStatus.PENDING
     for i in range(2):  # two newer trajectories: the cap evicts "elsewhere"
         rig.turn(f"c{i}", [30 + i] * 5)
-    assert rig.mgr.counters["trajectories_evicted_cap"] >= 1 and not rig.mgr.knows("elsewhere")
+    assert rig.mgr.counters["trajectories_capacity"] >= 1 and not rig.mgr.knows("elsewhere")
     rig.settle()
     rig.run(req, steps=16)
     assert req.status == "FINISHED" and req.stats is not None
@@ -238,5 +237,4 @@ def test_a_request_waiting_for_its_remote_fetch_outlives_a_cap_eviction() -> Non
         "stores": 1,
         "trajectories_capacity": 2,
         "trajectories_deleted": 1,
-        "trajectories_evicted_cap": 2,
     }
