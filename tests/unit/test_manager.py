@@ -555,3 +555,17 @@ def test_a_late_drop_decision_releases_the_tier_copy() -> None:
     rig.settle()
     assert len(rig.mgr.index) == 0 and not rig.host_keys()
     assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
+
+
+def test_a_branch_with_two_requests_running_is_held_only_when_both_finished() -> None:
+    rig = make_rig()
+    first = rig.eng.new_request("t1", "main", P1, max_new=1)
+    second = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4], max_new=1)
+    assert rig.eng.schedule(first) and rig.eng.schedule(second)
+    rig.run(first)
+    assert branch(rig).state is BranchState.ACTIVE and len(branch(rig).running) == 1
+    assert rig.mgr.status()["branches_by_state"]["held"] == 0
+    rig.run(second)
+    assert branch(rig).state is BranchState.HELD and not branch(rig).running
+    assert len(branch(rig).keys) == 5 and rig.mgr.table["t1"].turn_count == 2
+    assert rig.eng.violations == [] and counted(rig) == {}
