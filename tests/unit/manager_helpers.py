@@ -84,7 +84,10 @@ def assert_answers(rig: Rig, *trajectories: str, **replies: Any) -> None:
     status["counters"] = {k: v for k, v in sorted(status["counters"].items()) if v != 0}
     got = {"status": status, "metrics": rig.mgr.metrics.snapshot()}
     got = json.loads(json.dumps({**got, **{t: rig.mgr.get(t)[1] for t in trajectories}, **replies}))
-    test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]  # "path::name[param]"
+    # "test_file.py::name": the file's name only, so a run from another root (mutmut's copy)
+    # finds the same entry
+    path, name = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0].split("::", 1)
+    test = f"{Path(path).name}::{name}"
     stored = json.loads(ANSWERS.read_text()) if ANSWERS.exists() else {}
     if os.environ.get("AGENTKV_UPDATE_ANSWERS") == "1":
         stored[test] = got
