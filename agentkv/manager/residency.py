@@ -291,8 +291,8 @@ class ResidencyIndex:
 
     def _set_copy(self, key: bytes, e: Entry, tier: Tier, present: bool) -> None:
         if e.has(tier) == present:
-            if present:
-                self._lru[tier].move_to_end(key)
+            # Only a drop can find nothing to change: a copy is set present by ``end_write``
+            # alone, for a write ``begin_write`` refuses while the tier holds the key.
             return
         if not present and not e.loaded:
             self.unread_dropped += 1

@@ -269,6 +269,8 @@ def test_skip_a_wide_prediction_spread_and_keep_the_disk_promote() -> None:
     rig.mgr.policy = PolicyParams(disk_after_s=100.0, device_prefetch_max_spread=3.0)
     assert _due(rig) == []  # a declared wait's p90 / p10 is 4
     assert _skipped(rig) == {"spread": 1}
+    per_tool = rig.mgr.status()["device_prefetch"]["per_tool"]
+    assert per_tool["human"]["skipped"] == {"spread": 1}  # under the pause's tool
     assert rig.mgr.counters["prefetches"] == 1  # disk -> host still runs
     assert counted(rig) == {
         "device_prefetch_skipped_spread": 1,
@@ -410,3 +412,32 @@ def test_a_new_pause_while_the_prefetch_is_ready_counts_it_wasted() -> None:
         "store_blocks": 4,
         "stores": 1,
     }
+
+
+def test_a_disk_context_still_cached_is_repinned_and_not_promoted_too() -> None:
+    """Mutant prefetch.DevicePrefetcher.start__mutmut_48 (a repin reported as a skip): the
+    PREFETCH timer then also promoted the disk copy to host, a copy nobody needs."""
+    rig = make_rig(device_prefetch=True, disk=32)
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "main", "human", 400.0)[1]["decision"]["action"] == "offload_disk"
+    rig.settle()  # on disk; its device copy is still in vLLM's prefix cache
+    assert branch(rig).tier == "disk"
+    assert _due(rig) == []
+    assert branch(rig).state is BranchState.RETAINED and len(branch(rig).pinned) == 4
+    assert not any(p.kind == "move" for p in rig.workers.pending) and not rig.host_keys()
+    assert counted(rig) == {"device_prefetch_repins": 1, "store_blocks": 4, "stores": 1}
+
+
+def test_every_prefetch_order_counts() -> None:
+    """Mutant prefetch.DevicePrefetcher.start__mutmut_70 (the orders counter set to 1)."""
+    rig = make_rig(device_prefetch=True)
+    for tid in ("t1", "t2"):
+        rig.turn(tid, P1 if tid == "t1" else [3] * 16 + [1])
+        assert rig.mgr.pause(tid, "main", "build", 2.0)[0] == 200
+    rig.clock.advance(0.05)
+    rig.settle()
+    rig.flush()
+    rig.clock.advance(2.0)  # both prefetches are due
+    rig.eng.step()
+    assert len(rig.eng.issue_prefetches()) == 2
+    assert rig.mgr.counters["device_prefetch_orders"] == 2

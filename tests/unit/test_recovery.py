@@ -191,3 +191,16 @@ def test_the_snapshot_lists_only_offloaded_disk_prefixes_and_restore_what_fits()
     assert "e" not in after.mgr.table
     assert after.mgr.index.count("disk") == 3
     assert counted(after) == {"trajectories_restored": 2}
+
+
+def test_the_manifest_checksum_is_blake2b_of_its_canonical_json(tmp_path: Path) -> None:
+    """The file format: a manifest another build wrote must verify here (mutant
+    recovery._checksum__mutmut_10, another separator in the canonical form, changed it)."""
+    import hashlib
+
+    path = manifest_path(tmp_path)
+    Manifest(IDENTITY, BASE_GENERATION, 4, tuple(snapshot(_disk_offloaded().mgr))).write(path)
+    body = json.loads(path.read_bytes())
+    checksum = body.pop("checksum")
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    assert checksum == hashlib.blake2b(canonical, digest_size=16).hexdigest()

@@ -236,3 +236,12 @@ def test_a_load_cancelled_before_its_remote_read_fails_each_block_under_its_key(
     assert [r.key for r in results] == ks
     assert all(r.status is BlockStatus.ERROR and "cancelled" in str(r.error) for r in results)
     assert client.stats().gets == 0  # no network read for a cancelled load
+
+
+def test_every_remote_miss_counts(store: Any) -> None:
+    """Mutant store_remote._count_remote__mutmut_11 (the misses counter set to 1)."""
+    s = store()
+    nowhere = keys(3)
+    results = s.submit_load(nowhere, zeros(3)).result(10)
+    assert [(r.status, r.tier) for r in results] == [(BlockStatus.MISS, "remote")] * 3
+    assert moved(s) == {"loads": 3, "misses": 3}
