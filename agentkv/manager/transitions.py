@@ -149,8 +149,8 @@ class Transitions:
     ) -> None:
         """Carry out a decision for a branch whose blocks are pinned (HELD or RETAINED).
         ``urgent``: a blocked queue waits for these blocks; the copy runs before this step's
-        forward, so the pins are gone by the next schedule."""
-        self.m.leases.release(traj, branch)
+        forward, so the pins are gone by the next schedule. Every path ends in ``set_state``,
+        which ends a lease for any state but RETAINED (and a retain renews it)."""
         action = Action(action)
         if action is Action.RETAIN:
             self.set_state(traj, branch, BranchState.RETAINED)

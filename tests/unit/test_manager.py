@@ -139,6 +139,29 @@ def test_plan_mismatch_fails_closed_over_every_counted_block() -> None:
     }
 
 
+def test_too_few_blocks_for_the_counted_tokens_fail_closed() -> None:
+    """Mutant requests.RequestTable.alloc__mutmut_56 (``or`` -> ``and``): blocks that cannot
+    hold every counted block must fail the load closed, not load into fewer blocks."""
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4])
+    hashes = rig.eng.hashes(req.tokens)
+    assert rig.mgr.on_lookup(req.req_id, req.params, req.prompt, hashes, 0).tokens == 16
+    blocks = rig.pool.allocate([], 3)  # one block short of the 4 counted
+    assert blocks is not None
+    rig.mgr.on_alloc(req.req_id, blocks, 16)
+    (load,) = rig.mgr.take_step().loads
+    assert [t.block_id for t in load.blocks] == blocks
+    assert all(t.key == b"" for t in load.blocks)  # fail closed: vLLM recomputes them
+    assert counted(rig) == {
+        "failed_closed_loads": 1,
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
+
+
 def test_take_step_returns_queued_loads_when_the_tick_raises(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
