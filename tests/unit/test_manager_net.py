@@ -175,7 +175,7 @@ class _Spans:
 
 def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
     """What operators read (GET, /status, the metrics, the pause span) matches one scripted
-    turn exactly: a 4-block host hit, a pause, a resume."""
+    turn exactly: a 4-block host hit, a pause, a resume (every field: ``assert_answers``)."""
     from agentkv import metrics as m
     from agentkv.metrics import counter_value
 
@@ -200,12 +200,19 @@ def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
     assert counter_value(snap, m.DECISIONS.name, action=action) == 1
     (pred,) = snap["histogram"][m.TOOL_WAIT_PREDICTED.name]
     assert pred[0] == "grep" and pred[-1] == 1
-    attrs = spans.started[("t1", "main")]
-    assert attrs["agentkv.trajectory_id"] == "t1" and attrs["agentkv.branch"] == "main"
-    assert attrs["agentkv.tool"] == "grep" and attrs["agentkv.expected_wait_s"] == 30.0
-    assert attrs["agentkv.action"] == action
-    assert attrs["agentkv.kv_tokens"] == branch(rig).kv_tokens > 0
-    assert attrs["agentkv.kv_bytes"] == len(branch(rig).keys) * (1 << 20)
+    assert spans.started == {
+        ("t1", "main"): {
+            "agentkv.trajectory_id": "t1",
+            "agentkv.branch": "main",
+            "agentkv.tool": "grep",
+            "agentkv.expected_wait_s": 30.0,
+            "agentkv.predicted_wait_s": 30.0,
+            "agentkv.action": "offload_host",
+            "agentkv.kv_tokens": 18,  # P1 and its one new token
+            "agentkv.kv_bytes": 4 << 20,
+            "agentkv.rationale": body["decision"]["rationale"],
+        }
+    }
 
     rig.settle()
     code, view = rig.mgr.get("t1")
@@ -222,32 +229,14 @@ def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
 
     status = rig.mgr.status()
     assert status["pool"]["usage"] == round(rig.pool.usage(), 6)
-    assert status["pool"]["total_blocks"] == 40
     assert status["pool"]["pinned_blocks"] == sum(rig.pool.pins)
     assert status["tiers"]["host"]["blocks"] == rig.mgr.index.count("host") > 0
     assert status["tiers"]["host"]["bytes"] == rig.mgr.index.count("host") * (1 << 20)
-    assert status["tiers"]["host"]["capacity_bytes"] == 32 * (1 << 20)
     assert status["trajectories"] == 1 and status["trajectory_ids"] == ["t1"]
     assert status["decisions"] == {action: 1}
-    assert status["counters"]["loads"] == 1
 
     rig.clock.advance(5.0)
     resumed = rig.mgr.resume("t1", "main")
-    ended = spans.ended[("t1", "main")]
-    assert ended["agentkv.outcome"] == "resumed" and ended["agentkv.observed_wait_s"] == 5.0
-    assert spans.started == {
-        ("t1", "main"): {
-            "agentkv.trajectory_id": "t1",
-            "agentkv.branch": "main",
-            "agentkv.tool": "grep",
-            "agentkv.expected_wait_s": 30.0,
-            "agentkv.predicted_wait_s": 30.0,
-            "agentkv.action": "offload_host",
-            "agentkv.kv_tokens": 18,
-            "agentkv.kv_bytes": 4 << 20,
-            "agentkv.rationale": body["decision"]["rationale"],
-        }
-    }
     assert spans.ended == {
         ("t1", "main"): {
             "agentkv.outcome": "resumed",
@@ -257,8 +246,6 @@ def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
             "agentkv.prefetch_outcome": None,
         }
     }
-    (obs,) = rig.mgr.metrics.snapshot()["histogram"][m.TOOL_WAIT_OBSERVED.name]
-    assert obs[0] == "grep" and obs[-1] == 1 and obs[-2] == 5.0
     assert counted(rig) == {
         "grace_expired": 1,
         "load_blocks": 4,
