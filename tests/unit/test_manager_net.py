@@ -231,9 +231,7 @@ def test_get_status_metrics_and_spans_say_what_happened_to_a_turn() -> None:
     assert status["pool"]["usage"] == round(rig.pool.usage(), 6)
     assert status["pool"]["pinned_blocks"] == sum(rig.pool.pins)
     assert status["tiers"]["host"]["blocks"] == rig.mgr.index.count("host") > 0
-    assert status["tiers"]["host"]["bytes"] == rig.mgr.index.count("host") * (1 << 20)
     assert status["trajectories"] == 1 and status["trajectory_ids"] == ["t1"]
-    assert status["decisions"] == {action: 1}
 
     rig.clock.advance(5.0)
     resumed = rig.mgr.resume("t1", "main")
