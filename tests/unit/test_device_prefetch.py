@@ -39,6 +39,16 @@ def _due(rig: Rig) -> list[SimRequest]:
     return rig.eng.issue_prefetches()
 
 
+def _prefetched() -> Rig:
+    """t1 offloaded to host, its device prefetch due, issued and run: the branch RETAINED with
+    the prefetch READY."""
+    rig = make_rig(device_prefetch=True)
+    _offloaded(rig)
+    (pre,) = _due(rig)
+    rig.run(pre)
+    return rig
+
+
 def _outcomes(rig: Rig) -> dict[str, int]:
     view = rig.mgr.status()["device_prefetch"]
     return {k: view[k] for k in ("on_time", "late", "wasted")}
@@ -153,10 +163,7 @@ def test_a_cancelled_prefetch_request_waits_to_be_aborted_and_never_computes() -
 
 
 def test_an_unused_prefetch_is_demoted_when_its_lease_ends() -> None:
-    rig = make_rig(device_prefetch=True)
-    _offloaded(rig)
-    (pre,) = _due(rig)
-    rig.run(pre)
+    rig = _prefetched()
     b = branch(rig)
     lease_until = b.lease_until
     assert lease_until == pytest.approx(b.paused_at + 4.0 + 1.0)  # type: ignore[operator]
@@ -315,10 +322,7 @@ def test_skip_a_running_branch_and_a_deleted_trajectory_orders_nothing() -> None
 
 
 def test_the_clients_resume_counts_the_outcome_and_the_next_turn_reports_it() -> None:
-    rig = make_rig(device_prefetch=True)
-    _offloaded(rig)
-    (pre,) = _due(rig)
-    rig.run(pre)
+    rig = _prefetched()
     rig.mgr.resume("t1", "main")  # the tool returned: on time (its blocks are pinned)
     assert _outcomes(rig)["on_time"] == 1
     stats = rig.turn("t1", NEXT).stats
@@ -394,10 +398,7 @@ def test_a_prefetch_aborted_during_its_load_pins_nothing_and_counts_failed() -> 
 
 
 def test_a_new_pause_while_the_prefetch_is_ready_counts_it_wasted() -> None:
-    rig = make_rig(device_prefetch=True)
-    _offloaded(rig)
-    (pre,) = _due(rig)
-    rig.run(pre)
+    rig = _prefetched()
     assert branch(rig).device_prefetch.state is PrefetchState.READY  # type: ignore[union-attr]
     assert rig.mgr.pause("t1", "main", "build", 2.0)[0] == 200  # no turn since: a new pause
     assert branch(rig).device_prefetch is None
