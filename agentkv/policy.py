@@ -13,6 +13,9 @@ Primitives:
     pressure_victims  which retained trajectories one pressure event demotes
     defer_writeback   whether an offload_host copy waits for an eviction forecast (the pool keeps
                       the blocks past the predicted resume: a copy now is one nobody reads)
+    Writeback         FORECAST | EAGER (a StrEnum): whether that rule is on; the one definition
+                      of the write-back mode (the plugin's ``writeback`` setting, the manager's
+                      config, the simulator and ``agentkv simulate --writeback``)
     Decision          the action, its lease and prefetch time, and every number behind it
     decide            pure, cheap and never raising: inputs -> Decision
 
@@ -64,6 +67,16 @@ from agentkv.predict import WaitEstimate, prefetch_at
 from agentkv.tier import Tier
 
 _INF = math.inf
+
+
+class Writeback(enum.StrEnum):
+    """When an offload_host decision's host copy is made."""
+
+    FORECAST = "forecast"
+    """The copy waits, the blocks unpinned in vLLM's cache, until eviction is forecast before
+    the resume (``defer_writeback``)."""
+    EAGER = "eager"
+    """Every offload_host decision copies at once (the plugin before issue 26)."""
 
 
 class Action(enum.StrEnum):

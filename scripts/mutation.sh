@@ -31,7 +31,7 @@ copy_tests() {  # into $1: the tests the selection names, and what they import
     mkdir -p "$1/tests/unit"
     cp "$root/pyproject.toml" "$1/"
     cp "$root/tests/__init__.py" "$root/tests/valkey_fixture.py" "$1/tests/"
-    for f in __init__.py sim_engine.py sim_pool.py sim_workers.py fake_store.py manager_helpers.py \
+    for f in __init__.py sim_engine.py sim_pool.py sim_workers.py fake_store.py manager_helpers.py manager_answers.json \
         stateful_invariants.py stateful_control.py stateful_restart.py \
         key_helpers.py remote_fixtures.py \
         test_manager.py test_manager_bugs.py test_manager_mutants.py test_manager_net.py \

@@ -142,16 +142,16 @@ def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 def _check(a: SimulateArgs) -> tuple[list[str], list[str]]:
     """The routers and policies asked for; exits with a message for a bad combination."""
+    from agentkv.policy import Writeback
     from agentkv.simulate.admission import Admission
     from agentkv.simulate.policies import POLICIES
     from agentkv.simulate.routers import ROUTERS
-    from agentkv.simulate.writeback import Writeback
 
     routers = _split(a.router, ROUTERS, "router")
     if a.admission not in {x.value for x in Admission}:
         fail(f"unknown --admission {a.admission!r}; choose from: whole, chunk")
     if a.writeback not in {x.value for x in Writeback}:
-        fail(f"unknown --writeback {a.writeback!r}; choose from: forecast, eager")
+        fail(f"unknown --writeback {a.writeback!r}; choose from: {', '.join(Writeback)}")
     _pause_after(a.pause_after)
     policies = _split(a.policy, POLICIES, "policy")
     if a.trace is not None and (a.fork_prob is not None or a.fork_width is not None):
@@ -224,10 +224,10 @@ def _inputs(a: SimulateArgs) -> tuple[EngineCosts, int, SimWorkload]:
 def _simulate(a: SimulateArgs) -> None:
     from rich.console import Console
 
+    from agentkv.policy import Writeback
     from agentkv.simulate.admission import Admission
     from agentkv.simulate.fleet import FleetConfig
     from agentkv.simulate.load import offered_load
-    from agentkv.simulate.writeback import Writeback
 
     routers, policies = _check(a)
     costs, num_blocks, workload = _inputs(a)

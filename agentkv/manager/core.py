@@ -96,7 +96,7 @@ from agentkv.manager.timers import BRANCH_TIMERS, Leases, Timer, TimerHeap, Time
 from agentkv.manager.transitions import Transitions
 from agentkv.manager.writeback import DeferredWritebacks
 from agentkv.metrics import MetricsRecorder
-from agentkv.policy import HIGH_WATER, Action, PolicyParams
+from agentkv.policy import HIGH_WATER, Action, PolicyParams, Writeback
 from agentkv.policy import pressure_victims as pressure_victims
 from agentkv.predict import PrefetchOutcomeCounter, WaitPredictor
 from agentkv.tier import Tier
@@ -159,8 +159,8 @@ class ManagerConfig:
     remote_ttl_s: float = 0.0  # how long the remote tier keeps a copy (0: not known)
     # Write back only when it pays: an offload_host decision's copy waits (CACHED) while the
     # pool's forecast says vLLM keeps the unpinned blocks past the wait (policy.defer_writeback).
-    # Off here (the core's unit tests drive copies directly); the plugin's setting turns it on.
-    defer_writeback: bool = False
+    # EAGER here (the core's unit tests drive copies directly); the plugin's setting is FORECAST.
+    writeback: Writeback = Writeback.EAGER
     # Prefetch into device blocks at the predicted return (prefetch.py): the adapter issues the
     # internal requests this manager orders (``take_prefetch_work``).
     device_prefetch: bool = False

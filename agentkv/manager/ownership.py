@@ -66,7 +66,6 @@ class Namespace:
             if traj.running:
                 self.table.move_to_end(tid)
                 continue
-            self.m.counters["trajectories_evicted_cap"] += 1
             self.table.pop(tid)
             self.release(traj, "capacity")
             return True
@@ -130,5 +129,6 @@ class Namespace:
             self.tombstones[id(traj)] = traj
         if reason not in ("capacity", "expired"):  # DELETE (or an invalidation) is final
             mgr.reqs.orphan_waiting(traj.trajectory_id)
+        # trajectories_deleted | _expired | _capacity (the table cap) | _<invalidation reason>
         mgr.counters[f"trajectories_{reason}"] += 1
         return {"released_blocks": released, "dropped_tier_blocks": len(gone)}

@@ -2,7 +2,7 @@
 
 Primitives:
   Pauses.pause        predict the tool's wait, ``policy.decide`` (with the pool's eviction
-                      forecast when ``defer_writeback`` is on), record the pause on the branch
+                      forecast under ``Writeback.FORECAST``), record the pause on the branch
                       (tool, prediction, prefetch time, metrics, trace), then carry the decision
                       out (``Transitions.apply_decision``: now, or when the running turn ends)
   Pauses.resume       the client says the tool returned: an OFFLOADED branch is promoted
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentkv import metrics as m
 from agentkv.manager.state import Branch, BranchState, Trajectory
-from agentkv.policy import Action, Decision, PolicyParams, decide
+from agentkv.policy import Action, Decision, PolicyParams, Writeback, decide
 from agentkv.predict import WaitEstimate, classify_prefetch
 from agentkv.tier import Tier
 
@@ -101,7 +101,9 @@ class Pauses:
             params=self.m.policy,
             admission=self.m.admission,
             # No forecast (0: eviction now) keeps every host write-back immediate.
-            eviction_in_s=self.m.eviction_forecast() if self.m.config.defer_writeback else 0.0,
+            eviction_in_s=self.m.eviction_forecast()
+            if self.m.config.writeback is Writeback.FORECAST
+            else 0.0,
         )
 
     def _note_pause(

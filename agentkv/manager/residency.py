@@ -18,7 +18,8 @@ Primitives:
                               index without any load reading them
   own / disown                ownership by reference, in flight included; disown returns the keys
                               no one owns any more (the caller drops them); own revives a doomed key
-  victims(tier, n)            eviction order: least recently used, unowned first, idle keys only
+  victims(tier, n)            eviction order: idle keys only, least recently used first (on
+                              request, keys disk also holds before the others)
   remove_copy                 a tier no longer holds the key (evicted, corrupt, missing)
   count(tier), reserved(tier) O(1) per-tier counts (read on every pause and scrape)
   hold_late / release_late    slots of a timed-out write stay taken until every rank reported
@@ -252,17 +253,23 @@ class ResidencyIndex:
 
     # ------------------------------------------------------------------ eviction and removal
 
-    def victims(self, tier: Tier, n: int) -> list[bytes]:
-        """Up to ``n`` idle keys with a complete copy in ``tier``, least recently used first."""
+    def victims(self, tier: Tier, n: int, *, on_disk_first: bool = False) -> list[bytes]:
+        """Up to ``n`` idle keys with a complete copy in ``tier``, least recently used first.
+        ``on_disk_first``: keys that disk also holds come before the others (dropping their
+        ``tier`` copy loses no data), each group least recently used first."""
         out: list[bytes] = []
         if n <= 0:
             return out
-        for key in self._lru[tier]:
-            e = self._entries[key]
-            if not e.busy:
+        # Two passes over the LRU (the backed keys, then the rest) only when asked to prefer.
+        passes = (True, False) if on_disk_first else (None,)
+        for want_disk in passes:
+            for key in self._lru[tier]:
+                e = self._entries[key]
+                if e.busy or (want_disk is not None and e.disk != want_disk):
+                    continue
                 out.append(key)
                 if len(out) >= n:
-                    break
+                    return out
         return out
 
     def remove_copy(self, key: bytes, tier: Tier | None) -> None:
@@ -284,8 +291,8 @@ class ResidencyIndex:
 
     def _set_copy(self, key: bytes, e: Entry, tier: Tier, present: bool) -> None:
         if e.has(tier) == present:
-            if present:
-                self._lru[tier].move_to_end(key)
+            # Only a drop can find nothing to change: a copy is set present by ``end_write``
+            # alone, for a write ``begin_write`` refuses while the tier holds the key.
             return
         if not present and not e.loaded:
             self.unread_dropped += 1
@@ -315,11 +322,6 @@ class ResidencyIndex:
         for tier in TIERS:
             if self._lru[tier].pop(key, "absent") is None and self._changes is not None:
                 self._changes.append((key, tier, False))
-        self._writing_release(e)
+        # Only idle entries are removed (``_gc``, ``disown``): no write holds a slot, and
+        # ``spoiled`` is a subset of ``writing``, so there is nothing else to release.
         self._entries.pop(key, None)
-
-    def _writing_release(self, e: Entry) -> None:
-        for tier in e.writing:
-            self._writing[tier] -= 1
-        e.writing.clear()
-        e.spoiled.clear()

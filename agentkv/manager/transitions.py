@@ -149,8 +149,8 @@ class Transitions:
     ) -> None:
         """Carry out a decision for a branch whose blocks are pinned (HELD or RETAINED).
         ``urgent``: a blocked queue waits for these blocks; the copy runs before this step's
-        forward, so the pins are gone by the next schedule."""
-        self.m.leases.release(traj, branch)
+        forward, so the pins are gone by the next schedule. Every path ends in ``set_state``,
+        which ends a lease for any state but RETAINED (and a retain renews it)."""
         action = Action(action)
         if action is Action.RETAIN:
             self.set_state(traj, branch, BranchState.RETAINED)
@@ -320,15 +320,13 @@ class Transitions:
         self.m.counters["store_blocks"] += len(copy)
 
     def make_room(self, tier: Tier, n: int) -> int:
-        """Free slots in ``tier`` for ``n`` new copies by dropping least recently used idle
-        copies (a host copy that is also on disk goes first). Returns how many fit."""
+        """Free slots in ``tier`` for ``n`` new copies by dropping idle copies: in host, those
+        that disk also holds first (no data lost), then least recently used. Returns how many
+        fit."""
         index = self.m.index
         short = n - index.free(tier)
         if short > 0:
-            victims = index.victims(tier, short)
-            if tier == Tier.HOST:
-                victims.sort(key=lambda k: not index.get(k).disk)  # type: ignore[union-attr]
-            for key in victims:
+            for key in index.victims(tier, short, on_disk_first=tier == Tier.HOST):
                 self.m.outbox.drops.append(DropOp([key], tier))
                 index.remove_copy(key, tier)
                 self.m.counters[f"evictions_{tier}"] += 1

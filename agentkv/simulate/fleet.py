@@ -27,6 +27,7 @@ from typing import Any
 
 import simpy
 
+from agentkv.policy import Writeback
 from agentkv.simulate.admission import Admission
 from agentkv.simulate.costs import BENCH_SMALL_CPU, EngineCosts
 from agentkv.simulate.grace import GRACE_S
@@ -37,7 +38,6 @@ from agentkv.simulate.replica import GIB, Replica, Request
 from agentkv.simulate.routers import make_router
 from agentkv.simulate.tiers import TierStore
 from agentkv.simulate.workload import SimTrajectory, SimWorkload
-from agentkv.simulate.writeback import Writeback
 from agentkv.tier import Tier
 
 ProgressFn = Callable[[str, int, int], None]

@@ -33,6 +33,7 @@ from typing import Any
 
 import simpy
 
+from agentkv.policy import Writeback
 from agentkv.simulate.admission import _FILL, _HEAD, Admission, AdmissionMixin
 from agentkv.simulate.costs import EngineCosts
 from agentkv.simulate.forks import ForkMixin
@@ -42,7 +43,7 @@ from agentkv.simulate.pool import Allocation, BlockPool
 from agentkv.simulate.prefetch import PrefetchMixin
 from agentkv.simulate.routers import RouteRequest
 from agentkv.simulate.tiers import TierStore
-from agentkv.simulate.writeback import Writeback, WritebackMixin
+from agentkv.simulate.writeback import WritebackMixin
 from agentkv.tier import Tier
 
 GIB = 2**30

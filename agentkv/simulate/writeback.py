@@ -1,8 +1,9 @@
 """Deferred host write-backs in the simulated replica: the plugin's ``writeback: forecast``.
 
 Primitives:
-  Writeback         FORECAST (the plugin's default: an offload_host copy waits until the pool
-                    forecasts the blocks' eviction) | EAGER (copy at the pause)
+  Writeback         ``agentkv.policy.Writeback``: FORECAST (the plugin's default: an
+                    offload_host copy waits until the pool forecasts the blocks' eviction) |
+                    EAGER (copy at the pause)
   WritebackMixin    the replica's write-back operations:
     _writeback_init(mode)        the pool's trend (``agentkv.admission.PoolTrend``), the heap
     _observe_pool()              once per engine segment: feed the trend (free blocks, blocks
@@ -45,22 +46,11 @@ import heapq
 import itertools
 from collections import Counter
 from dataclasses import replace
-from enum import StrEnum
 from typing import Any
 
 from agentkv.admission import Admission as AdmissionPicture
 from agentkv.admission import PoolTrend
-from agentkv.policy import PolicyParams
-
-
-class Writeback(StrEnum):
-    """When an offload_host decision's host copy is made (the plugin's ``writeback`` setting;
-    plugins/agentkv_vllm/settings.py defines the same two values for the connector)."""
-
-    FORECAST = "forecast"
-    """The copy waits, the blocks unpinned in vLLM's cache, until eviction is forecast."""
-    EAGER = "eager"
-    """Every offload_host decision copies at once (the plugin before issue 26)."""
+from agentkv.policy import PolicyParams, Writeback
 
 
 class WritebackMixin:

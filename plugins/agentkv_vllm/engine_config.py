@@ -19,7 +19,7 @@ from typing import Any
 from agentkv.costs import CostModel
 from agentkv.manager import ManagerConfig
 from agentkv.policy import PolicyParams
-from agentkv_vllm.settings import ConnectorSettings, LoadMode, Writeback
+from agentkv_vllm.settings import ConnectorSettings, LoadMode
 
 log = logging.getLogger("agentkv.scheduler")
 GiB = 1 << 30
@@ -82,7 +82,7 @@ def manager_config(
         max_trajectories=settings.max_trajectories,
         layerwise=layerwise,
         admission_wait=settings.admission_wait,
-        defer_writeback=settings.writeback is Writeback.FORECAST,
+        writeback=settings.writeback,
         device_prefetch=settings.device_prefetch,
         remote_enabled=bool(settings.remote_url),
         remote_ttl_s=settings.remote_ttl_s,

@@ -15,15 +15,10 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from agentkv.manager import ManagerConfig
-from agentkv.policy import DEFAULT_POLICY, HIGH_WATER, Action
+from agentkv.policy import DEFAULT_POLICY, HIGH_WATER, Action, Writeback
 
 if TYPE_CHECKING:
     from agentkv.tiers.remote import RemoteConfig
-
-
-class Writeback(enum.StrEnum):
-    FORECAST = "forecast"  # an offload_host copy waits until the pool forecasts eviction
-    EAGER = "eager"  # every offload_host decision copies at once (before issue 26)
 
 
 class LoadMode(enum.StrEnum):

@@ -10,11 +10,17 @@ Primitives:
     offloaded        one finished turn whose grace expired and host copy was written.
     disk_offloaded   a finished turn paused long enough to go to disk.
     branch           a trajectory's branch by client id and tenant.
+    counted          the counters that moved, to assert exactly.
+    assert_answers   /status, metrics and GET of trajectories equal the test's entry in
+                     manager_answers.json (AGENTKV_UPDATE_ANSWERS=1 rewrites it; review the diff).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from agentkv.manager import BranchState
@@ -57,3 +63,35 @@ def disk_offloaded(rig: Rig, wait: float = 400.0) -> dict[str, Any]:
     rig.settle()
     assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "disk"
     return body
+
+
+def counted(rig: Rig) -> dict[str, int]:
+    """The manager's counters that moved (a scenario asserts all of them at once, so a counter
+    counted wrong, twice, under another name or not at all fails it)."""
+    return {k: v for k, v in sorted(rig.mgr.counters.items()) if v != 0}
+
+
+ANSWERS = Path(__file__).with_name("manager_answers.json")
+
+
+def assert_answers(rig: Rig, *trajectories: str, **replies: Any) -> None:
+    """/status (its counters: ``counted``'s), the metrics and the GET of each named trajectory
+    equal what manager_answers.json holds for the running test: every field the control channel
+    and the scrape answer, pinned to its exact value; ``replies``: earlier replies the test kept
+    (a pause's, a resume's), pinned the same way. ``AGENTKV_UPDATE_ANSWERS=1`` stores what the code answers
+    instead (run serially; review the file's diff: it is the behaviour change)."""
+    status = rig.mgr.status()
+    status["counters"] = {k: v for k, v in sorted(status["counters"].items()) if v != 0}
+    got = {"status": status, "metrics": rig.mgr.metrics.snapshot()}
+    got = json.loads(json.dumps({**got, **{t: rig.mgr.get(t)[1] for t in trajectories}, **replies}))
+    # "test_file.py::name": the file's name only, so a run from another root (mutmut's copy)
+    # finds the same entry
+    path, name = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0].split("::", 1)
+    test = f"{Path(path).name}::{name}"
+    stored = json.loads(ANSWERS.read_text()) if ANSWERS.exists() else {}
+    if os.environ.get("AGENTKV_UPDATE_ANSWERS") == "1":
+        stored[test] = got
+        ANSWERS.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+        return
+    assert test in stored, f"no stored answers for {test}: run it with AGENTKV_UPDATE_ANSWERS=1"
+    assert got == stored[test]

@@ -10,6 +10,7 @@ import pytest
 from agentkv.manager import BranchState
 from agentkv.manager.prefetch import PrefetchState
 from agentkv.policy import PolicyParams
+from tests.unit.manager_helpers import assert_answers, counted
 from tests.unit.sim_engine import Rig, SimRequest, make_rig
 from tests.unit.test_manager import P1, branch
 
@@ -36,6 +37,16 @@ def _due(rig: Rig) -> list[SimRequest]:
     rig.clock.t = max(rig.clock.t, due + 0.01)
     rig.eng.step()
     return rig.eng.issue_prefetches()
+
+
+def _prefetched() -> Rig:
+    """t1 offloaded to host, its device prefetch due, issued and run: the branch RETAINED with
+    the prefetch READY."""
+    rig = make_rig(device_prefetch=True)
+    _offloaded(rig)
+    (pre,) = _due(rig)
+    rig.run(pre)
+    return rig
 
 
 def _outcomes(rig: Rig) -> dict[str, int]:
@@ -67,6 +78,15 @@ def test_a_resume_after_the_prefetch_is_a_device_hit(disk: bool) -> None:
     per_tool = rig.mgr.status()["device_prefetch"]["per_tool"]
     assert per_tool["human" if disk else "build"]["on_time"] == 1
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "device_prefetch_on_time": 1,
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_without_the_prefetch_the_same_resume_reloads_from_the_tier() -> None:
@@ -77,6 +97,7 @@ def test_without_the_prefetch_the_same_resume_reloads_from_the_tier() -> None:
     rig.clock.advance(0.5)
     stats = rig.turn("t1", NEXT).stats
     assert stats is not None and stats["tier_hit_tokens"] == 16
+    assert counted(rig) == {"load_blocks": 4, "loads": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_a_resume_before_the_prefetch_is_due_is_late_and_loads_exact_kv() -> None:
@@ -88,6 +109,13 @@ def test_a_resume_before_the_prefetch_is_due_is_late_and_loads_exact_kv() -> Non
     assert _outcomes(rig) == {"on_time": 0, "late": 1, "wasted": 0}
     assert rig.eng.issue_prefetches() == []
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "device_prefetch_late": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_a_resume_during_the_prefetch_load_cancels_it_and_pins_nothing_for_it() -> None:
@@ -108,6 +136,14 @@ def test_a_resume_during_the_prefetch_load_cancels_it_and_pins_nothing_for_it() 
     assert b.device_prefetch is None and b.state is not BranchState.RETAINED
     assert rig.mgr.pinned_blocks() == len(b.pinned)
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "device_prefetch_late": 1,
+        "device_prefetch_orders": 1,
+        "load_blocks": 8,
+        "loads": 2,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_a_cancelled_prefetch_request_waits_to_be_aborted_and_never_computes() -> None:
@@ -118,13 +154,16 @@ def test_a_cancelled_prefetch_request_waits_to_be_aborted_and_never_computes() -
     for _ in range(3):
         assert not rig.eng.schedule(pre)  # PENDING until the pump aborts it
     assert rig.mgr.prefetcher.take_cancels() == [pre.params.prefetch]
+    assert counted(rig) == {
+        "device_prefetch_late": 1,
+        "device_prefetch_orders": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_an_unused_prefetch_is_demoted_when_its_lease_ends() -> None:
-    rig = make_rig(device_prefetch=True)
-    _offloaded(rig)
-    (pre,) = _due(rig)
-    rig.run(pre)
+    rig = _prefetched()
     b = branch(rig)
     lease_until = b.lease_until
     assert lease_until == pytest.approx(b.paused_at + 4.0 + 1.0)  # type: ignore[operator]
@@ -137,6 +176,16 @@ def test_an_unused_prefetch_is_demoted_when_its_lease_ends() -> None:
     assert rig.mgr.pinned_blocks() == 0
     stats = rig.turn("t1", NEXT).stats  # still exact: a device or tier hit
     assert stats is not None and stats["hit_tokens"] == 16
+    assert counted(rig) == {
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "device_prefetch_wasted": 1,
+        "lease_expired_demotions": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_pool_pressure_demotes_a_prefetched_branch_first_class() -> None:
@@ -150,6 +199,16 @@ def test_pool_pressure_demotes_a_prefetched_branch_first_class() -> None:
     rig.settle()
     assert branch(rig).state is BranchState.OFFLOADED
     assert _outcomes(rig)["wasted"] == 1
+    assert counted(rig) == {
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "device_prefetch_wasted": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "pressure_demotions": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_a_context_still_cached_on_the_device_is_repinned_without_a_request() -> None:
@@ -167,6 +226,12 @@ def test_a_context_still_cached_on_the_device_is_repinned_without_a_request() ->
     stats = rig.turn("t1", NEXT).stats
     assert stats is not None and stats["device_hit_tokens"] == 16
     assert _outcomes(rig)["on_time"] == 1
+    assert counted(rig) == {
+        "device_prefetch_on_time": 1,
+        "device_prefetch_repins": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_delete_cancels_an_ordered_prefetch() -> None:
@@ -179,6 +244,12 @@ def test_delete_cancels_an_ordered_prefetch() -> None:
     rig.mgr.delete("t1")
     orders, cancels = rig.mgr.take_prefetch_work()
     assert orders == [] and cancels == [ticket]
+    assert counted(rig) == {
+        "device_prefetch_orders": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 1,
+    }
 
 
 def test_a_forged_ticket_is_served_as_a_vanilla_request() -> None:
@@ -189,6 +260,7 @@ def test_a_forged_ticket_is_served_as_a_vanilla_request() -> None:
     assert forged.status == "FINISHED" and forged.stats is None
     assert rig.mgr.table["t1"].turn_count == 1
     assert branch(rig).state is BranchState.OFFLOADED
+    assert counted(rig) == {"store_blocks": 4, "stores": 1}
 
 
 # ---------------------------------------------------------------- the "never worse" rules
@@ -204,7 +276,15 @@ def test_skip_a_wide_prediction_spread_and_keep_the_disk_promote() -> None:
     rig.mgr.policy = PolicyParams(disk_after_s=100.0, device_prefetch_max_spread=3.0)
     assert _due(rig) == []  # a declared wait's p90 / p10 is 4
     assert _skipped(rig) == {"spread": 1}
+    per_tool = rig.mgr.status()["device_prefetch"]["per_tool"]
+    assert per_tool["human"]["skipped"] == {"spread": 1}  # under the pause's tool
     assert rig.mgr.counters["prefetches"] == 1  # disk -> host still runs
+    assert counted(rig) == {
+        "device_prefetch_skipped_spread": 1,
+        "prefetches": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_skip_when_the_queue_waits_on_blocks() -> None:
@@ -213,6 +293,7 @@ def test_skip_when_the_queue_waits_on_blocks() -> None:
     assert not rig.eng.spike(40)  # a request the scheduler cannot admit
     assert _due(rig) == []
     assert _skipped(rig) == {"queue": 1}
+    assert counted(rig) == {"device_prefetch_skipped_queue": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_skip_when_the_prefetch_would_pass_high_water() -> None:
@@ -221,6 +302,7 @@ def test_skip_when_the_prefetch_would_pass_high_water() -> None:
     assert rig.eng.spike(14)  # running work: 14 + 5 blocks > 0.75 * 24
     assert _due(rig) == []
     assert _skipped(rig) == {"headroom": 1}
+    assert counted(rig) == {"device_prefetch_skipped_headroom": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_skip_a_running_branch_and_a_deleted_trajectory_orders_nothing() -> None:
@@ -231,19 +313,32 @@ def test_skip_a_running_branch_and_a_deleted_trajectory_orders_nothing() -> None
     rig.mgr.delete("t1")
     assert not rig.mgr.prefetcher.start(traj, b, rig.clock.now())
     assert _skipped(rig) == {"busy": 1}
+    assert counted(rig) == {
+        "device_prefetch_skipped_busy": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 1,
+    }
 
 
 def test_the_clients_resume_counts_the_outcome_and_the_next_turn_reports_it() -> None:
-    rig = make_rig(device_prefetch=True)
-    _offloaded(rig)
-    (pre,) = _due(rig)
-    rig.run(pre)
+    rig = _prefetched()
     rig.mgr.resume("t1", "main")  # the tool returned: on time (its blocks are pinned)
     assert _outcomes(rig)["on_time"] == 1
     stats = rig.turn("t1", NEXT).stats
     assert stats is not None and stats["prefetch"] == "on_time"
     assert stats["device_hit_tokens"] == 16
     assert _outcomes(rig)["on_time"] == 1  # counted once
+    assert counted(rig) == {
+        "device_prefetch_on_time": 1,
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
+    assert_answers(rig, "t1")
 
 
 # ---------------------------------------------------------------- the shared rule, alone
@@ -276,3 +371,74 @@ def test_the_rule_checks_alive_context_spread_queue_headroom_in_that_order() -> 
     ]
     for change, why in cases:
         assert device_prefetch_skip(**{**ok, **change}) is why, change  # type: ignore[arg-type]
+
+
+def test_a_prefetch_aborted_during_its_load_pins_nothing_and_counts_failed() -> None:
+    rig = make_rig(device_prefetch=True)
+    _offloaded(rig)
+    (pre,) = _due(rig)
+    rig.eng.schedule(pre)
+    assert pre.status == "WAITING_FOR_REMOTE_KVS"  # its tier load is in flight
+    rig.eng.abort(pre)  # the engine ends it before any block was loaded or computed
+    rig.settle()
+    b = branch(rig)
+    assert b.device_prefetch is None and b.state is BranchState.OFFLOADED and b.pinned == []
+    assert rig.mgr.pinned_blocks() == 0
+    stats = rig.turn("t1", NEXT).stats  # the real turn loads from the tier
+    assert stats is not None and (stats["tier_hit_tokens"], stats["prefetch"]) == (16, None)
+    assert not rig.eng.violations
+    assert counted(rig) == {
+        "device_prefetch_failed": 1,
+        "device_prefetch_orders": 1,
+        "load_blocks": 8,  # the prefetch's load, then the turn's
+        "loads": 2,
+        "store_blocks": 4,
+        "stores": 1,
+    }
+
+
+def test_a_new_pause_while_the_prefetch_is_ready_counts_it_wasted() -> None:
+    rig = _prefetched()
+    assert branch(rig).device_prefetch.state is PrefetchState.READY  # type: ignore[union-attr]
+    assert rig.mgr.pause("t1", "main", "build", 2.0)[0] == 200  # no turn since: a new pause
+    assert branch(rig).device_prefetch is None
+    assert _outcomes(rig) == {"on_time": 0, "late": 0, "wasted": 1}
+    assert rig.mgr.status()["device_prefetch"]["per_tool"]["build"]["wasted"] == 1
+    assert counted(rig) == {
+        "device_prefetch_orders": 1,
+        "device_prefetch_ready": 1,
+        "device_prefetch_wasted": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
+
+
+def test_a_disk_context_still_cached_is_repinned_and_not_promoted_too() -> None:
+    """Mutant prefetch.DevicePrefetcher.start__mutmut_48 (a repin reported as a skip): the
+    PREFETCH timer then also promoted the disk copy to host, a copy nobody needs."""
+    rig = make_rig(device_prefetch=True, disk=32)
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "main", "human", 400.0)[1]["decision"]["action"] == "offload_disk"
+    rig.settle()  # on disk; its device copy is still in vLLM's prefix cache
+    assert branch(rig).tier == "disk"
+    assert _due(rig) == []
+    assert branch(rig).state is BranchState.RETAINED and len(branch(rig).pinned) == 4
+    assert not any(p.kind == "move" for p in rig.workers.pending) and not rig.host_keys()
+    assert counted(rig) == {"device_prefetch_repins": 1, "store_blocks": 4, "stores": 1}
+
+
+def test_every_prefetch_order_counts() -> None:
+    """Mutant prefetch.DevicePrefetcher.start__mutmut_70 (the orders counter set to 1)."""
+    rig = make_rig(device_prefetch=True)
+    for tid in ("t1", "t2"):
+        rig.turn(tid, P1 if tid == "t1" else [3] * 16 + [1])
+        assert rig.mgr.pause(tid, "main", "build", 2.0)[0] == 200
+    rig.clock.advance(0.05)
+    rig.settle()
+    rig.flush()
+    rig.clock.advance(2.0)  # both prefetches are due
+    rig.eng.step()
+    assert len(rig.eng.issue_prefetches()) == 2
+    assert rig.mgr.counters["device_prefetch_orders"] == 2

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from agentkv.policy import Writeback
 from agentkv_vllm.engine_config import GiB, layerwise, tier_blocks
 from agentkv_vllm.scheduler_side import SchedulerSide
 from agentkv_vllm.settings import ConnectorSettings
@@ -82,7 +83,7 @@ def test_the_settings_reach_the_manager() -> None:
             PAGE * LAYERS
         )
         assert (config.grace_s, config.high_water) == (0.3, 0.7)
-        assert config.defer_writeback is False and config.layerwise is False
+        assert config.writeback is Writeback.EAGER and config.layerwise is False
         assert (policy.max_lease_s, policy.lease_margin_s, policy.disk_after_s) == (77.0, 1.5, 12.0)
         assert policy.device_prefetch_max_spread == 3.0
         assert side.events is None  # the server runs without --kv-events-config

@@ -9,6 +9,7 @@ from collections import Counter
 
 from agentkv.manager import BranchState
 from agentkv.manager.invalidation import invalidate_tiers
+from tests.unit.manager_helpers import counted
 from tests.unit.sim_engine import Rig, make_rig
 
 SYS = [7, 7, 7, 7, 9, 9, 9, 9]
@@ -45,6 +46,13 @@ def test_after_invalidation_nothing_loads_and_nothing_is_held() -> None:
     again = rig.turn("t1", [*P1, 4, 4, 4])
     assert again.status == "FINISHED" and again.load_n == 0  # recomputed, nothing stale loaded
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "invalidations_reset": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_reset": 2,
+    }
 
 
 def test_a_store_in_flight_at_invalidation_never_becomes_loadable() -> None:
@@ -60,6 +68,13 @@ def test_a_store_in_flight_at_invalidation_never_becomes_loadable() -> None:
     rig.settle()  # the store completes now
     assert rig.host_keys() == set()  # its copies were dropped when it reported
     assert len(rig.mgr.index) == 0
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "invalidations_weights": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_weights": 1,
+    }
 
 
 def test_a_load_in_flight_makes_the_invalidation_unclean_until_it_ends() -> None:
@@ -83,6 +98,15 @@ def test_a_load_in_flight_makes_the_invalidation_unclean_until_it_ends() -> None
     assert second.clean
     rig.settle()
     assert rig.host_keys() == set() and rig.mgr._pins == Counter()
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "invalidations_reset": 2,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_reset": 1,
+    }
 
 
 def test_an_upload_queued_before_an_invalidation_publishes_its_own_generations_kv() -> None:
@@ -139,3 +163,14 @@ def test_an_upload_queued_before_an_invalidation_publishes_its_own_generations_k
     new_keys = set(rig.workers.remote[0]) - old_keys
     assert new_keys and all(derived[k] == b"g1" for k in new_keys)
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "invalidations_weights": 1,
+        "job_timeouts": 1,
+        "remote_fetches": 2,
+        "remote_missed_blocks": 5,
+        "remote_upload_failures": 1,
+        "remote_uploaded_blocks": 5,
+        "store_blocks": 9,
+        "stores": 2,
+        "trajectories_weights": 1,
+    }

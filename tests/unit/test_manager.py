@@ -19,7 +19,9 @@ from agentkv.policy import Action, PolicyParams, lease_seconds
 from tests.unit.manager_helpers import (
     P1,
     SYS,
+    assert_answers,
     branch,
+    counted,
     disk_offloaded,
     in_thread,
     keys_of,
@@ -68,6 +70,17 @@ def test_abort_during_async_load_pins_only_the_device_hit_and_stores_nothing_unl
     for tier in ("host", "disk"):
         for key, content in rig.workers.tiers[0][tier].items():
             assert content is not None and key_of(content) == key
+    assert counted(rig) == {
+        "aborted_loads": 1,
+        "grace_expired": 2,
+        "load_blocks": 6,
+        "load_failures": 1,
+        "loads": 3,
+        "store_blocks": 4,
+        "stores": 1,
+        "tier_misses": 2,
+    }
+    assert_answers(rig, "t1", "t2")
 
 
 # ============================================================================ (2) fail closed
@@ -95,6 +108,12 @@ def test_fail_load_queues_a_load_covering_every_counted_block_with_unheld_keys()
     assert report is not None and load.job_id in report.jobs_failed
     rig.mgr.on_report(report)
     assert rig.mgr.index.usable(keys_of(rig, P1)[0]) == "host"  # an empty key loses nothing
+    assert counted(rig) == {
+        "failed_closed_loads": 1,
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_plan_mismatch_fails_closed_over_every_counted_block() -> None:
@@ -112,6 +131,35 @@ def test_plan_mismatch_fails_closed_over_every_counted_block() -> None:
     assert [t.block_id for t in load.blocks] == blocks[:5]
     assert all(t.key == b"" for t in load.blocks)
     assert all(rig.mgr.index.get(k).readers == 0 for k in keys_of(rig, P1))  # type: ignore[union-attr]
+    assert counted(rig) == {
+        "failed_closed_loads": 1,
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
+
+
+def test_too_few_blocks_for_the_counted_tokens_fail_closed() -> None:
+    """Mutant requests.RequestTable.alloc__mutmut_56 (``or`` -> ``and``): blocks that cannot
+    hold every counted block must fail the load closed, not load into fewer blocks."""
+    rig = make_rig()
+    offloaded(rig)
+    rig.flush()
+    req = rig.eng.new_request("t1", "main", [*P1, 4])
+    hashes = rig.eng.hashes(req.tokens)
+    assert rig.mgr.on_lookup(req.req_id, req.params, req.prompt, hashes, 0).tokens == 16
+    blocks = rig.pool.allocate([], 3)  # one block short of the 4 counted
+    assert blocks is not None
+    rig.mgr.on_alloc(req.req_id, blocks, 16)
+    (load,) = rig.mgr.take_step().loads
+    assert [t.block_id for t in load.blocks] == blocks
+    assert all(t.key == b"" for t in load.blocks)  # fail closed: vLLM recomputes them
+    assert counted(rig) == {
+        "failed_closed_loads": 1,
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_take_step_returns_queued_loads_when_the_tick_raises(
@@ -130,6 +178,14 @@ def test_take_step_returns_queued_loads_when_the_tick_raises(
     plan = rig.mgr.take_step()
     assert [job.req_id for job in plan.loads] == [req.req_id]
     assert rig.mgr.counters["internal_errors"] == 1
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "internal_errors": 1,
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 # ============================================================================ (4) co-ownership
@@ -150,6 +206,7 @@ def test_prefix_blocks_in_flight_for_a_are_owned_by_b_and_survive_deleting_a() -
     assert rig.mgr.delete("B")[0] == 200
     rig.settle()
     assert len(rig.mgr.index) == 0 and not rig.host_keys()
+    assert counted(rig) == {"store_blocks": 2, "stores": 1, "trajectories_deleted": 2}
 
 
 def test_delete_drops_keys_a_trajectory_wrote_itself() -> None:
@@ -160,6 +217,12 @@ def test_delete_drops_keys_a_trajectory_wrote_itself() -> None:
     assert code == 200 and body["dropped_tier_blocks"] == 4
     rig.settle()
     assert len(rig.mgr.index) == 0 and not rig.host_keys()
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 1,
+    }
 
 
 # ============================================================================ (5) DELETE mid-request
@@ -183,6 +246,7 @@ def test_delete_while_a_request_runs_pins_and_stores_nothing_and_never_comes_bac
     assert not any(plan.stores for plan in plans)
     rig.settle()
     assert len(rig.mgr.index) == 0 and not rig.host_keys()
+    assert counted(rig) == {"store_blocks": 4, "stores": 1, "trajectories_deleted": 1}
 
 
 # ============================================================================ (6) index == stores
@@ -198,11 +262,17 @@ def test_the_manager_evicts_and_the_stores_follow_the_index_exactly() -> None:
         assert rig.host_keys(rank) == index_host
         assert len(rig.host_keys(rank)) <= 6
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "evictions_host": 4,
+        "grace_expired": 5,
+        "store_blocks": 10,
+        "stores": 5,
+    }
 
 
 def test_prefetch_outcome_is_scored_from_the_promote_completion_time() -> None:
     rig = make_rig(disk=32)
-    disk_offloaded(rig)
+    paused = disk_offloaded(rig)
     b = branch(rig)
     assert b.prefetch_due is not None
     rig.clock.t = b.prefetch_due + 0.01
@@ -215,8 +285,10 @@ def test_prefetch_outcome_is_scored_from_the_promote_completion_time() -> None:
     done = rig.clock.now()
     assert b.prefetch_done_at == done
     rig.clock.advance(0.5)
-    rig.mgr.resume("t1", "main")
+    resumed = rig.mgr.resume("t1", "main")
     assert rig.mgr.prefetch_outcomes.counts()["on_time"] == 1  # from the queue time: 'early'
+    assert counted(rig) == {"prefetches": 1, "store_blocks": 4, "stores": 1}
+    assert_answers(rig, "t1", pause=paused, resume=resumed)
 
 
 def test_a_resume_during_the_promote_is_late_not_done() -> None:
@@ -228,6 +300,7 @@ def test_a_resume_during_the_promote_is_late_not_done() -> None:
     rig.clock.advance(0.2)
     rig.mgr.resume("t1", "main")  # the promote is still copying
     assert rig.mgr.prefetch_outcomes.counts()["late"] == 1
+    assert counted(rig) == {"prefetches": 1, "store_blocks": 4, "stores": 1}
 
 
 # ============================================================================ (7) bounded
@@ -245,8 +318,16 @@ def test_idle_trajectories_expire_and_the_table_is_capped() -> None:
     for i in range(5):
         rig.turn(f"c{i}", [30 + i] * 5)
         assert len(rig.mgr.table) <= 3
-    assert rig.mgr.counters["trajectories_evicted_cap"] == 2
+    assert rig.mgr.counters["trajectories_capacity"] == 2
     assert list(rig.mgr.table) == ["c2", "c3", "c4"]
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_capacity": 2,
+        "trajectories_expired": 1,
+    }
+    assert_answers(rig, "c2", "c3", "c4")
 
 
 def test_per_step_work_never_touches_idle_branches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,6 +352,7 @@ def test_per_step_work_never_touches_idle_branches(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(Branch, "__getattribute__", original)
     assert live.status == "FINISHED"
     assert not touched & idle
+    assert counted(rig) == {}
 
 
 # ============================================================================ (8) timers
@@ -290,6 +372,7 @@ def test_a_control_thread_tick_fires_the_prefetch_at_its_due_time() -> None:
     assert rig.mgr.engine_work_pending()
     (move,) = rig.mgr.take_step().moves
     assert move.kind == "promote" and set(move.keys) == set(keys_of(rig, P1))
+    assert counted(rig) == {"prefetches": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_a_control_thread_tick_expires_a_lease() -> None:
@@ -305,6 +388,7 @@ def test_a_control_thread_tick_expires_a_lease() -> None:
     assert branch(rig).demoted_by is DemotedBy.LEASE_EXPIRED
     plan = rig.mgr.take_step()
     assert [t.block_id for job in plan.stores for t in job.blocks] == branch(rig).block_ids
+    assert counted(rig) == {"lease_expired_demotions": 1, "store_blocks": 4, "stores": 1}
 
 
 # ============================================================================ (10) late pause
@@ -319,6 +403,7 @@ def test_a_late_retain_repins_the_blocks_still_cached() -> None:
     rig.eng.step()
     assert branch(rig).pinned == branch(rig).block_ids and len(branch(rig).pinned) == 4
     assert rig.mgr._pins == Counter(branch(rig).block_ids)
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_a_late_retain_after_eviction_is_not_applied_and_says_why() -> None:
@@ -327,6 +412,8 @@ def test_a_late_retain_after_eviction_is_not_applied_and_says_why() -> None:
     rig.flush()
     code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
     assert code == 200 and not body["applied"] and "evicted" in body["reason"]
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
+    assert_answers(rig, "t1", pause=body)
 
 
 def test_a_late_disk_decision_copies_host_copies_down_then_drops_them_from_host() -> None:
@@ -343,6 +430,7 @@ def test_a_late_disk_decision_copies_host_copies_down_then_drops_them_from_host(
     assert not rig.host_keys() & keys
     assert all(rig.mgr.index.usable(k) == "disk" for k in keys)
     assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "disk"
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_two_late_retains_pin_once() -> None:
@@ -355,6 +443,7 @@ def test_two_late_retains_pin_once() -> None:
     assert rig.mgr._pins == Counter(branch(rig).block_ids)
     rig.turn("t1", [*P1, 3])
     assert rig.mgr._pins == Counter(branch(rig).pinned)
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
 
 
 # ============================================================================ (13) lease
@@ -372,6 +461,7 @@ def test_the_lease_is_policy_lease_seconds(wait: float) -> None:
     expected = lease_seconds(decision["break_even_wait_s"], decision["wait_p50_s"], policy)
     assert decision["lease_s"] == pytest.approx(expected)
     assert branch(rig).lease_until - now == pytest.approx(expected)
+    assert counted(rig) == {}
 
 
 def test_a_client_retention_ttl_caps_the_lease() -> None:
@@ -383,6 +473,7 @@ def test_a_client_retention_ttl_caps_the_lease() -> None:
     assert body["decision"]["action"] == "retain"
     assert body["decision"]["lease_s"] == 0.5  # the policy alone would give >= 5 s
     assert branch(rig).lease_until - now == pytest.approx(0.5)
+    assert counted(rig) == {}
 
 
 def test_a_pause_is_logged_with_its_decision(caplog: pytest.LogCaptureFixture) -> None:
@@ -395,6 +486,7 @@ def test_a_pause_is_logged_with_its_decision(caplog: pytest.LogCaptureFixture) -
     assert any(
         "t1/main" in x and "tool=fast" in x and body["decision"]["action"] in x for x in lines
     )
+    assert counted(rig) == {}
 
 
 def test_a_late_offload_after_the_engine_dropped_the_branch_is_not_applied() -> None:
@@ -411,3 +503,92 @@ def test_a_late_offload_after_the_engine_dropped_the_branch_is_not_applied() -> 
     assert body["applied"] is False
     assert "released before the decision" in body["reason"]
     assert branch(rig).state is BranchState.DROPPED
+    assert counted(rig) == {"grace_expired": 1}
+
+
+def test_a_pause_while_the_branch_runs_is_applied_when_the_request_finishes() -> None:
+    rig = make_rig()
+    rig.turn("t1", P1)
+    req = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4], max_new=2)
+    assert rig.eng.schedule(req)
+    code, body = rig.mgr.pause("t1", "main", "human", 300.0)
+    assert (code, body["applied"], body["state"]) == (200, False, "active")
+    assert body["reason"] == "a request of this branch is running: applied when it finishes"
+    assert body["decision"]["action"] == "offload_host" and branch(rig).pending is not None
+    rig.run(req)
+    assert branch(rig).pending is None
+    assert branch(rig).state is BranchState.OFFLOADING  # no grace: the decision, at once
+    rig.settle()
+    assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "host"
+    assert counted(rig) == {"store_blocks": 5, "stores": 1}  # 22 tokens: 5 full blocks
+
+
+def test_a_fixed_disk_policy_without_a_disk_tier_offloads_to_host() -> None:
+    rig = make_rig(policy_override=Action.OFFLOAD_DISK)
+    rig.turn("t1", P1)
+    code, body = rig.mgr.pause("t1", "main", "fast", 0.001)
+    assert code == 200 and body["decision"]["action"] == "offload_host"
+    assert body["decision"]["rationale"].startswith("offload_disk (fixed by policy_override")
+    assert rig.mgr.status()["decisions"] == {"offload_host": 1}
+    rig.settle()
+    assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "host"
+
+
+def test_a_pause_of_an_unknown_branch_is_a_404_that_names_it() -> None:
+    rig = make_rig()
+    rig.turn("t1", P1)
+    assert rig.mgr.pause("t1", "side", "grep", 1.0) == (
+        404,
+        {"detail": "trajectory 't1' has no branch 'side'"},
+    )
+    assert rig.mgr.pause("t9", "main", "grep", 1.0) == (404, {"detail": "unknown trajectory 't9'"})
+    assert rig.mgr.resume("t1", "side") == (
+        404,
+        {"detail": "unknown trajectory or branch 't1'"},
+    )
+    assert rig.mgr.status()["decisions"] == {} and branch(rig).tool is None
+
+
+def test_a_disk_decision_during_the_host_store_is_applied_when_the_store_completes() -> None:
+    rig = make_rig(disk=32)
+    rig.turn("t1", P1)
+    rig.clock.advance(1.0)
+    rig.eng.step()  # grace expired: the host store is in flight
+    assert branch(rig).state is BranchState.OFFLOADING
+    code, body = rig.mgr.pause("t1", "main", "human", 400.0)
+    assert (code, body["applied"], body["state"]) == (200, True, "offloading")
+    assert body["reason"] == "applied when the copy in flight completes"
+    rig.settle()  # the host store completes, then the pending disk decision copies down
+    assert branch(rig).pending is None
+    assert branch(rig).state is BranchState.OFFLOADED and branch(rig).tier == "disk"
+    assert rig.disk_keys() == set(keys_of(rig, P1)) and not rig.host_keys()
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
+
+
+def test_a_late_drop_decision_releases_the_tier_copy() -> None:
+    from agentkv.costs import CostModel
+
+    rig = make_rig()
+    offloaded(rig)
+    rig.mgr.costs = CostModel(host_link_bytes_per_s=1e8, prefill_tokens_per_s=1e9)  # recompute
+    code, body = rig.mgr.pause("t1", "main", "tool", 5.0)
+    assert (code, body["applied"], body["state"]) == (200, True, "dropped")
+    assert body["decision"]["action"] == "drop" and "reason" not in body
+    assert branch(rig).tier is None and not rig.mgr.table["t1"].owned
+    rig.settle()
+    assert len(rig.mgr.index) == 0 and not rig.host_keys()
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
+
+
+def test_a_branch_with_two_requests_running_is_held_only_when_both_finished() -> None:
+    rig = make_rig()
+    first = rig.eng.new_request("t1", "main", P1, max_new=1)
+    second = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4], max_new=1)
+    assert rig.eng.schedule(first) and rig.eng.schedule(second)
+    rig.run(first)
+    assert branch(rig).state is BranchState.ACTIVE and len(branch(rig).running) == 1
+    assert rig.mgr.status()["branches_by_state"]["held"] == 0
+    rig.run(second)
+    assert branch(rig).state is BranchState.HELD and not branch(rig).running
+    assert len(branch(rig).keys) == 5 and rig.mgr.table["t1"].turn_count == 2
+    assert rig.eng.violations == [] and counted(rig) == {}

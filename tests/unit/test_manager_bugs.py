@@ -12,6 +12,7 @@ from tests.unit.manager_helpers import (
     P1,
     SYS,
     branch,
+    counted,
     keys_of,
     offloaded,
 )
@@ -32,6 +33,7 @@ def test_b1_a_key_revived_while_its_store_is_in_flight_is_not_written_twice() ->
     rig.settle()
     assert all(rig.mgr.index.usable(k) == "host" for k in keys_of(rig, SYS))
     assert rig.mgr.pinned_blocks() == 0 and not any(rig.pool.pins)
+    assert counted(rig) == {"store_blocks": 2, "stores": 1}
 
 
 def test_b2_a_store_failed_on_one_rank_leaves_no_copy_on_the_others() -> None:
@@ -46,6 +48,7 @@ def test_b2_a_store_failed_on_one_rank_leaves_no_copy_on_the_others() -> None:
     rig.eng.step()
     assert not rig.host_keys(0) and not rig.host_keys(1)
     assert rig.mgr.index.reserved("host") == 0
+    assert counted(rig) == {"store_blocks": 4, "store_failures": 1, "stores": 1, "tier_misses": 4}
 
 
 def test_b3_late_ranks_each_get_their_copies_dropped_and_slots_stay_taken_until_then() -> None:
@@ -69,6 +72,7 @@ def test_b3_late_ranks_each_get_their_copies_dropped_and_slots_stay_taken_until_
     assert not rig.host_keys(1)
     assert rig.mgr.index.reserved("host") == 0
     assert not rig.mgr._poisoned and not rig.mgr._timed_out
+    assert counted(rig) == {"job_timeouts": 1, "store_blocks": 4, "store_timeouts": 1, "stores": 1}
 
 
 def test_b4_a_lost_key_spoils_its_write_in_flight() -> None:
@@ -93,6 +97,7 @@ def test_b4_a_lost_key_spoils_its_write_in_flight() -> None:
     assert key not in rig.host_keys(0) and key not in rig.host_keys(1)
     others = set(keys_of(rig, P1)[1:])
     assert rig.host_keys(0) == rig.host_keys(1) == others
+    assert counted(rig) == {"store_blocks": 4, "stores": 1, "tier_corrupt_blocks": 1}
 
 
 def test_b5_no_new_write_of_a_key_a_late_rank_may_still_publish() -> None:
@@ -125,6 +130,13 @@ def test_b5_no_new_write_of_a_key_a_late_rank_may_still_publish() -> None:
                 e = rig.mgr.index.get(key)
                 assert e is not None and e.has(tier)  # type: ignore[arg-type]
                 assert content is not None and key_of(content) == key, (rank, tier)
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "job_timeouts": 1,
+        "store_blocks": 8,
+        "store_timeouts": 1,
+        "stores": 2,
+    }
 
 
 def test_b6_a_stray_late_write_never_reaches_a_load() -> None:
@@ -142,6 +154,7 @@ def test_b6_a_stray_late_write_never_reaches_a_load() -> None:
     assert req.status == "FINISHED" and not rig.eng.violations
     rig.settle()
     assert GARBAGE not in rig.workers.tiers[1]["host"].values()
+    assert counted(rig) == {"job_timeouts": 1, "store_blocks": 9, "store_timeouts": 1, "stores": 2}
 
 
 def test_b7_a_pending_decision_does_not_outlive_the_pause_it_was_for() -> None:
@@ -159,6 +172,7 @@ def test_b7_a_pending_decision_does_not_outlive_the_pause_it_was_for() -> None:
     rig.run(req)
     assert branch(rig).state is BranchState.HELD  # a fresh grace period, not the old decision
     assert not any(p.kind == "store" and p.job.tier == "disk" for p in rig.workers.pending)
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_b8_a_drop_releases_the_tier_copies_only_the_branch_held() -> None:
@@ -172,6 +186,7 @@ def test_b8_a_drop_releases_the_tier_copies_only_the_branch_held() -> None:
     assert not rig.mgr.table["t1"].owned
     rig.settle()
     assert len(rig.mgr.index) == 0 and not rig.host_keys()
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
 
 
 @pytest.mark.parametrize("via", ["fail_load", "mismatch"])
@@ -193,6 +208,12 @@ def test_b9_a_fail_closed_load_is_layerwise_when_the_lookup_said_so(via: str) ->
         rig.mgr.on_alloc(req.req_id, blocks, 20)
     (load,) = rig.mgr.take_step().loads
     assert load.layerwise and all(t.key == b"" for t in load.blocks)
+    assert counted(rig) == {
+        "failed_closed_loads": 1,
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_b9_the_engine_recomputes_what_a_layerwise_fail_closed_load_covered() -> None:
@@ -203,6 +224,12 @@ def test_b9_the_engine_recomputes_what_a_layerwise_fail_closed_load_covered() ->
     rig.eng.schedule(req, adapter_error=True)
     rig.run(req)
     assert req.status == "FINISHED" and not rig.eng.violations
+    assert counted(rig) == {
+        "failed_closed_loads": 1,
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_a_pause_on_parallel_tools_predicts_and_learns_the_longest() -> None:
@@ -218,3 +245,4 @@ def test_a_pause_on_parallel_tools_predicts_and_learns_the_longest() -> None:
     assert branch(rig).tool == "build"  # the resume's observed wait teaches build
     code, body = rig.mgr.pause("t1", "main", "grep", None)
     assert code == 200 and "tools" not in body and branch(rig).tool == "grep"
+    assert counted(rig) == {"store_blocks": 4, "stores": 1}

@@ -55,7 +55,7 @@ import agentkv.manager.core as core
 from agentkv.kv_identity import BASE_GENERATION
 from agentkv.manager import BranchState, ManagerConfig, Trajectory, TrajectoryManager
 from agentkv.manager.recovery import ManifestKeeper, load_records, manifest_path, restore
-from agentkv.policy import CostModel, PolicyParams
+from agentkv.policy import CostModel, PolicyParams, Writeback
 from tests.unit.sim_engine import (
     FakeClock,
     SimEngine,
@@ -118,7 +118,8 @@ class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedSta
             high_water=0.75,
             admission_wait=admission_wait,
             remote_enabled=True,
-            defer_writeback=defer,  # issue 26: offload_host copies wait for an eviction forecast
+            # issue 26: offload_host copies wait for an eviction forecast
+            writeback=Writeback.FORECAST if defer else Writeback.EAGER,
             device_prefetch=device_prefetch,
         )
         # 1 MiB blocks: a 10-block context reloads from host in 0.1 s, from disk in 0.12 s, and

@@ -12,6 +12,7 @@ from agentkv.manager.state import scoped_id
 from tests.unit.manager_helpers import (
     P1,
     SYS,
+    counted,
     offloaded,
 )
 from tests.unit.sim_engine import Rig, key_of, make_rig
@@ -54,6 +55,7 @@ def test_another_tenant_naming_the_same_id_learns_nothing_and_drops_nothing() ->
     assert len(rig.mgr.get("t1", tenant="tenant-b")[1]["turns"]) == 2
     assert rig.mgr.get("t1")[0] == 404  # the unsalted namespace holds no "t1"
     assert not rig.eng.violations
+    assert counted(rig) == {"grace_expired": 2, "store_blocks": 8, "stores": 2}
 
 
 def test_control_ops_of_another_tenant_never_reach_the_trajectory() -> None:
@@ -82,6 +84,12 @@ def test_control_ops_of_another_tenant_never_reach_the_trajectory() -> None:
     }
     rig.settle()
     assert not rig.host_keys() and len(rig.mgr.index) == 0
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 1,
+    }
 
 
 def test_status_and_stats_name_trajectories_by_their_client_id_never_the_salt() -> None:
@@ -91,6 +99,7 @@ def test_status_and_stats_name_trajectories_by_their_client_id_never_the_salt() 
     status = rig.mgr.status()
     assert status["trajectory_ids"] == ["t1"]
     assert "s3cret" not in repr(status) and "s3cret" not in repr(dict(rig.mgr.table))
+    assert counted(rig) == {}
 
 
 def test_scoped_ids_never_collide_across_namespaces() -> None:
@@ -120,12 +129,16 @@ def test_deleted_and_cap_evicted_trajectories_are_freed_at_once() -> None:
     for i in range(10):
         rig.turn(f"d{i}", [40 + i] * 9)  # HELD: a 30 s GRACE timer armed too
         refs.append(weakref.ref(rig.mgr.table[f"d{i}"]))
-    assert rig.mgr.counters["trajectories_evicted_cap"] == 6
+    assert rig.mgr.counters["trajectories_capacity"] == 6
     for i in range(6, 10):
         assert rig.mgr.delete(f"d{i}")[0] == 200
     rig.settle()
     assert len(rig.mgr.timers) >= 10  # the timers are still in the heap (they go stale)...
     assert _live(refs) == 0  # ...but reference no trajectory
+    assert counted(rig) == {
+        "trajectories_capacity": 6,
+        "trajectories_deleted": 4,
+    }
 
 
 def test_the_cap_holds_while_the_oldest_trajectory_runs() -> None:
@@ -139,8 +152,9 @@ def test_the_cap_holds_while_the_oldest_trajectory_runs() -> None:
         rig.turn(f"c{i}", [30 + i] * 5)
         assert len(rig.mgr.table) <= 3
     assert "busy" in rig.mgr.table
-    assert rig.mgr.counters["trajectories_evicted_cap"] == 4
+    assert rig.mgr.counters["trajectories_capacity"] == 4
     assert list(rig.mgr.table)[-2:] == ["c4", "c5"]
+    assert counted(rig) == {"trajectories_capacity": 4}
 
 
 # ============================================================================ DELETE is final (25, 5)
@@ -176,6 +190,17 @@ def test_a_request_waiting_for_its_remote_fetch_at_delete_never_recreates_the_tr
     assert rig.mgr.pinned_blocks() == 0 and not any(rig.pool.pins)
     assert rig.mgr.counters["requests_of_deleted_trajectories"] == 1
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "remote_fetched_blocks": 4,
+        "remote_fetches": 2,
+        "remote_missed_blocks": 4,
+        "remote_uploaded_blocks": 4,
+        "requests_of_deleted_trajectories": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_deleted": 2,
+    }
 
 
 def test_a_request_waiting_for_its_remote_fetch_outlives_a_cap_eviction() -> None:
@@ -195,10 +220,21 @@ def test_a_request_waiting_for_its_remote_fetch_outlives_a_cap_eviction() -> Non
     assert rig.mgr.on_lookup(req.req_id, req.params, P1, hashes, 0).status is LookupStatus.PENDING
     for i in range(2):  # two newer trajectories: the cap evicts "elsewhere"
         rig.turn(f"c{i}", [30 + i] * 5)
-    assert rig.mgr.counters["trajectories_evicted_cap"] >= 1 and not rig.mgr.knows("elsewhere")
+    assert rig.mgr.counters["trajectories_capacity"] >= 1 and not rig.mgr.knows("elsewhere")
     rig.settle()
     rig.run(req, steps=16)
     assert req.status == "FINISHED" and req.stats is not None
     assert rig.mgr.counters["requests_of_deleted_trajectories"] == 0
     assert rig.mgr.get("elsewhere")[0] == 200
     assert not rig.eng.violations
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "remote_fetched_blocks": 4,
+        "remote_fetches": 4,
+        "remote_missed_blocks": 6,
+        "remote_uploaded_blocks": 4,
+        "store_blocks": 4,
+        "stores": 1,
+        "trajectories_capacity": 2,
+        "trajectories_deleted": 1,
+    }

@@ -6,6 +6,7 @@ request held, as the adapter does from the blocks it noted in ``has_pending_bloc
 from __future__ import annotations
 
 from agentkv.manager.jobs import StepPlan
+from tests.unit.manager_helpers import assert_answers, counted
 from tests.unit.sim_engine import Rig, SimRequest, key_of, make_rig
 
 P1 = [7, 7, 7, 7, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 17 tokens: 4 full blocks
@@ -55,6 +56,14 @@ def test_preemption_saves_exactly_the_computed_blocks_and_the_reschedule_loads_t
     assert req.status == "FINISHED" and len(req.output) == 3
     assert rig.mgr.counters["loads"] == 1 and rig.mgr.counters["load_blocks"] == 4
     assert rig.eng.violations == []
+    assert counted(rig) == {
+        "load_blocks": 4,
+        "loads": 1,
+        "preempt_saved_blocks": 4,
+        "preempt_saved_tokens": 16,
+        "preempt_saves": 1,
+    }
+    assert_answers(rig, "t1")
 
 
 def test_a_partly_computed_prompt_saves_only_its_full_computed_blocks() -> None:
@@ -67,6 +76,13 @@ def test_a_partly_computed_prompt_saves_only_its_full_computed_blocks() -> None:
     rig.flush()
     rig.run(req)
     assert req.status == "FINISHED" and rig.eng.violations == []
+    assert counted(rig) == {
+        "load_blocks": 2,
+        "loads": 1,
+        "preempt_saved_blocks": 2,
+        "preempt_saved_tokens": 8,
+        "preempt_saves": 1,
+    }
 
 
 def test_blocks_host_already_holds_are_not_copied_again() -> None:
@@ -83,6 +99,14 @@ def test_blocks_host_already_holds_are_not_copied_again() -> None:
     ]
     assert rig.mgr.counters["store_blocks"] == before
     assert rig.mgr.counters["preempt_saved_tokens"] == 8
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "preempt_saved_blocks": 2,
+        "preempt_saved_tokens": 8,
+        "preempt_saves": 1,
+        "store_blocks": 4,
+        "stores": 1,
+    }
 
 
 def test_a_preemption_of_a_deleted_trajectory_saves_nothing() -> None:
@@ -91,6 +115,7 @@ def test_a_preemption_of_a_deleted_trajectory_saves_nothing() -> None:
     rig.mgr.delete("t1")
     _, plan = _preempt(rig, req)
     assert plan.stores == [] and rig.mgr.counters["preempt_saves"] == 0
+    assert counted(rig) == {"trajectories_deleted": 1}
 
 
 def test_every_preemption_save_adds_its_tokens() -> None:
@@ -112,3 +137,8 @@ def test_every_preemption_save_adds_its_tokens() -> None:
     rig.eng.deliver_reports()
     rig.run(req)
     assert req.status == "FINISHED" and rig.eng.violations == []
+    assert counted(rig) == {
+        "preempt_saved_blocks": 4,
+        "preempt_saved_tokens": 16,
+        "preempt_saves": 2,
+    }

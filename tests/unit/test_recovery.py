@@ -26,6 +26,7 @@ from agentkv.manager.recovery import (
 )
 from agentkv.tiers.disk import TEMP_PREFIX, BlockFiles
 from agentkv.tiers.keys import BlockKey
+from tests.unit.manager_helpers import counted
 from tests.unit.sim_engine import Rig, make_rig
 
 SYS = [7, 7, 7, 7, 9, 9, 9, 9]
@@ -79,6 +80,7 @@ def test_a_manifest_of_another_identity_or_generation_or_tampered_restores_nothi
     path.write_bytes(path.read_bytes()[:50])  # torn
     assert load_records(path, IDENTITY, BASE_GENERATION, 4) == []
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+    assert counted(rig) == {"store_blocks": 4, "stores": 1}
 
 
 def test_the_keeper_rewrites_only_on_change_and_at_close(tmp_path: Path) -> None:
@@ -94,6 +96,7 @@ def test_the_keeper_rewrites_only_on_change_and_at_close(tmp_path: Path) -> None
     keeper.close()
     manifest = Manifest.read(path)
     assert manifest is not None and [r.trajectory_id for r in manifest.records] == ["t1"]
+    assert counted(rig) == {"store_blocks": 4, "stores": 1}
 
 
 def test_a_worker_keeps_only_listed_files_of_its_own_identity(tmp_path: Path) -> None:
@@ -154,3 +157,50 @@ def test_the_keeper_writes_on_its_own_every_interval(tmp_path: Path) -> None:
         assert keeper.writes >= 1 and Manifest.read(path) is not None
     finally:
         keeper.close()
+    assert counted(rig) == {}
+
+
+def test_the_snapshot_lists_only_offloaded_disk_prefixes_and_restore_what_fits() -> None:
+    rig = _disk_offloaded()  # t1: 4 blocks on disk
+    rig.turn("t2", [5] * 16 + [1])
+    rig.clock.advance(1.0)
+    rig.settle()  # t2: offloaded to host only
+    assert rig.mgr.table["t2"].branches["main"].state is BranchState.OFFLOADED
+    rig.turn("t3", [*SYS, 6, 6, 6, 6, 1])  # held: its shared prefix is on disk, but it runs on
+    t1 = rig.mgr.table["t1"].branches["main"]
+    index = rig.mgr.index
+    index.remove_copy(t1.keys[2], None)  # its third block lost: the first two are the prefix
+    (rec,) = snapshot(rig.mgr)
+    assert (rec.trajectory_id, rec.branch) == ("t1", "main")
+    assert rec.keys == tuple(t1.keys[:2]) and rec.hashes == tuple(t1.hashes[:2])
+    assert rec.token_ids == tuple(P1[:8])
+    rig.mgr.delete("t1")
+    assert snapshot(rig.mgr) == []
+
+    after = make_rig(disk=3)  # a smaller disk tier than last run
+    first = TrajectoryRecord("a", "main", tuple(P1[:8]), rec.keys, rec.hashes)
+    again = TrajectoryRecord("a", "main", tuple(P1[:4]), rec.keys[:1], rec.hashes[:1])
+    empty = TrajectoryRecord("e", "main", (), (), ())
+    other = TrajectoryRecord("b", "main", tuple(range(8)), (b"x" * 16, b"y" * 16), (b"h", b"i"))
+    assert restore(after.mgr, [first, again, empty, other]) == 2
+    a = after.mgr.table["a"].branches["main"]
+    assert a.keys == list(rec.keys) and a.token_ids == P1[:8]  # the first record wins
+    b = after.mgr.table["b"].branches["main"]
+    assert b.keys == [b"x" * 16]  # the prefix that fits: one slot was left
+    assert b.token_ids == list(range(4)) and b.state is BranchState.OFFLOADED
+    assert "e" not in after.mgr.table
+    assert after.mgr.index.count("disk") == 3
+    assert counted(after) == {"trajectories_restored": 2}
+
+
+def test_the_manifest_checksum_is_blake2b_of_its_canonical_json(tmp_path: Path) -> None:
+    """The file format: a manifest another build wrote must verify here (mutant
+    recovery._checksum__mutmut_10, another separator in the canonical form, changed it)."""
+    import hashlib
+
+    path = manifest_path(tmp_path)
+    Manifest(IDENTITY, BASE_GENERATION, 4, tuple(snapshot(_disk_offloaded().mgr))).write(path)
+    body = json.loads(path.read_bytes())
+    checksum = body.pop("checksum")
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    assert checksum == hashlib.blake2b(canonical, digest_size=16).hexdigest()

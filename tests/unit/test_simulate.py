@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentkv.errors import ConfigError
-from agentkv.policy import DEMOTION_ACTION, decide
+from agentkv.policy import DEMOTION_ACTION, Writeback, decide
 from agentkv.predict import WaitEstimate
 from agentkv.simulate.costs import BENCH_SMALL_CPU, CALIBRATION_SCHEMA, load_calibration
 from agentkv.simulate.fleet import FleetConfig, simulate
@@ -33,7 +33,6 @@ from agentkv.simulate.routers import (
 )
 from agentkv.simulate.tiers import TierStore
 from agentkv.simulate.workload import SimTrajectory, SimTurn, SimWorkload
-from agentkv.simulate.writeback import Writeback
 from agentkv.tier import Tier
 
 # -- pool ---------------------------------------------------------------------------------------

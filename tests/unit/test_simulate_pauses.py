@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from agentkv.policy import Writeback
 from agentkv.simulate.costs import BENCH_SMALL_CPU
 from agentkv.simulate.fleet import FleetConfig, simulate
 from agentkv.simulate.metrics import Summary
 from agentkv.simulate.workload import SimTrajectory, SimTurn, SimWorkload
-from agentkv.simulate.writeback import Writeback
 
 BB = BENCH_SMALL_CPU.block_bytes()
 BT = BENCH_SMALL_CPU.block_tokens

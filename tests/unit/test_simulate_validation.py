@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from agentkv.cli.simulate_workload import bench_workload
+from agentkv.policy import Writeback
 from agentkv.simulate.costs import BENCH_SMALL_CPU, load_calibration
 from agentkv.simulate.fleet import FleetConfig, simulate
 from agentkv.simulate.metrics import COMPARED
 from agentkv.simulate.validate import compare, load_measured
-from agentkv.simulate.writeback import Writeback
 from agentkv_bench.workload import WorkloadConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -75,6 +75,11 @@ def make(tmp_path: Path) -> Iterator[object]:
 OK = BlockStatus.OK
 
 
+def moved(s: TieredStore) -> dict[str, int]:
+    """The store's counters that moved (a test asserts all of them at once)."""
+    return {k: v for k, v in sorted(s.stats().counters.items()) if v != 0}
+
+
 def test_host_round_trip_bit_exact_with_segments(make) -> None:  # type: ignore[no-untyped-def]
     s = make(8, None)
     ks = keys(4)
@@ -85,6 +90,7 @@ def test_host_round_trip_bit_exact_with_segments(make) -> None:  # type: ignore[
     assert_exact(ks, [np.concatenate(parts) for parts in out])
     assert [s.tier_of(k) for k in ks] == ["host"] * 4
     assert s.lookup_prefix([*ks, keys(1, "other")[0], ks[0]]) == 4
+    assert moved(s) == {"hits_host": 4, "loads": 4, "stores": 4}
 
 
 def test_disk_round_trip_and_promote_demote(make) -> None:  # type: ignore[no-untyped-def]
@@ -104,6 +110,7 @@ def test_disk_round_trip_and_promote_demote(make) -> None:  # type: ignore[no-un
     statuses, out = load(s, ks)
     assert statuses == [OK] * 3
     assert_exact(ks, out)
+    assert moved(s) == {"hits_disk": 9, "loads": 6, "promotions": 3, "stores": 3}
 
 
 def test_wrong_sizes_and_read_only_destinations_raise_at_submit(make) -> None:  # type: ignore[no-untyped-def]
@@ -114,6 +121,7 @@ def test_wrong_sizes_and_read_only_destinations_raise_at_submit(make) -> None:  
         s.submit_load(keys(1), [bytes(BLOCK)])
     with pytest.raises(ValueError, match="buffers"):
         s.submit_store(keys(2), [np.zeros(BLOCK, np.uint8)])
+    assert moved(s) == {}
 
 
 def test_a_full_tier_fails_the_block_and_never_evicts(make) -> None:  # type: ignore[no-untyped-def]
@@ -133,6 +141,14 @@ def test_a_full_tier_fails_the_block_and_never_evicts(make) -> None:  # type: ig
     assert_exact([a, b, d], out)
     assert s.drop([a]) == 1  # the caller frees a slot: the next store lands
     assert store_all(s, [c]) == [OK] and s.tier_of(c) == "host"
+    assert moved(s) == {
+        "disk_full": 1,
+        "errors": 2,
+        "hits_disk": 1,
+        "hits_host": 2,
+        "loads": 3,
+        "stores": 6,
+    }
 
 
 def test_restart_rebuilds_index_from_files(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -150,6 +166,7 @@ def test_restart_rebuilds_index_from_files(make, tmp_path: Path) -> None:  # typ
     smaller = make(4, 3)  # a smaller limit than last run: the oldest files go
     assert smaller.stats().disk.blocks == 3
     assert len(list((tmp_path / "kv").rglob("*.kvb"))) == 3
+    assert moved(s) == {"stores": 5}
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -171,6 +188,7 @@ def test_damaged_file_is_an_error_never_data_and_then_a_miss(make, damage: str) 
     assert s.tier_of(key) is None and s.lookup_prefix([key]) == 0
     assert not path.exists() and s.stats().disk.used_bytes == 0
     assert load(s, [key])[0] == [BlockStatus.MISS]
+    assert moved(s) == {"corrupt": 1, "loads": 2, "misses": 1, "stores": 1}
 
 
 def test_drop_removes_from_every_tier(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -180,6 +198,7 @@ def test_drop_removes_from_every_tier(make, tmp_path: Path) -> None:  # type: ig
     s.promote(ks).result(10)
     assert s.drop(ks) == 2
     assert s.lookup_prefix(ks) == 0 and list((tmp_path / "kv").rglob("*.kvb")) == []
+    assert moved(s) == {"hits_disk": 2, "promotions": 2, "stores": 2}
 
 
 def test_block_in_flight_is_pinned_and_handle_polls(make, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -206,6 +225,7 @@ def test_block_in_flight_is_pinned_and_handle_polls(make, monkeypatch: pytest.Mo
     assert handle.wait(10) and handle.ok_prefix() == 1
     assert np.array_equal(out, content(a))
     assert store_all(s, [b]) == [OK]  # the slot came back after the last pin
+    assert moved(s) == {"errors": 1, "hits_host": 1, "loads": 1, "stores": 3}
 
 
 def test_concurrent_stores_and_loads_lose_or_mix_nothing(make) -> None:  # type: ignore[no-untyped-def]
@@ -252,6 +272,7 @@ def test_memory_and_disk_stay_within_capacity(make, tmp_path: Path) -> None:  # 
     assert s._arena._memory.nbytes <= 3 * BLOCK
     on_disk = sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*") if p.is_file())
     assert on_disk <= 5 * FILE and stats.disk.used_bytes == on_disk
+    assert moved(s) == {"disk_full": 19, "errors": 40, "stores": 48}
 
 
 def test_disk_full_store_fails_cleanly_and_caller_can_fall_back(
@@ -274,6 +295,7 @@ def test_disk_full_store_fails_cleanly_and_caller_can_fall_back(
     assert s.tier_of(b) == "host" and s.tier_of(c) is None
     assert [p for p in (tmp_path / "kv").rglob("*") if p.is_file()] == []
     assert s.stats().disk.used_bytes == 0 and s.stats().counters["disk_full"] == 1
+    assert moved(s) == {"disk_full": 1, "errors": 2, "loads": 1, "misses": 1, "stores": 3}
 
 
 @contextlib.contextmanager
@@ -325,6 +347,7 @@ def test_acquire_host_pins_views_until_release(make) -> None:  # type: ignore[no
     s.release_host(read)
     assert s.tier_of(ks[0]) is None and s.tier_of(ks[1]) == "host"
     assert store_all(s, newcomer) == [OK]  # the slots are reusable again
+    assert moved(s) == {"errors": 1, "hits_host": 2, "loads": 3, "misses": 1, "stores": 4}
 
 
 def test_copy_to_disk_results_name_the_disk_tier(make) -> None:  # type: ignore[no-untyped-def]
@@ -334,6 +357,7 @@ def test_copy_to_disk_results_name_the_disk_tier(make) -> None:  # type: ignore[
     store_all(s, ks)
     results = s.copy_to_disk(ks).result(10)
     assert [(r.key, r.status, r.tier) for r in results] == [(k, OK, Tier.DISK) for k in ks]
+    assert moved(s) == {"demotions": 2, "stores": 2}
 
 
 def test_a_block_dropped_while_it_is_demoted_is_a_miss_of_its_key(
@@ -354,6 +378,7 @@ def test_a_block_dropped_while_it_is_demoted_is_a_miss_of_its_key(
     [result] = s.demote([key]).result(10)
     assert (result.key, result.status, result.error) == (key, BlockStatus.MISS, None)
     assert s.tier_of(key) is None and s.stats().disk.used_bytes == 0
+    assert moved(s) == {"stores": 1}
 
 
 # ---------------------------------------------------------------- mutation sample E (docs/testing.md)
@@ -377,6 +402,7 @@ def test_every_host_miss_counts_once(make) -> None:  # type: ignore[no-untyped-d
     assert read.missing == [1, 2]
     s.release_host(read)
     assert s.stats().counters["loads"] == 3 and s.stats().counters["misses"] == 2
+    assert moved(s) == {"hits_host": 1, "loads": 3, "misses": 2, "stores": 1}
 
 
 def test_stats_say_whether_the_disk_tier_bypasses_the_page_cache(make) -> None:  # type: ignore[no-untyped-def]
@@ -401,6 +427,7 @@ def test_pin_memory_false_reaches_the_disk_staging_buffers(
     s = make(2, 2, pin_memory=False)
     assert store_all(s, keys(1), tier="disk") == [OK]
     assert asked and set(asked) == {False}
+    assert moved(s) == {"stores": 1}
 
 
 def test_reopening_a_disk_tier_logs_what_it_found(make, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -413,3 +440,55 @@ def test_reopening_a_disk_tier_logs_what_it_found(make, tmp_path: Path, caplog) 
         make(2, 4)
     found = [r.getMessage() for r in caplog.records if "disk tier:" in r.msg]
     assert found == [f"disk tier: 3 blocks found in {tmp_path / 'kv'}"]
+    assert moved(s) == {"stores": 3}
+
+
+def test_what_a_store_refuses_and_says_why(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from agentkv.errors import ConfigError, TierError
+
+    with pytest.raises(ConfigError, match=r"^workers must be at least 1$"):
+        TieredStore(BLOCK, None, 0, BLOCK, workers=0)
+    with pytest.raises(ConfigError, match=rf"^disk capacity {FILE - 1} B is smaller than one"):
+        TieredStore(BLOCK, tmp_path / "small", FILE - 1, BLOCK)
+    host_only, disk_only = make(2, None), make(0, 2)
+    for call in (host_only.demote, host_only.copy_to_disk):
+        with pytest.raises(ConfigError, match=r"^this store has no disk tier$"):
+            call(keys(1))
+    with pytest.raises(ConfigError, match=r"^unknown tier 'tape'$"):
+        host_only.submit_store(keys(1), [content(k) for k in keys(1)], tier="tape")
+    with pytest.raises(ConfigError, match=r"^this store has neither host capacity nor a disk"):
+        TieredStore(0, None, 0, BLOCK).submit_store(keys(1), [content(keys(1)[0])])
+    assert store_all(disk_only, keys(1)) == [OK]  # no host slots: the block goes to disk
+    assert disk_only.tier_of(keys(1)[0]) is Tier.DISK
+    empty = host_only.submit_load([], [])
+    assert empty.done() and empty.result(timeout=0) == []
+    host_only.close()
+    with pytest.raises(TierError, match=r"^the store is closed$"):
+        host_only.submit_store(keys(1), [content(keys(1)[0])])
+
+
+def test_moves_of_absent_blocks_miss_and_moves_already_done_are_ok(make) -> None:  # type: ignore[no-untyped-def]
+    s = make(2, 4)
+    absent, on_host, on_disk = keys(3, salt="moves")
+    assert store_all(s, [on_host]) == [OK]
+    assert store_all(s, [on_disk], tier="disk") == [OK]
+
+    def moved_to(handle) -> list[tuple[BlockStatus, Tier | None]]:  # type: ignore[no-untyped-def]
+        return [(r.status, r.tier) for r in handle.result(10)]
+
+    miss = (BlockStatus.MISS, None)
+    assert moved_to(s.promote([absent, on_host])) == [miss, (OK, Tier.HOST)]
+    assert moved_to(s.demote([absent, on_disk])) == [miss, (OK, Tier.DISK)]
+    assert moved_to(s.copy_to_disk([absent])) == [miss]
+    assert moved(s) == {"misses": 3, "stores": 2}  # nothing moved: no promotion, no demotion
+    assert s.tier_of(on_host) is Tier.HOST and s.tier_of(on_disk) is Tier.DISK
+    assert moved_to(s.promote([on_disk])) == [(OK, Tier.HOST)]
+    assert moved_to(s.demote([on_host])) == [(OK, Tier.DISK)]
+    assert s.tier_of(on_host) is Tier.DISK and s.tier_of(on_disk) is Tier.HOST
+    assert moved(s) == {
+        "demotions": 1,
+        "hits_disk": 1,  # the promote read it
+        "misses": 3,
+        "promotions": 1,
+        "stores": 2,
+    }

@@ -19,6 +19,7 @@ from agentkv.tiers.store import TieredStore
 from agentkv.tiers.valkey_server import ValkeyProcess
 from tests.unit import remote_fixtures
 from tests.unit.remote_fixtures import BLOCK, FILE, content, keys, zeros
+from tests.unit.test_tiers_store import moved
 from tests.valkey_fixture import unique_prefix, valkey_server, valkey_url  # noqa: F401
 
 remote = remote_fixtures.remote
@@ -40,6 +41,7 @@ def test_store_round_trip_through_remote_bit_identical(store: Any) -> None:
     counters = s.stats().counters
     assert counters["hits_remote"] == 3 and counters["stores_remote"] == 3
     assert counters["misses"] == 0 and s.stats().remote is not None
+    assert moved(s) == {"hits_remote": 3, "loads": 3, "stores": 3, "stores_remote": 3}
 
 
 def test_store_round_trip_of_cpu_torch_tensors_through_remote(store: Any) -> None:
@@ -59,6 +61,7 @@ def test_store_round_trip_of_cpu_torch_tensors_through_remote(store: Any) -> Non
     assert torch.equal(out_block.view(torch.int16), block.view(torch.int16))
     for got, want in zip(out_layers, layers, strict=True):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert moved(s) == {"hits_remote": 2, "loads": 2, "stores": 2, "stores_remote": 2}
 
 
 def test_load_falls_back_host_then_disk_then_remote(store: Any, raw: Any) -> None:
@@ -97,6 +100,16 @@ def test_load_falls_back_host_then_disk_then_remote(store: Any, raw: Any) -> Non
     counters = s.stats().counters
     assert counters["hits_host"] == 2 and counters["hits_disk"] == 1
     assert counters["hits_remote"] == 2 and counters["misses"] == 1 and counters["corrupt"] == 1
+    assert moved(s) == {
+        "corrupt": 1,
+        "hits_disk": 1,
+        "hits_host": 2,
+        "hits_remote": 2,
+        "loads": 6,
+        "misses": 1,
+        "stores": 7,
+        "stores_remote": 3,
+    }
 
 
 def test_copy_to_remote_keeps_local_copies_and_drop_remote_deletes(store: Any) -> None:
@@ -119,6 +132,7 @@ def test_copy_to_remote_keeps_local_copies_and_drop_remote_deletes(store: Any) -
     assert s.drop([in_host, on_disk]) == 2 and s.lookup_remote_prefix([in_host, on_disk]) == 2
     assert s.drop([in_host, on_disk], tier="remote") == 2
     assert other.lookup_remote_prefix([in_host]) == 0
+    assert moved(s) == {"errors": 1, "stores": 4, "stores_remote": 2}
 
 
 def test_store_without_remote_is_unchanged_and_says_so(tmp_path: Path) -> None:
@@ -222,3 +236,12 @@ def test_a_load_cancelled_before_its_remote_read_fails_each_block_under_its_key(
     assert [r.key for r in results] == ks
     assert all(r.status is BlockStatus.ERROR and "cancelled" in str(r.error) for r in results)
     assert client.stats().gets == 0  # no network read for a cancelled load
+
+
+def test_every_remote_miss_counts(store: Any) -> None:
+    """Mutant store_remote._count_remote__mutmut_11 (the misses counter set to 1)."""
+    s = store()
+    nowhere = keys(3)
+    results = s.submit_load(nowhere, zeros(3)).result(10)
+    assert [(r.status, r.tier) for r in results] == [(BlockStatus.MISS, "remote")] * 3
+    assert moved(s) == {"loads": 3, "misses": 3}

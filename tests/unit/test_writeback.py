@@ -11,7 +11,8 @@ import pytest
 from agentkv.admission import Admission, PoolTrend
 from agentkv.costs import CostModel
 from agentkv.manager import BranchState, DemotedBy
-from agentkv.policy import Action, PolicyParams, decide
+from agentkv.policy import Action, PolicyParams, Writeback, decide
+from tests.unit.manager_helpers import assert_answers, counted
 from tests.unit.sim_engine import Rig, key_of, make_rig
 
 P1 = [7, 7, 7, 7, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1]  # 17 tokens: 4 full blocks
@@ -67,7 +68,7 @@ def test_the_fill_rate_forecasts_eviction_in_a_pool_whose_free_count_holds() -> 
 
 
 def _rig() -> Rig:
-    return make_rig(defer_writeback=True, policy=PolicyParams(disk_after_s=100.0))
+    return make_rig(writeback=Writeback.FORECAST, policy=PolicyParams(disk_after_s=100.0))
 
 
 def _paused(rig: Rig, wait: float = 2.0) -> dict[str, object]:
@@ -99,13 +100,16 @@ def test_roomy_pool_unpins_without_a_copy_and_the_resume_hits_the_device() -> No
     assert rig.mgr.status()["counters"]["writebacks_unread"] == 0
     assert rig.mgr.status()["counters"]["writebacks_deferred"] == 1
     assert rig.eng.violations == []
+    assert counted(rig) == {"trajectories_deleted": 1, "writebacks_deferred": 1}
+    assert_answers(rig, "t1")
 
 
 def test_eager_setting_copies_at_once() -> None:
-    rig = make_rig(defer_writeback=False)
+    rig = make_rig(writeback=Writeback.EAGER)
     _paused(rig)
     rig.settle()
     assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
+    assert counted(rig) == {"store_blocks": 4, "stores": 1}
 
 
 def test_a_blocked_queue_writes_the_deferred_copy_back_before_eviction() -> None:
@@ -126,6 +130,14 @@ def test_a_blocked_queue_writes_the_deferred_copy_back_before_eviction() -> None
     nxt = rig.turn("t1", [*P1, 4, 4, 4])
     assert nxt.device_hit == 0 and nxt.load_n == 4
     assert rig.eng.violations == []
+    assert counted(rig) == {
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "writebacks_deferred": 1,
+        "writebacks_deferred_copied": 1,
+    }
 
 
 def test_a_filling_pool_forecasts_eviction_and_copies() -> None:
@@ -152,6 +164,12 @@ def test_a_filling_pool_forecasts_eviction_and_copies() -> None:
     rig.settle()
     assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
     assert rig.eng.violations == []
+    assert counted(rig) == {
+        "store_blocks": 4,
+        "stores": 1,
+        "writebacks_deferred": 1,
+        "writebacks_deferred_copied": 1,
+    }
 
 
 def test_blocks_evicted_before_the_forecast_fall_back_to_recompute() -> None:
@@ -165,6 +183,7 @@ def test_blocks_evicted_before_the_forecast_fall_back_to_recompute() -> None:
     assert b.state is BranchState.DROPPED and b.demoted_by is DemotedBy.EVICTED
     assert rig.mgr.counters["writebacks_deferred_lost_blocks"] == 4
     assert rig.eng.violations == []
+    assert counted(rig) == {"writebacks_deferred": 1, "writebacks_deferred_lost_blocks": 4}
 
 
 def test_a_later_pause_with_a_near_resume_forecast_copies_a_cached_branch() -> None:
@@ -176,10 +195,18 @@ def test_a_later_pause_with_a_near_resume_forecast_copies_a_cached_branch() -> N
     assert code == 200 and body["decision"]["writeback_deferred"] is True
     rig.settle()
     assert _branch(rig).state is BranchState.CACHED  # still deferred: nothing to do
-    rig.mgr.config = type(rig.mgr.config)(**{**rig.mgr.config.__dict__, "defer_writeback": False})
+    rig.mgr.config = type(rig.mgr.config)(
+        **{**rig.mgr.config.__dict__, "writeback": Writeback.EAGER}
+    )
     rig.mgr.pause("t1", "main", "pytest", 2.0)  # now the copy must be made
     rig.settle()
     assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
+    assert counted(rig) == {
+        "store_blocks": 4,
+        "stores": 1,
+        "writebacks_deferred": 1,
+        "writebacks_deferred_copied": 1,
+    }
 
 
 def test_a_queue_blocked_demotion_copies_before_the_forward() -> None:
@@ -193,6 +220,7 @@ def test_a_queue_blocked_demotion_copies_before_the_forward() -> None:
     assert store.before_forward  # the worker copies it before the forward: unpinned next step
     assert rig.mgr.last_queue_demotion_step == rig.mgr.steps
     assert rig.mgr.status()["pool"]["last_queue_demotion_step"] == rig.mgr.steps
+    assert counted(rig) == {"queue_demotions": 1, "store_blocks": 4, "stores": 1}
 
 
 def test_a_deleted_cached_trajectory_is_never_copied_and_not_kept() -> None:
@@ -211,13 +239,14 @@ def test_a_deleted_cached_trajectory_is_never_copied_and_not_kept() -> None:
     assert rig.mgr.writebacks.heap == []  # the stale entry left the heap
     gc.collect()
     assert ref() is None
+    assert counted(rig) == {"trajectories_deleted": 1, "writebacks_deferred": 1}
 
 
 def test_a_later_disk_decision_writes_a_cached_branch_to_disk() -> None:
     """Mutant core._apply_pin_ops__mutmut_11 (the deferred copy made to write_back's default
     tier, host, whatever the decision said): a CACHED branch whose next pause goes to disk is
     copied to disk."""
-    rig = make_rig(defer_writeback=True, disk=32, policy=PolicyParams(disk_after_s=100.0))
+    rig = make_rig(writeback=Writeback.FORECAST, disk=32, policy=PolicyParams(disk_after_s=100.0))
     _paused(rig)
     rig.settle()
     assert _branch(rig).state is BranchState.CACHED
@@ -229,3 +258,9 @@ def test_a_later_disk_decision_writes_a_cached_branch_to_disk() -> None:
     assert rig.disk_keys() == {key_of(h) for h in rig.eng.hashes(P1)[:4]}
     assert rig.host_keys() == set()
     assert rig.eng.violations == []
+    assert counted(rig) == {
+        "store_blocks": 4,
+        "stores": 1,
+        "writebacks_deferred": 1,
+        "writebacks_deferred_copied": 1,
+    }
