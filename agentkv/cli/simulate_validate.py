@@ -168,7 +168,7 @@ def fit_builtin_cmd(
     from agentkv.simulate.fleet import FleetConfig
     from agentkv.simulate.grid_fit import grid_fit
     from agentkv.simulate.validate import load_measured
-    from agentkv.simulate.writeback import Writeback
+    from agentkv.policy import Writeback
     from agentkv_bench.workload import WorkloadConfig
 
     try:

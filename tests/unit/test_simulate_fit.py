@@ -108,7 +108,7 @@ def test_the_builtin_constants_are_the_grid_fit_to_the_readme_bench_run() -> Non
     from agentkv.simulate.fleet import FleetConfig
     from agentkv.simulate.grid_fit import FIT_METRICS, OVERHEAD_GRID, RATE_GRID, grid_fit
     from agentkv.simulate.validate import load_measured
-    from agentkv.simulate.writeback import Writeback
+    from agentkv.policy import Writeback
     from agentkv_bench.workload import WorkloadConfig
 
     measured = load_measured(FIXTURES / "bench_agents_small_cpu.json")
