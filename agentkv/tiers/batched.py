@@ -244,6 +244,22 @@ class BlockTable:
             for image in images
         )
 
+    @property
+    def copies_natively(self) -> bool:
+        """True when ``copy_blocks`` may be used now (CPU table, native kernel compiled)."""
+        return self._native and native_copy.available()
+
+    def copy_blocks(
+        self, ids: npt.NDArray[np.int64], hosts: npt.NDArray[np.int64], *, to_host: bool
+    ) -> None:
+        """Every run of blocks ``ids`` between the cache and the host images at addresses
+        ``hosts`` (``block_bytes`` each, live memory the caller owns, e.g. host arena slots), one
+        native call, streaming stores (the images are not read again soon, the store's host
+        tier; see native_copy). Requires ``copies_natively``; IndexError for ids out of range."""
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise IndexError(f"block id out of range (0..{self.num_blocks - 1}): {ids.tolist()}")
+        native_copy.copy_runs(hosts, ids, self._geometry, self._all_runs, to_host, True)
+
     def _copy_native(
         self,
         ids: Sequence[int],

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import platform
 import threading
 from typing import Any
 
@@ -47,6 +48,69 @@ _lock = threading.Lock()
 _ready = threading.Event()
 
 
+# Pieces at least this long are written with streaming (non-temporal) stores when asked: below
+# it the head/tail handling and the fence cost more than the read-for-ownership they save.
+STREAMING_MIN_BYTES = 4096
+_VECTOR = 64  # bytes per streaming store (one cache line)
+
+
+def _streaming_intrinsics(memcpy: Any) -> tuple[Any, Any]:
+    """(stream_copy(dst, src, n), store_fence()) as numba intrinsics: ``n`` bytes (a multiple of
+    64, ``dst`` 64-byte aligned) copied with unaligned loads and aligned non-temporal stores,
+    and the ``sfence`` that orders those stores before anything the thread does next. Off x86
+    (no ``sfence``): a plain memcpy and no fence."""
+    import numba
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+
+        @numba.njit(nogil=True)  # type: ignore[untyped-decorator,misc]
+        def plain_copy(dst: int, src: int, count: int) -> None:  # pragma: no cover - compiled
+            memcpy(dst, src, count)
+
+        @numba.njit(nogil=True)  # type: ignore[untyped-decorator,misc]
+        def no_fence() -> None:  # pragma: no cover - compiled
+            pass
+
+        return plain_copy, no_fence
+
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    i64 = ir.IntType(64)
+
+    @intrinsic  # type: ignore[untyped-decorator,misc]
+    def stream_copy(typingctx: Any, dst: Any, src: Any, count: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            d, s, n = args
+            line = ir.VectorType(i64, _VECTOR // 8).as_pointer()
+            streaming = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+            with cgutils.for_range(builder, builder.udiv(n, ir.Constant(i64, _VECTOR))) as loop:
+                offset = builder.mul(loop.index, ir.Constant(i64, _VECTOR))
+                value = builder.load(builder.inttoptr(builder.add(s, offset), line), align=1)
+                store = builder.store(
+                    value, builder.inttoptr(builder.add(d, offset), line), align=64
+                )
+                store.set_metadata("nontemporal", streaming)
+            return context.get_dummy_value()
+
+        return types.void(types.int64, types.int64, types.int64), codegen
+
+    @intrinsic  # type: ignore[untyped-decorator,misc]
+    def store_fence(typingctx: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            fence = ir.FunctionType(ir.VoidType(), [])
+            builder.call(
+                cgutils.get_or_insert_function(builder.module, fence, "llvm.x86.sse.sfence"), []
+            )
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return stream_copy, store_fence
+
+
 def _compile() -> None:
     global _kernel
     try:
@@ -56,6 +120,22 @@ def _compile() -> None:
         memcpy = libc.memcpy
         memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         memcpy.restype = ctypes.c_void_p
+        stream_copy, store_fence = _streaming_intrinsics(memcpy)
+        minimum = STREAMING_MIN_BYTES
+
+        @numba.njit(nogil=True, cache=False)  # type: ignore[untyped-decorator,misc]
+        def copy_piece(dst: int, src: int, size: int, streaming: bool) -> None:  # pragma: no cover
+            if not streaming or size < minimum:
+                memcpy(dst, src, size)
+                return
+            head = (-dst) & 63  # up to the first cache-line boundary of the destination
+            body = (size - head) & ~63
+            if head:
+                memcpy(dst, src, head)
+            stream_copy(dst + head, src + head, body)
+            tail = size - head - body
+            if tail:
+                memcpy(dst + head + body, src + head + body, tail)
 
         @numba.njit(nogil=True, cache=False)  # type: ignore[untyped-decorator,misc]
         def copy_all(
@@ -67,35 +147,40 @@ def _compile() -> None:
             sizes: Any,
             runs: Any,
             to_host: bool,
+            streaming: bool,
         ) -> None:  # pragma: no cover - compiled
             for i in range(blocks.shape[0]):
                 for r in runs:
                     cache = bases[r] + blocks[i] * strides[r]
                     host = hosts[i] + offsets[r]
                     if to_host:
-                        memcpy(host, cache, sizes[r])
+                        copy_piece(host, cache, sizes[r], streaming)
                     else:
-                        memcpy(cache, host, sizes[r])
+                        copy_piece(cache, host, sizes[r], streaming)
+            if streaming:
+                store_fence()
 
-        one, probe = np.zeros(2, np.uint8), np.array([0, 1], np.uint8)
-        every = np.zeros(1, np.int64)
-        copy_all(
-            np.array([one.ctypes.data], np.int64),
-            np.ones(1, np.int64),
-            np.array([probe.ctypes.data], np.int64),
-            np.ones(1, np.int64),
-            every,
-            np.ones(1, np.int64),
-            every,
-            True,
-        )
-        if one[0] != 1:
-            raise RuntimeError("the compiled copy kernel did not copy")
+        _probe(copy_all)
         _kernel = copy_all
     except Exception as exc:  # no numba, no libc symbol: the numpy path stays (slower, exact)
         log.info("batched native copies unavailable (%s); copying with numpy", exc)
     finally:
         _ready.set()
+
+
+def _probe(kernel: Any) -> None:
+    """Run the fresh kernel once both ways (compiling both) on a piece with an unaligned head,
+    a streamed body and a tail; RuntimeError unless every byte arrived."""
+    size = 3 * STREAMING_MIN_BYTES + 17
+    source = np.random.default_rng(0).integers(0, 256, size + 1, dtype=np.uint8)
+    for streaming in (False, True):
+        landed = np.zeros(size + 64, np.uint8)
+        addresses = [np.array([landed.ctypes.data + 5], np.int64), np.zeros(1, np.int64)]
+        table = (np.array([source.ctypes.data + 1], np.int64), np.ones(1, np.int64))
+        rest = (np.zeros(1, np.int64), np.array([size], np.int64), np.zeros(1, np.int64))
+        kernel(addresses[0], addresses[1], *table, *rest, True, streaming)
+        if not np.array_equal(landed[5 : 5 + size], source[1:]) or landed[:5].any():
+            raise RuntimeError("the compiled copy kernel did not copy exactly")
 
 
 def warm_up(background: bool = True) -> None:
@@ -125,10 +210,12 @@ def copy_runs(
     table: tuple[Addresses, Addresses, Addresses, Addresses],
     runs: Addresses,
     to_host: bool,
+    streaming: bool = False,
 ) -> None:
-    """Copy runs ``runs`` of every block (see module docstring). RuntimeError when the kernel is
-    not compiled."""
+    """Copy runs ``runs`` of every block (see module docstring); ``streaming`` writes pieces of
+    STREAMING_MIN_BYTES+ with non-temporal stores. RuntimeError when the kernel is not
+    compiled."""
     kernel = _kernel
     if kernel is None:
         raise RuntimeError("native copies are not available; check available() first")
-    kernel(hosts, blocks, *table, runs, to_host)
+    kernel(hosts, blocks, *table, runs, to_host, streaming)

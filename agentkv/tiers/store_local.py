@@ -91,8 +91,9 @@ class LocalTransfers(BlockIndex):
             else:
                 error = TierError("internal error: no result")
             for index in indices:
-                result = results.get(index)
-                handle._set(index, result or self._failed(handle.keys[index], error))
+                if index not in results:
+                    results[index] = self._failed(handle.keys[index], error)
+            handle._set_many(results)
 
         for start, stop in self._chunks(handle):
             self._pool.submit(run, start, stop)

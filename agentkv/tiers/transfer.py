@@ -88,6 +88,16 @@ class TransferHandle:
             count += 1
         return count
 
+    def _set_many(self, results: dict[int, BlockResult]) -> None:
+        """Set several blocks' results under one lock acquisition (a worker's share)."""
+        with self._lock:
+            for index, result in results.items():
+                if self._results[index] is None:
+                    self._remaining -= 1
+                self._results[index] = result
+            if self._remaining == 0:
+                self._finished.set()
+
     def _set(self, index: int, result: BlockResult) -> None:
         with self._lock:
             if self._results[index] is None:
