@@ -74,6 +74,7 @@ from agentkv.tiers.host import HostArena
 from agentkv.tiers.keys import BlockKey
 from agentkv.tiers.remote import RemoteBlocks, RemoteStats
 from agentkv.tiers.results import BlockResult, BlockStatus, Tier
+from agentkv.tiers.store_batched import copy_threads
 from agentkv.tiers.store_index import Residents, StoredBlock
 from agentkv.tiers.store_remote import RemoteTransfers
 from agentkv.tiers.transfer import HostRead, TransferHandle
@@ -317,7 +318,9 @@ class TieredStore(RemoteTransfers):
         if table is not None:
             ids = np.array([s.block_id for s in segments], np.int64)  # type: ignore[union-attr]
             self._run_chunks(
-                handle, lambda chunk: self._store_host_batch(handle, table, ids, chunk)
+                handle,
+                lambda chunk: self._store_host_batch(handle, table, ids, chunk),
+                copy_threads(),
             )
             return handle
 
@@ -347,7 +350,9 @@ class TieredStore(RemoteTransfers):
         if table is not None:
             ids = np.array([s.block_id for s in segments], np.int64)  # type: ignore[union-attr]
             self._run_chunks(
-                handle, lambda chunk: self._load_host_batch(handle, table, ids, segments, chunk)
+                handle,
+                lambda chunk: self._load_host_batch(handle, table, ids, segments, chunk),
+                copy_threads(),
             )
             return handle
 

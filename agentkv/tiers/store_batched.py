@@ -5,6 +5,7 @@ Primitives:
                       the one BlockTable every block of a transfer belongs to when the whole
                       transfer can move as native batch copies (CPU cache, kernel compiled);
                       None: the block-by-block path of store_local.py.
+    copy_threads      how many shares a batch is cut into at most (the cores we may run on).
     _store_host_batch / _load_host_batch
                       one worker's share of a transfer: the index updated for all its blocks
                       under one lock, all their bytes moved in one native call between the
@@ -19,6 +20,7 @@ them; the index invariants are the per-block path's (store.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,6 +36,16 @@ from agentkv.tiers.store_local import LocalTransfers
 from agentkv.tiers.transfer import TransferHandle
 
 BlockIds = npt.NDArray[np.int64]
+
+
+def copy_threads() -> int:
+    """How many worker shares a batched copy is cut into at most: the cores this process may
+    run on. A memory copy gains nothing from more threads than cores, and every share costs a
+    thread wake-up and a GIL handoff (the disk tier's I/O waits are why the pool has more)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 class BatchedTransfers(LocalTransfers):

@@ -100,6 +100,10 @@ class _DelayedLoad:
         with self._lock:
             return None if self._handle is None else self._handle.result()
 
+    @property
+    def finished_at(self) -> float | None:
+        return None if self._handle is None else self._handle.finished_at
+
     def cancel(self) -> None:
         with self._lock:
             self._cancelled = True
@@ -131,6 +135,13 @@ class _Pending:
     deadline: float = math.inf
     staged: StagedBlocks | None = None  # CUDA: the device staging this job copies to or from
     move: MoveKind | None = None  # a tier move (fetch/upload/promote/demote); None: store/load
+
+    def seconds(self, now: float) -> float:
+        """The transfer's own time: from its start (a delayed load's: after the delay) to its
+        last block (``now``, the poll that saw it, where the handle does not say)."""
+        started = getattr(self.handle, "started_at", None) or self.started
+        finished = getattr(self.handle, "finished_at", None) or now
+        return max(0.0, finished - started)
 
 
 @dataclass
@@ -457,7 +468,7 @@ class WorkerSide(LayerwiseLoads):
         got = len(results) - len(missing)
         if got:
             nbytes = got * (self.views.block_bytes if self.views is not None else 0)
-            self._report.transfers[p.ref] = (nbytes, now - p.started)
+            self._report.transfers[p.ref] = (nbytes, p.seconds(now))
 
     def _upload_done(self, p: _Pending, results: list[Any], now: float) -> None:
         """The remote tier failed, not the local copy: nothing local is lost (the remote client
@@ -465,7 +476,7 @@ class WorkerSide(LayerwiseLoads):
         self._done(p.job_id, all(r.ok for r in results))
         if any(r.ok for r in results):
             sent = p.nbytes * sum(r.ok for r in results) // len(results)
-            self._report.transfers[p.ref] = (sent, now - p.started)
+            self._report.transfers[p.ref] = (sent, p.seconds(now))
 
     def _job_done(self, p: _Pending, results: list[Any], now: float) -> None:
         """A store, promote or demote finished: its bad keys, its result and its timing."""
@@ -483,7 +494,7 @@ class WorkerSide(LayerwiseLoads):
                 [str(r.error) for r in results if not r.ok][:1],
             )
         self._done(p.job_id, ok)
-        self._report.transfers[p.ref] = (p.nbytes, now - p.started)
+        self._report.transfers[p.ref] = (p.nbytes, p.seconds(now))
 
     def _load_done(self, p: _Pending, results: list[Any] | None, now: float) -> None:
         """A finished load: failed blocks go to ``load_error_block_ids`` (vLLM recomputes them),
@@ -510,7 +521,7 @@ class WorkerSide(LayerwiseLoads):
         tier = Tier.DISK if any(r.tier == Tier.DISK for r in results) else Tier.HOST
         self._report.transfers[p.ref._replace(tier=tier)] = (
             p.nbytes,
-            now - (getattr(p.handle, "started_at", None) or p.started),
+            p.seconds(now),
         )
         self._done(p.job_id, ok)
         self._recving_done.add(p.load.req_id)
