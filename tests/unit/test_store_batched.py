@@ -171,10 +171,11 @@ def test_a_load_cancelled_before_its_share_starts_writes_nothing(stores) -> None
 
 
 @pytest.mark.parametrize("to_host", [True, False])
-@pytest.mark.parametrize("size", [1, 63, 64, 4095, 4096, 4097, 16384 + 5, 65536])
+@pytest.mark.parametrize("size", [1, 63, 64, 4095, 4096, 4097, 16384 + 5, 65536, 53253])
 def test_streaming_copies_are_exact_at_any_alignment_and_size(size: int, to_host: bool) -> None:
     """Pieces below STREAMING_MIN_BYTES take memcpy; above it an unaligned head, a streamed body
-    of whole cache lines and a tail: every byte lands, none outside the piece."""
+    (stretches of 4 pages copied side by side, then single cache lines) and a tail: every byte
+    lands, none outside the piece."""
     rng = np.random.default_rng(size)
     for shift in (0, 1, 17, 63):
         cache = rng.integers(0, 256, 2 * size + 128, dtype=np.uint8)
