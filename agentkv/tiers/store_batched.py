@@ -11,9 +11,10 @@ Primitives:
                       under one lock, all their bytes moved in one native call between the
                       cache and their host arena slots (streaming stores), results set at once.
 
-Why: a block copied on its own pays ~20-30 us of Python (two lock round trips, the index, the
-result, numpy address arrays and the kernel's dispatch) next to ~110 us of memcpy for 1 MiB, and
-the store's threads queue on the GIL for it. Per worker share it is paid once. Blocks the batch
+Why: a block copied on its own pays two lock round trips, its index entry and result, numpy
+address arrays and the kernel's dispatch, and the store's threads queue on the GIL for it; per
+worker share most of it is paid once (a store call of 512 blocks of 4 KiB: 5.05 ms block by
+block, 1.74 ms in shares, docs/tiers.md). Blocks the batch
 cannot serve from host (disk-only, missing) fall back to the per-block load, which also counts
 them; the index invariants are the per-block path's (store.py).
 """
