@@ -17,7 +17,10 @@ import sys
 import time
 
 BUCKETS = (
-    ("completing the handle (waking the caller)", lambda leaf, s: "TransferHandle._set" in s),
+    (
+        "completing the handle (waking the caller)",
+        lambda leaf, s: bool(s & {"TransferHandle._set", "TransferHandle._set_many"}),
+    ),
     (
         "waiting for the GIL",
         lambda leaf, s: bool(s & {"pthread_cond_timedwait", "pthread_cond_wait", "take_gil"}),
@@ -45,6 +48,10 @@ BUCKETS = (
     (
         "address arrays (per block)",
         lambda leaf, s: bool(s & {"BlockTable._copy_native", "BlockTable._use_native"}),
+    ),
+    (
+        "address arrays, ids (per worker share)",
+        lambda leaf, s: bool(s & {"BlockTable.copy_blocks", "HostArena.addresses"}),
     ),
     ("other native", lambda leaf, s: leaf.startswith("0x")),
     ("python bookkeeping (store index, locks, results)", lambda leaf, s: True),
@@ -80,8 +87,8 @@ def summary(path: str) -> None:
     for line in raw:
         stack, _, count = line.rstrip().rpartition(" ")
         frames = [frame.split(" (")[0] for frame in stack.split(";")]
-        if not any(frame.endswith("run_chunk") for frame in frames):
-            continue  # not a store worker thread
+        if not any(frame.endswith(("run_chunk", "_run_chunks.<locals>.run")) for frame in frames):
+            continue  # not a store worker thread (per block: run_chunk; per share: run)
         seen = set(frames)
         bucket = next(name for name, match in BUCKETS if match(frames[-1], seen))
         counts[bucket] += int(count)

@@ -4,6 +4,7 @@ Primitives:
   BlockTransfer   one block: its tier key and the engine block id it is copied from or into
   MoveKind        PROMOTE | DEMOTE | FETCH | UPLOAD (a StrEnum)
   TransferKind    OFFLOAD | RELOAD | PROMOTE | DEMOTE: what a reported transfer measured
+  TransferRef     (kind, tier, ref): one reported transfer, the key of WorkerReport.transfers
   KeyProblem      'miss' | 'corrupt' | 'error': why a rank could not serve or write a key
   StoreJob        device -> tier (Tier.HOST | Tier.DISK); the device blocks stay pinned until done
   LoadJob         tier -> device blocks the engine allocated for a request
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from agentkv.tier import Tier
 
@@ -41,6 +42,16 @@ class TransferKind(enum.StrEnum):
     RELOAD = "reload"  # tier -> device (a load job)
     PROMOTE = "promote"
     DEMOTE = "demote"
+
+
+class TransferRef(NamedTuple):
+    """One reported transfer: what it measured, the tier on the far side of the device (or the
+    tier written, for promote/demote), and the job or request it belongs to (``job-<id>``,
+    ``req-<id>``, ``layerwise-<req>``). A tuple, so reports pickle as builtins."""
+
+    kind: TransferKind
+    tier: Tier
+    ref: str
 
 
 # Why a rank could not serve or write a key (the worker fills it; a Literal, not an enum: the
@@ -112,8 +123,8 @@ class WorkerReport:
     fetch_missing: dict[int, list[bytes]] = field(default_factory=dict)
     # rank -> pid of the worker process, sent once (shows the plugin loaded in every worker)
     hello: dict[int, int] = field(default_factory=dict)
-    # (TransferKind, tier, job ref) -> (bytes, seconds)
-    transfers: dict[tuple[str, str, str], tuple[int, float]] = field(default_factory=dict)
+    # what each transfer measured -> (bytes, seconds)
+    transfers: dict[TransferRef, tuple[int, float]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(

@@ -13,6 +13,10 @@ Primitives:
                             the cache's device): one ``index_select`` per run for the whole batch.
     BlockTable.scatter(ids, src)
                             rows of ``src`` into blocks ``ids``: one ``index_copy_`` per run.
+    BlockTable.copy_blocks(ids, hosts, to_host)
+                            CPU: every run of blocks ``ids`` to or from host images at raw
+                            addresses ``hosts`` (host arena slots), one native call, streaming
+                            stores (the store's batched host transfers, store_batched.py).
     BlockTable.copy_runs_from_host(ids, sources, runs)
                             layer-by-layer loads: runs ``runs`` of blocks ``ids`` from their host
                             images (pinned host arena views); CUDA: one batched pointer copy
@@ -46,9 +50,11 @@ which then crosses PCIe one DMA per block into the (pinned) host arena; loads go
 O(blocks) large DMAs per step, never O(blocks x runs). On CPU there is no DMA and no launch: a
 torch index op costs more per row than numpy's copy loop (measured, docs/tiers.md), and a
 staging region would move every byte twice, so each block is copied once, directly between the
-KV cache and its host slot, by the store's worker threads: one native call per block copies all
-its runs (a batched memcpy over precomputed run addresses, GIL released; numpy per run as the
-fallback), and a layer-by-layer batch is one call per layer for every block.
+KV cache and its host slot, by the store's worker threads: a host-tier store or load is one
+native call per worker share for all its blocks (``copy_blocks``, store_batched.py: run
+addresses computed in the kernel, GIL released, streaming stores), a block to or from the disk
+tier's staging buffer one call per block (``BlockRef``), a layer-by-layer batch one call per
+layer for every block; numpy per run is the fallback.
 
 Bytes are copied raw, whole runs only: any layout round-trips exactly into the same layout (the
 key fingerprint names the layout, so a block never lands in another one). Importing this module
@@ -244,6 +250,22 @@ class BlockTable:
             for image in images
         )
 
+    @property
+    def copies_natively(self) -> bool:
+        """True when ``copy_blocks`` may be used now (CPU table, native kernel compiled)."""
+        return self._native and native_copy.available()
+
+    def copy_blocks(
+        self, ids: npt.NDArray[np.int64], hosts: npt.NDArray[np.int64], *, to_host: bool
+    ) -> None:
+        """Every run of blocks ``ids`` between the cache and the host images at addresses
+        ``hosts`` (``block_bytes`` each, live memory the caller owns, e.g. host arena slots), one
+        native call, streaming stores (the images are not read again soon, the store's host
+        tier; see native_copy). Requires ``copies_natively``; IndexError for ids out of range."""
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise IndexError(f"block id out of range (0..{self.num_blocks - 1}): {ids.tolist()}")
+        native_copy.copy_runs(hosts, ids, self._geometry, self._all_runs, to_host, True)
+
     def _copy_native(
         self,
         ids: Sequence[int],
@@ -253,11 +275,13 @@ class BlockTable:
         to_host: bool,
     ) -> None:
         """Runs ``runs`` (None: all) of blocks ``ids`` between the cache and their host images,
-        one native call (the kernel computes each piece's addresses from the table's arrays)."""
+        one native call (the kernel computes each piece's addresses from the table's arrays).
+        Writes into the cache use streaming stores, as ``copy_blocks``' do; writes into host
+        images do not: one may be a disk staging buffer its checksum reads right after."""
         hosts = np.array([image.__array_interface__["data"][0] for image in images], np.int64)
         blocks = np.array(ids, np.int64)
         which = self._all_runs if runs is None else np.array(runs, np.int64)
-        native_copy.copy_runs(hosts, blocks, self._geometry, which, to_host)
+        native_copy.copy_runs(hosts, blocks, self._geometry, which, to_host, not to_host)
 
     # --- one block (BlockRef) -------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ Primitives:
     HostArena.alloc      take a free slot in O(1); returns None when every slot is taken.
     HostArena.free       give a slot back in O(1).
     HostArena.slot       the slot's bytes as a writable uint8 view (no copy).
+    HostArena.addresses  the slots' memory addresses (native batched copies, batched.py).
 
 The arena knows nothing about keys, pins or eviction; the store decides which slot holds what.
 
@@ -26,10 +27,12 @@ import logging
 import mmap
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from agentkv.errors import ConfigError
 from agentkv.tiers.buffers import ByteArray
@@ -164,6 +167,11 @@ class HostArena:
         """Return ``slot`` to the free list. The caller guarantees nobody still reads or writes it."""
         with self._lock:
             self._free.append(slot)
+
+    def addresses(self, slots: Sequence[int]) -> npt.NDArray[np.int64]:
+        """The memory address of each slot's first byte (for native batched copies)."""
+        base = int(self._memory.ctypes.data)
+        return base + np.asarray(slots, np.int64) * self.block_bytes
 
     def slot(self, slot: int) -> ByteArray:
         """Return the slot's bytes as a writable view of the arena (no copy)."""

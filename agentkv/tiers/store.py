@@ -28,9 +28,10 @@ Primitives:
 
 Where the parts live: this module is the facade (the public methods above, StoreStats,
 TierUsage); transfer.py holds TransferHandle and HostRead; store_index.py the block index and its
-bookkeeping; store_local.py the per-block host/disk transfers on the thread pool; store_remote.py
-the batched remote transfers. TieredStore inherits the three as one chain of mixins sharing the
-state store_index.BlockIndex declares.
+bookkeeping; store_local.py the per-block host/disk transfers on the thread pool;
+store_batched.py the host-tier transfers of whole CPU KV cache blocks (BlockRefs of one table),
+one native copy per worker share; store_remote.py the batched remote transfers. TieredStore
+inherits the four as one chain of mixins sharing the state store_index.BlockIndex declares.
 
 The store executes, the caller decides: it never evicts on its own (a full tier fails the block
 with TierFullError) and keeps no owners or leases; the one residency index is the manager's
@@ -64,6 +65,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from agentkv.errors import ConfigError, TierError
 from agentkv.tiers.buffers import BlockBuffer, ByteArray
 from agentkv.tiers.disk import BlockFiles
@@ -71,6 +74,7 @@ from agentkv.tiers.host import HostArena
 from agentkv.tiers.keys import BlockKey
 from agentkv.tiers.remote import RemoteBlocks, RemoteStats
 from agentkv.tiers.results import BlockResult, BlockStatus, Tier
+from agentkv.tiers.store_batched import copy_threads
 from agentkv.tiers.store_index import Residents, StoredBlock
 from agentkv.tiers.store_remote import RemoteTransfers
 from agentkv.tiers.transfer import HostRead, TransferHandle
@@ -310,6 +314,15 @@ class TieredStore(RemoteTransfers):
             tier = Tier.DISK
         segments = self._segments(keys, buffers, writable=False)
         handle = TransferHandle(keys)
+        table = self._batch_table(segments) if tier == Tier.HOST else None
+        if table is not None:
+            ids = np.array([s.block_id for s in segments], np.int64)  # type: ignore[union-attr]
+            self._run_chunks(
+                handle,
+                lambda chunk: self._store_host_batch(handle, table, ids, chunk),
+                copy_threads(),
+            )
+            return handle
 
         def store_one(index: int) -> BlockResult:
             return self._store_one(keys[index], segments[index], tier)
@@ -332,6 +345,15 @@ class TieredStore(RemoteTransfers):
         handle = TransferHandle(keys)
         if self._remote is not None:
             self._run_chunks(handle, lambda indices: self._load_chunk(handle, segments, indices))
+            return handle
+        table = self._batch_table(segments)
+        if table is not None:
+            ids = np.array([s.block_id for s in segments], np.int64)  # type: ignore[union-attr]
+            self._run_chunks(
+                handle,
+                lambda chunk: self._load_host_batch(handle, table, ids, segments, chunk),
+                copy_threads(),
+            )
             return handle
 
         def load_one(index: int) -> BlockResult:

@@ -3,7 +3,8 @@ pool (a mixin of TieredStore, store.py; the facade's public methods call these).
 
 Primitives:
     LocalTransfers._run / _run_chunks
-                      split a handle's blocks into one contiguous chunk per worker; a failure
+                      split a handle's blocks into one contiguous chunk per worker (at most a
+                      ``limit`` of chunks: memory copies gain nothing past the cores); a failure
                       (TierError or a bug) completes the block as an error, never hangs the handle.
     _store_one / _load_one / _promote_one / _demote_one / _copy_down_one
                       one block into host or disk, out of host else disk, disk -> host,
@@ -45,15 +46,16 @@ class LocalTransfers(BlockIndex):
         device.mark_ready(blocks)  # on the caller's thread: copies wait for its queued work
         return blocks
 
-    def _chunks(self, handle: TransferHandle) -> list[tuple[int, int]]:
-        """Contiguous [start, stop) runs of the handle's blocks, one per worker: a pool task per
-        block would cost more than a 1 MiB copy. Raises TierError once the store is closed."""
+    def _chunks(self, handle: TransferHandle, limit: int | None = None) -> list[tuple[int, int]]:
+        """Contiguous [start, stop) runs of the handle's blocks, one per worker (at most
+        ``limit``): a pool task per block would cost more than a 1 MiB copy. Raises TierError
+        once the store is closed."""
         if self._closed:
             raise TierError("the store is closed")
         count = len(handle.keys)
         if count == 0:
             return []
-        chunks = min(count, self._workers)
+        chunks = min(count, self._workers, limit or count)
         return list(itertools.pairwise(count * i // chunks for i in range(chunks + 1)))
 
     def _run(self, handle: TransferHandle, one: Callable[[int], BlockResult]) -> None:
@@ -72,7 +74,10 @@ class LocalTransfers(BlockIndex):
             self._pool.submit(run_chunk, start, stop)
 
     def _run_chunks(
-        self, handle: TransferHandle, chunk: Callable[[list[int]], dict[int, BlockResult]]
+        self,
+        handle: TransferHandle,
+        chunk: Callable[[list[int]], dict[int, BlockResult]],
+        limit: int | None = None,
     ) -> None:
         """Like ``_run``, for transfers that batch their blocks (the remote tier): ``chunk`` gets
         a contiguous run of indices and returns their results; a run it leaves out or fails is
@@ -91,10 +96,11 @@ class LocalTransfers(BlockIndex):
             else:
                 error = TierError("internal error: no result")
             for index in indices:
-                result = results.get(index)
-                handle._set(index, result or self._failed(handle.keys[index], error))
+                if index not in results:
+                    results[index] = self._failed(handle.keys[index], error)
+            handle._set_many(results)
 
-        for start, stop in self._chunks(handle):
+        for start, stop in self._chunks(handle, limit):
             self._pool.submit(run, start, stop)
 
     def _store_one(

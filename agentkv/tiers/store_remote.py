@@ -20,12 +20,12 @@ from agentkv.errors import ConfigError, CorruptBlockError, TierError
 from agentkv.tiers.buffers import BlockBuffer, Segments
 from agentkv.tiers.keys import BlockKey
 from agentkv.tiers.results import BlockResult, BlockStatus, Tier
+from agentkv.tiers.store_batched import BatchedTransfers
 from agentkv.tiers.store_index import StoredBlock
-from agentkv.tiers.store_local import LocalTransfers
 from agentkv.tiers.transfer import TransferHandle
 
 
-class RemoteTransfers(LocalTransfers):
+class RemoteTransfers(BatchedTransfers):
     """The remote tier's side of the store's transfers (batched: one round trip per batch)."""
 
     def _count_remote(self, results: Iterable[BlockResult], stored: bool) -> None:

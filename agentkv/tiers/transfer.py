@@ -3,6 +3,7 @@
 Primitives:
     TransferHandle   completion of one submitted transfer: ``done()`` polls without blocking;
                      ``result()`` waits and returns one BlockResult per key, in order;
+                     ``finished_at`` is when the last block completed (time.monotonic());
                      ``cancel()`` (loads) fences: once it returns, nothing more is written into
                      the caller's buffers; ``ok_prefix()`` counts the leading successes.
     HostRead         read-only views of pinned host blocks from ``TieredStore.acquire_host``;
@@ -12,6 +13,7 @@ Primitives:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,11 @@ class TransferHandle:
         self._cancelled = False
         self._writers = 0
         self._fence = threading.Condition()
+        # When the last block completed: a caller polling once per engine step times the copy
+        # with it, not with the poll that noticed it.
+        self.finished_at: float | None = None
         if not self.keys:
+            self.finished_at = time.monotonic()
             self._finished.set()
 
     def cancel(self) -> None:
@@ -88,12 +94,24 @@ class TransferHandle:
             count += 1
         return count
 
+    def _set_many(self, results: dict[int, BlockResult]) -> None:
+        """Set several blocks' results under one lock acquisition (a worker's share)."""
+        with self._lock:
+            for index, result in results.items():
+                if self._results[index] is None:
+                    self._remaining -= 1
+                self._results[index] = result
+            if self._remaining == 0 and not self._finished.is_set():
+                self.finished_at = time.monotonic()
+                self._finished.set()
+
     def _set(self, index: int, result: BlockResult) -> None:
         with self._lock:
             if self._results[index] is None:
                 self._remaining -= 1
             self._results[index] = result
-            if self._remaining == 0:
+            if self._remaining == 0 and not self._finished.is_set():
+                self.finished_at = time.monotonic()
                 self._finished.set()
 
 

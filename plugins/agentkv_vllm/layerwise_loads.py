@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from agentkv.manager.jobs import LoadJob, TransferKind, WorkerReport
+from agentkv.manager.jobs import LoadJob, TransferKind, TransferRef, WorkerReport
 from agentkv.tier import Tier
 from agentkv.tiers import HostRead, TieredStore
 from agentkv.tiers.keys import BlockKey
@@ -182,4 +182,7 @@ class LayerwiseLoads:
             self._done(job_id, ok=job_id not in failed)
         # Timed by the copier itself: the step's wall time includes the forward it overlaps,
         # and the online bandwidth estimate must not read that as a slow link.
-        self._report.transfers[(TransferKind.RELOAD, Tier.HOST, step.ref)] = (step.nbytes, seconds)
+        self._report.transfers[TransferRef(TransferKind.RELOAD, Tier.HOST, step.ref)] = (
+            step.nbytes,
+            seconds,
+        )

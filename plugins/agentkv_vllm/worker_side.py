@@ -50,7 +50,15 @@ import numpy as np
 
 from agentkv.errors import CorruptBlockError
 from agentkv.kv_identity import KVIdentity
-from agentkv.manager.jobs import LoadJob, MoveJob, MoveKind, StoreJob, TransferKind, WorkerReport
+from agentkv.manager.jobs import (
+    LoadJob,
+    MoveJob,
+    MoveKind,
+    StoreJob,
+    TransferKind,
+    TransferRef,
+    WorkerReport,
+)
 from agentkv.manager.recovery import prune_rank_files
 from agentkv.tier import Tier
 from agentkv.tiers import BlockResult, BlockStatus, TieredStore, TransferHandle
@@ -92,6 +100,10 @@ class _DelayedLoad:
         with self._lock:
             return None if self._handle is None else self._handle.result()
 
+    @property
+    def finished_at(self) -> float | None:
+        return None if self._handle is None else self._handle.finished_at
+
     def cancel(self) -> None:
         with self._lock:
             self._cancelled = True
@@ -101,18 +113,35 @@ class _DelayedLoad:
             handle.cancel()
 
 
+# How each tier move is reported: a fetch reloads from the remote tier, an upload offloads to
+# it; a promote lands in host, a demote on disk.
+_MOVE_REPORTS: dict[MoveKind, tuple[TransferKind, Tier]] = {
+    MoveKind.FETCH: (TransferKind.RELOAD, Tier.REMOTE),
+    MoveKind.UPLOAD: (TransferKind.OFFLOAD, Tier.REMOTE),
+    MoveKind.PROMOTE: (TransferKind.PROMOTE, Tier.HOST),
+    MoveKind.DEMOTE: (TransferKind.DEMOTE, Tier.DISK),
+}
+
+
 @dataclass
 class _Pending:
     handle: Any  # TransferHandle | _DelayedLoad
     started: float
     nbytes: int
     job_id: int
-    ref: tuple[str, str, str]
+    ref: TransferRef  # what the report says this transfer measured
     keys: list[bytes]
     load: LoadJob | None = None
     deadline: float = math.inf
     staged: StagedBlocks | None = None  # CUDA: the device staging this job copies to or from
     move: MoveKind | None = None  # a tier move (fetch/upload/promote/demote); None: store/load
+
+    def seconds(self, now: float) -> float:
+        """The transfer's own time: from its start (a delayed load's: after the delay) to its
+        last block (``now``, the poll that saw it, where the handle does not say)."""
+        started = getattr(self.handle, "started_at", None) or self.started
+        finished = getattr(self.handle, "finished_at", None) or now
+        return max(0.0, finished - started)
 
 
 @dataclass
@@ -263,7 +292,7 @@ class WorkerSide(LayerwiseLoads):
                     now,
                     len(keys) * self.views.block_bytes,
                     job.job_id,
-                    (TransferKind.OFFLOAD, job.tier, f"job-{job.job_id}"),
+                    TransferRef(TransferKind.OFFLOAD, job.tier, f"job-{job.job_id}"),
                     [b.key for b in job.blocks],
                     staged=staging,
                 )
@@ -293,14 +322,13 @@ class WorkerSide(LayerwiseLoads):
             log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
             self._done(move.job_id, ok=False)
             return
-        tier = {MoveKind.DEMOTE: Tier.DISK, MoveKind.UPLOAD: Tier.REMOTE}.get(kind, Tier.HOST)
         self._jobs.append(
             _Pending(
                 moving,
                 now,
                 len(keys) * self.views.block_bytes,
                 move.job_id,
-                (kind, tier, f"job-{move.job_id}"),
+                TransferRef(*_MOVE_REPORTS[kind], f"job-{move.job_id}"),
                 list(move.keys),
                 move=kind,
             )
@@ -340,7 +368,7 @@ class WorkerSide(LayerwiseLoads):
                 now,
                 len(keys) * self.views.block_bytes,
                 load.job_id,
-                (TransferKind.RELOAD, Tier.HOST, f"req-{load.req_id}"),
+                TransferRef(TransferKind.RELOAD, Tier.HOST, f"req-{load.req_id}"),
                 [b.key for b in load.blocks],
                 load=load,
                 deadline=now + self.settings.job_timeout_s,
@@ -440,10 +468,7 @@ class WorkerSide(LayerwiseLoads):
         got = len(results) - len(missing)
         if got:
             nbytes = got * (self.views.block_bytes if self.views is not None else 0)
-            self._report.transfers[(TransferKind.RELOAD, Tier.REMOTE, p.ref[2])] = (
-                nbytes,
-                now - p.started,
-            )
+            self._report.transfers[p.ref] = (nbytes, p.seconds(now))
 
     def _upload_done(self, p: _Pending, results: list[Any], now: float) -> None:
         """The remote tier failed, not the local copy: nothing local is lost (the remote client
@@ -451,10 +476,7 @@ class WorkerSide(LayerwiseLoads):
         self._done(p.job_id, all(r.ok for r in results))
         if any(r.ok for r in results):
             sent = p.nbytes * sum(r.ok for r in results) // len(results)
-            self._report.transfers[(TransferKind.OFFLOAD, Tier.REMOTE, p.ref[2])] = (
-                sent,
-                now - p.started,
-            )
+            self._report.transfers[p.ref] = (sent, p.seconds(now))
 
     def _job_done(self, p: _Pending, results: list[Any], now: float) -> None:
         """A store, promote or demote finished: its bad keys, its result and its timing."""
@@ -465,14 +487,14 @@ class WorkerSide(LayerwiseLoads):
         if not ok:
             log.warning(
                 "agentkv: %s job %d: %d/%d blocks failed (%s)",
-                p.ref[0],
+                p.move or p.ref.kind,
                 p.job_id,
                 sum(not r.ok for r in results),
                 len(results),
                 [str(r.error) for r in results if not r.ok][:1],
             )
         self._done(p.job_id, ok)
-        self._report.transfers[p.ref] = (p.nbytes, now - p.started)
+        self._report.transfers[p.ref] = (p.nbytes, p.seconds(now))
 
     def _load_done(self, p: _Pending, results: list[Any] | None, now: float) -> None:
         """A finished load: failed blocks go to ``load_error_block_ids`` (vLLM recomputes them),
@@ -497,9 +519,9 @@ class WorkerSide(LayerwiseLoads):
                 ok = False
                 self._load_errors.update(b.block_id for b in p.load.blocks)
         tier = Tier.DISK if any(r.tier == Tier.DISK for r in results) else Tier.HOST
-        self._report.transfers[(TransferKind.RELOAD, tier, f"req-{p.load.req_id}")] = (
+        self._report.transfers[p.ref._replace(tier=tier)] = (
             p.nbytes,
-            now - (getattr(p.handle, "started_at", None) or p.started),
+            p.seconds(now),
         )
         self._done(p.job_id, ok)
         self._recving_done.add(p.load.req_id)

@@ -54,7 +54,14 @@ def test_move_kinds_arrive_as_plain_strings_and_an_unknown_one_fails_its_job() -
     runs it as its MoveKind (a demote lands on disk and is reported under the enum's key); a
     kind it does not know fails that job and never raises into the engine."""
     torch = pytest.importorskip("torch")
-    from agentkv.manager.jobs import BlockTransfer, MoveJob, StepPlan, StoreJob, TransferKind
+    from agentkv.manager.jobs import (
+        BlockTransfer,
+        MoveJob,
+        StepPlan,
+        StoreJob,
+        TransferKind,
+        TransferRef,
+    )
     from agentkv.tier import Tier
     from agentkv_vllm.metadata import AgentKVStepMetadata
     from agentkv_vllm.settings import ConnectorSettings
@@ -89,4 +96,29 @@ def test_move_kinds_arrive_as_plain_strings_and_an_unknown_one_fails_its_job() -
         assert worker.store.stats().disk is not None and worker.store.stats().disk.blocks == 1
         assert ("demote", Tier.DISK, "job-2") in report.report.transfers
         assert (TransferKind.OFFLOAD, Tier.HOST, "job-1") in report.report.transfers
+        run(moves=[MoveJob(4, "promote", [b"k"])])
+        promoted = worker.take_report()
+        assert promoted is not None
+        assert list(promoted.report.transfers) == [
+            TransferRef(TransferKind.PROMOTE, Tier.HOST, "job-4")
+        ]
+        for ref in [*report.report.transfers, *promoted.report.transfers]:  # typed, not tuples
+            assert isinstance(ref, TransferRef) and isinstance(ref.kind, TransferKind), ref
+            assert isinstance(ref.tier, Tier), ref
         worker.shutdown()
+
+
+def test_a_transfer_is_timed_to_its_last_block_not_to_the_poll_that_saw_it() -> None:
+    from types import SimpleNamespace
+
+    from agentkv.manager.jobs import TransferKind, TransferRef
+    from agentkv.tier import Tier
+    from agentkv_vllm.worker_side import _Pending
+
+    ref = TransferRef(TransferKind.RELOAD, Tier.HOST, "req-a")
+    done = SimpleNamespace(finished_at=100.25, started_at=None)
+    assert _Pending(done, 100.0, 1, 1, ref, []).seconds(now=105.0) == pytest.approx(0.25)
+    delayed = SimpleNamespace(finished_at=103.5, started_at=103.0)  # the delay is not transfer
+    assert _Pending(delayed, 100.0, 1, 1, ref, []).seconds(now=105.0) == pytest.approx(0.5)
+    untimed = SimpleNamespace()  # a remote fetch's Future: the poll's clock is all there is
+    assert _Pending(untimed, 100.0, 1, 1, ref, []).seconds(now=105.0) == pytest.approx(5.0)
