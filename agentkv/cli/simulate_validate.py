@@ -164,11 +164,11 @@ def fit_builtin_cmd(
     reproduces MEASURED best (``agentkv.simulate.grid_fit``; docs/simulate.md, "The built-in
     calibration")."""
     from agentkv.errors import AgentKVError
+    from agentkv.policy import Writeback
     from agentkv.simulate.costs import BENCH_SMALL_CPU
     from agentkv.simulate.fleet import FleetConfig
     from agentkv.simulate.grid_fit import grid_fit
     from agentkv.simulate.validate import load_measured
-    from agentkv.policy import Writeback
     from agentkv_bench.workload import WorkloadConfig
 
     try:

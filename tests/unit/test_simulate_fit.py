@@ -105,10 +105,10 @@ def test_the_builtin_constants_are_the_grid_fit_to_the_readme_bench_run() -> Non
     # overhead are the grid point that reproduces the committed measured run best. A simulator
     # change that moves that optimum fails here until the constants are refitted.
     from agentkv.cli.simulate_workload import bench_workload
+    from agentkv.policy import Writeback
     from agentkv.simulate.fleet import FleetConfig
     from agentkv.simulate.grid_fit import FIT_METRICS, OVERHEAD_GRID, RATE_GRID, grid_fit
     from agentkv.simulate.validate import load_measured
-    from agentkv.policy import Writeback
     from agentkv_bench.workload import WorkloadConfig
 
     measured = load_measured(FIXTURES / "bench_agents_small_cpu.json")
