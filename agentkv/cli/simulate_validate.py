@@ -68,6 +68,17 @@ def calibrate_load(
     )
 
 
+def _show_table(as_json: bool) -> None:
+    """Every row, predicted vs measured, with the commit of its prediction."""
+    from agentkv.simulate import protocol
+
+    rows = protocol.table_rows()
+    if as_json:
+        typer.echo(json.dumps(rows))
+    else:
+        print_validation(rows)
+
+
 def validate_cmd(
     predict_row: str | None = typer.Option(
         None,
@@ -111,11 +122,7 @@ def validate_cmd(
     from agentkv_bench.workload import WorkloadConfig
 
     if predict_row is None:
-        rows = protocol.table_rows()
-        if as_json:
-            typer.echo(json.dumps(rows))
-            return
-        print_validation(rows)
+        _show_table(as_json)
         return
     if trace is None and (token_scale is not None or sessions is not None):
         fail(
