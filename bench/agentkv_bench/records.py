@@ -33,6 +33,11 @@ class RequestRecord:
     tier_hit_tokens: int | None = None
     tier: str | None = None
     prefetch: str | None = None  # agentkv's device prefetch of the pause before it
+    # The pause decision's write-back numbers (trace replay): the copy waits for the pool's
+    # eviction forecast only when that comes after the wait's p90 plus a margin.
+    writeback_deferred: bool | None = None
+    eviction_in_s: float | None = None
+    wait_p90_s: float | None = None
 
     @property
     def recomputed_tokens(self) -> int:

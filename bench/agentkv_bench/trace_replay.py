@@ -137,7 +137,7 @@ async def replay_session(
     sent_any = False
     try:
         for i, (rnd, rp) in enumerate(zip(session.rounds, prompts, strict=True)):
-            decision: str | None = None
+            decision: dict[str, Any] = {}
             wait = session.rounds[i - 1].wait_after_s if i else 0.0
             if i:
                 waiting = (trajectory_id, len(prompts[i - 1].context))
@@ -159,7 +159,10 @@ async def replay_session(
                 **asdict(s),  # the stream's TTFT, latency and token counts
                 planned_prefix=rp.from_history,
                 reusable_tokens=min(rp.from_history, len(prompts[i - 1].prompt) if i else 0),
-                decision=decision,
+                decision=str(decision["action"]) if "action" in decision else None,
+                writeback_deferred=_opt(decision, "writeback_deferred", bool),
+                eviction_in_s=_opt(decision, "eviction_in_s", float),
+                wait_p90_s=_opt(decision, "wait_p90_s", float),
             )
             rec.rounds.append(r)
             if on_round is not None:
@@ -186,15 +189,15 @@ async def _wait_between(
     wait: float,
     waiting: tuple[str, int],
     paused: dict[str, int] | None,
-) -> str | None:
+) -> dict[str, Any]:
     """The wait after a round: ``POST .../pause`` when ``routes`` (agentkv), sleep ``wait``
     seconds listed in ``paused`` (trajectory id -> context tokens), ``POST .../resume``.
-    Returns the pause decision's action (None without agentkv or without a decision)."""
-    decision: str | None = None
+    Returns the pause decision as the server answered it ({} without agentkv or a decision)."""
+    decision: dict[str, Any] = {}
     if routes is not None:
         reply = await _control(client, "POST", routes + "/pause", {"tool": TOOL, **hint})
         d = reply.get("decision")
-        decision = str(d.get("action")) if isinstance(d, dict) else None
+        decision = d if isinstance(d, dict) and "action" in d else {}
     if paused is not None:
         paused[waiting[0]] = waiting[1]
     await asyncio.sleep(wait)
@@ -203,6 +206,12 @@ async def _wait_between(
     if routes is not None:
         await _control(client, "POST", routes + "/resume", hint)
     return decision
+
+
+def _opt(decision: dict[str, Any], key: str, kind: type) -> Any:
+    """``decision[key]`` as ``kind``, or None when absent or null (a non-finite number)."""
+    v = decision.get(key)
+    return None if v is None else kind(v)
 
 
 def _attach_engine_stats(rounds: list[RoundRecord], stats: list[Any]) -> None:

@@ -46,7 +46,13 @@ class FakeServer:
             sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
             return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
         if path.endswith("/pause"):
-            return httpx.Response(200, json={"decision": {"action": "offload_host"}})
+            decision = {
+                "action": "offload_host",
+                "writeback_deferred": False,
+                "eviction_in_s": 4.5,
+                "wait_p90_s": 12.0,
+            }
+            return httpx.Response(200, json={"decision": decision})
         if path.endswith("/resume"):
             return httpx.Response(200, json={"state": "offloaded"})
         if request.method == "GET":
@@ -104,6 +110,9 @@ def test_agentkv_pauses_waits_resumes_then_reads_stats_and_deletes() -> None:
     r0, r1 = rec.rounds
     assert (r0.kind, r1.kind) == ("first", "resume")
     assert r1.wait_before_s == 0.01 and r1.decision == "offload_host"
+    # why the copy went out at the pause: the forecast eviction (4.5 s) before the wait's p90
+    assert (r1.writeback_deferred, r1.eviction_in_s, r1.wait_p90_s) == (False, 4.5, 12.0)
+    assert r0.writeback_deferred is None and r0.to_dict()["eviction_in_s"] is None
     assert (r1.prompt_tokens, r1.cached_tokens, r1.completion_tokens) == (343, 256, 2)
     assert (r1.tier_hit_tokens, r1.tier, r1.device_hit_tokens) == (256, "host", 0)
     assert r1.reusable_tokens == 300  # the previous prompt; its reply was never computed
@@ -119,6 +128,7 @@ def test_vanilla_and_oracle_send_only_plain_completions(mode: str) -> None:
     assert all("kv_transfer_params" not in body for _, _, body in server.calls)
     r1 = sessions[0].rounds[1]
     assert r1.decision is None and r1.tier_hit_tokens is None
+    assert r1.writeback_deferred is None and r1.wait_p90_s is None
 
 
 def test_unknown_mode_is_refused() -> None:
