@@ -106,13 +106,7 @@ class TransferHandle:
                 self._finished.set()
 
     def _set(self, index: int, result: BlockResult) -> None:
-        with self._lock:
-            if self._results[index] is None:
-                self._remaining -= 1
-            self._results[index] = result
-            if self._remaining == 0 and not self._finished.is_set():
-                self.finished_at = time.monotonic()
-                self._finished.set()
+        self._set_many({index: result})
 
 
 @dataclass(frozen=True, slots=True)
