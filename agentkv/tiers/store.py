@@ -65,8 +65,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from agentkv.errors import ConfigError, TierError
 from agentkv.tiers.buffers import BlockBuffer, ByteArray
 from agentkv.tiers.disk import BlockFiles
@@ -314,9 +312,9 @@ class TieredStore(RemoteTransfers):
             tier = Tier.DISK
         segments = self._segments(keys, buffers, writable=False)
         handle = TransferHandle(keys)
-        table = self._batch_table(segments) if tier == Tier.HOST else None
-        if table is not None:
-            ids = np.array([s.block_id for s in segments], np.int64)  # type: ignore[union-attr]
+        batch = self._batch_table(segments) if tier == Tier.HOST else None
+        if batch is not None:
+            table, ids = batch
             self._run_chunks(
                 handle,
                 lambda chunk: self._store_host_batch(handle, table, ids, chunk),
@@ -346,9 +344,9 @@ class TieredStore(RemoteTransfers):
         if self._remote is not None:
             self._run_chunks(handle, lambda indices: self._load_chunk(handle, segments, indices))
             return handle
-        table = self._batch_table(segments)
-        if table is not None:
-            ids = np.array([s.block_id for s in segments], np.int64)  # type: ignore[union-attr]
+        batch = self._batch_table(segments)
+        if batch is not None:
+            table, ids = batch
             self._run_chunks(
                 handle,
                 lambda chunk: self._load_host_batch(handle, table, ids, segments, chunk),

@@ -53,16 +53,20 @@ class BatchedTransfers(LocalTransfers):
     """Host-tier stores and loads of whole KV cache blocks, one native copy per worker share."""
 
     @staticmethod
-    def _batch_table(segments: Sequence[Segments]) -> BlockTable | None:
+    def _batch_table(segments: Sequence[Segments]) -> tuple[BlockTable, BlockIds] | None:
+        """The table every block belongs to and their cache block ids, or None (per block)."""
         first = segments[0] if segments else None
         if not isinstance(first, BlockRef) or not first.on_host:
             return None
         table = first.table
         if not table.copies_natively:
             return None
-        if any(not isinstance(s, BlockRef) or s.table is not table for s in segments):
-            return None
-        return table
+        ids: list[int] = []
+        for s in segments:
+            if not isinstance(s, BlockRef) or s.table is not table:
+                return None
+            ids.append(s.block_id)
+        return table, np.array(ids, np.int64)
 
     def _store_host_batch(
         self, handle: TransferHandle, table: BlockTable, ids: BlockIds, indices: list[int]
