@@ -117,9 +117,11 @@ class PolicyParams:
     """Upper bound on any lease, so a bad estimate cannot pin memory for hours."""
     writeback_horizon_s: float = 1.0
     """A deferred write-back is copied once eviction is forecast within this many seconds."""
-    writeback_margin_s: float = 2.0
-    """A host copy is deferred only when eviction is forecast at least this long after the
-    wait's p90 (the forecast is a rate; a burst can beat it)."""
+    writeback_margin: float = 0.5
+    """A host copy is deferred only while the eviction forecast, shortened by this fraction of
+    itself, still comes after the wait's p90. Relative, because the forecast is a rate whose
+    error grows with its horizon (a burst can beat it); an absolute margin (it was 2 s) made
+    every sub-second tool wait copy at once, and nobody read those copies."""
     device_prefetch_max_spread: float = 8.0
     """A device prefetch is issued only when the wait prediction's p90 / p10 is at most this
     (a declared wait gives 4; the cold-start prior 120): a wide spread would pin blocks long."""
@@ -188,11 +190,16 @@ def pressure_victims(
 
 def defer_writeback(wait_p90_s: float, eviction_in_s: float, params: PolicyParams) -> bool:
     """Whether a host write-back can wait: vLLM's cache keeps the unpinned blocks past the wait's
-    p90 plus ``writeback_margin_s`` (the forecast is a rate), so a copy now would never be read.
-    Contract: False for a NaN or unknown wait or forecast (copy now: the old, safe behaviour)."""
-    if math.isnan(wait_p90_s) or math.isnan(eviction_in_s) or math.isinf(wait_p90_s):
+    p90 even if eviction comes ``writeback_margin`` (a fraction) sooner than forecast, so a copy
+    now would never be read. The deferred-copy tick asks it again with the wait left (p90 minus
+    the time paused) and the forecast then, and copies once it says no.
+    Contract: False for a NaN, infinite or negative wait (a wait past its p90 is no longer
+    predicted) or a NaN forecast (copy now: the old, safe behaviour); an infinite forecast
+    (nothing is being written) defers; a margin of 1 or more never defers."""
+    if math.isnan(eviction_in_s) or not 0.0 <= wait_p90_s < math.inf:
         return False
-    return eviction_in_s > wait_p90_s + max(params.writeback_margin_s, 0.0)
+    keep = 1.0 - min(max(params.writeback_margin, 0.0), 1.0)
+    return keep > 0.0 and eviction_in_s * keep > wait_p90_s
 
 
 @dataclass(frozen=True)
@@ -299,8 +306,8 @@ def decide(
          and reloads faster than recompute;
       3. offload_host when host has room and reloads no slower than recompute; its copy deferred
          (``writeback_deferred``) when ``eviction_in_s`` (the pool's forecast of when a block
-         unpinned now is evicted; 0, the default: eviction now) is past the wait's p90 plus
-         ``params.writeback_margin_s`` (``defer_writeback``);
+         unpinned now is evicted; 0, the default: eviction now), shortened by
+         ``params.writeback_margin`` of itself, is past the wait's p90 (``defer_writeback``);
       4. offload_disk when disk has room and reloads no slower than recompute;
       5. drop otherwise.
     Unusable inputs never raise: a NaN/negative wait counts as unknown (no retain; offload if

@@ -506,7 +506,7 @@ class TrajectoryManager:
             elif t.kind in BRANCH_TIMERS:
                 self.transitions.fire(t.kind, t.ref[0], t.ref[1], now)
         self._check_pressure(now, queue_short)
-        self.writebacks.check()
+        self.writebacks.check(now)
         self.transitions.drain_doomed()
 
     def _check_pressure(self, now: float, queue_short: int = 0) -> None:

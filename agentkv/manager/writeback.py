@@ -5,8 +5,10 @@ Primitives:
   DeferredWritebacks.note    a branch's blocks just joined the tail of vLLM's free queue: the fill
                              count at which they are evicted goes on a heap
   DeferredWritebacks.check   each tick: queue the write-back of every branch whose eviction is
-                             forecast within ``PolicyParams.writeback_horizon_s`` (all of them
-                             when the queue is blocked or pool use is over high water)
+                             forecast within ``PolicyParams.writeback_horizon_s``, unless its
+                             resume is still predicted first (``policy.defer_writeback`` on the
+                             wait's p90 left: copies nobody reads are the cost this avoids); all
+                             of them when the queue is blocked or pool use is over high water
 
 Why a heap keyed by fill count: vLLM's free queue is LRU, so a branch cached when the pool had
 written F blocks, with A free blocks ahead of it, is evicted about when the pool has written F + A.
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from typing import TYPE_CHECKING
 
 from agentkv.manager.state import Branch, BranchState, Trajectory
+from agentkv.policy import defer_writeback
 from agentkv.tier import Tier
 
 if TYPE_CHECKING:
@@ -51,25 +55,37 @@ class DeferredWritebacks:
             self.heap = [e for e in self.heap if _live(e)]
             heapq.heapify(self.heap)
 
-    def check(self) -> None:
+    def check(self, now: float) -> None:
         if not self.heap:
             return
         m = self.m
         trend = m.pool_trend
         everything = m.admission.blocked or m.pins.pressure() > m.config.high_water
         horizon = m.policy.writeback_horizon_s
+        kept: list[tuple[float, int, Trajectory, Branch, int]] = []
         while self.heap:
             entry = self.heap[0]
             live = _live(entry)
-            if (
-                live
-                and not everything
-                and trend.seconds_to_write(entry[0] - trend.filled_total) > horizon
-            ):
+            evicted_in = trend.seconds_to_write(entry[0] - trend.filled_total)
+            if live and not everything and evicted_in > horizon:
                 break
             heapq.heappop(self.heap)
-            if live:
+            if not live:
+                continue
+            if not everything and defer_writeback(_wait_left(entry[3], now), evicted_in, m.policy):
+                kept.append(entry)  # due soon, but its resume is predicted sooner still
+            else:
                 m.pins.queue_writeback((entry[2], entry[3], Tier.HOST))
+        for entry in kept:
+            heapq.heappush(self.heap, entry)
+
+
+def _wait_left(branch: Branch, now: float) -> float:
+    """The pause's wait p90 minus the time paused so far (NaN without a prediction)."""
+    est = branch.estimate
+    if est is None or branch.paused_at is None:
+        return math.nan
+    return branch.paused_at + est.p90 - now
 
 
 def _live(entry: tuple[float, int, Trajectory, Branch, int]) -> bool:

@@ -26,6 +26,7 @@ A fork's branches share the trajectory's history blocks (forks.py).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -518,7 +519,8 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
                 self._check_high_water()
         elif plan.action == "offload_host" and self.host is not None:
             if plan.deferred:
-                self._defer_writeback(tid)
+                est = plan.estimate
+                self._defer_writeback(tid, est.p90 if est is not None else math.nan)
             elif self.host.store(tid, blocks, now) is not None:
                 self._arm_device_prefetch(tid, plan, blocks)
                 if self.remote is not None:

@@ -11,8 +11,9 @@ Primitives:
                                  eviction is now due (``_check_writebacks``)
     _eviction_forecast()         what ``policy.decide`` gets as ``eviction_in_s`` at a pause
                                  (0 in EAGER mode: every copy is made at once)
-    _defer_writeback(tid, n)     an offload_host decision with ``writeback_deferred``: the
-                                 blocks stay in vLLM's cache (the LRU), no copy yet
+    _defer_writeback(tid, p90)   an offload_host decision with ``writeback_deferred``: the
+                                 blocks stay in vLLM's cache (the LRU), no copy yet; ``p90``:
+                                 the pause's wait p90 (its resume is predicted by then)
     _writeback_cancel(tid)       the trajectory's next turn was scheduled (or it ended) first:
                                  while that turn waits in the queue the copy can still be due
     _before_evict(need)          the pool is about to evict ``need`` blocks at once: replay the
@@ -23,7 +24,8 @@ Primitives:
 The manager's own rule, on the simulated pool (``agentkv.manager.writeback``): a deferred
 trajectory's eviction is forecast at the pool's fill count when it was paused plus the free
 blocks ahead of it (vLLM's free queue is LRU); its copy is made once the trend says that count
-is within ``PolicyParams.writeback_horizon_s`` of writing, or at once when the waiting queue is
+is within ``PolicyParams.writeback_horizon_s`` of writing and its resume is not predicted first
+(``policy.defer_writeback`` on the wait's p90 left), or at once when the waiting queue is
 short of blocks or pool use is above the policy's high water. A burst that writes faster than
 the trend forecast (one large prompt admitted at once) evicts the blocks before the copy: the
 leading blocks that survive are copied, the rest are lost (``lost_blocks``; a trajectory with
@@ -44,13 +46,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import Counter
 from dataclasses import replace
 from typing import Any
 
 from agentkv.admission import Admission as AdmissionPicture
 from agentkv.admission import PoolTrend
-from agentkv.policy import PolicyParams, Writeback
+from agentkv.policy import PolicyParams, Writeback, defer_writeback
 
 
 class WritebackMixin:
@@ -73,6 +76,8 @@ class WritebackMixin:
         )
         self._wb_token: dict[str, int] = {}
         self._wb_due: dict[str, float] = {}
+        self._wb_resume_by: dict[str, float] = {}
+        """When each deferred trajectory's resume is predicted by (pause + the wait's p90)."""
         if self._wb_on:
             self.pool.before_evict = self._before_evict
         self._wb_heap: list[tuple[float, int, str]] = []
@@ -105,9 +110,10 @@ class WritebackMixin:
             return 0.0
         return self.trend.seconds_to_eviction(self._picture())
 
-    def _defer_writeback(self, tid: str) -> None:
+    def _defer_writeback(self, tid: str, wait_p90_s: float) -> None:
         token = next(self._wb_seq)
         self._wb_token[tid] = token
+        self._wb_resume_by[tid] = self.env.now + wait_p90_s
         pic = self._picture()
         own = self.pool.lru.get(tid, 0)
         ahead = 0
@@ -121,6 +127,12 @@ class WritebackMixin:
     def _writeback_cancel(self, tid: str) -> None:
         self._wb_token.pop(tid, None)
         self._wb_due.pop(tid, None)
+        self._wb_resume_by.pop(tid, None)
+
+    def _resume_first(self, tid: str, now: float, evicted_in: float, params: PolicyParams) -> bool:
+        """The manager's tick rule: the copy can still wait (the resume is predicted first)."""
+        left = self._wb_resume_by.get(tid, math.nan) - now
+        return defer_writeback(left, evicted_in, params)
 
     def _check_writebacks(self) -> None:
         heap = self._wb_heap
@@ -128,24 +140,30 @@ class WritebackMixin:
         high_water = self.policy.high_water or 1.0
         everything = self._picture().blocked or self.pool.usage() > high_water
         params: PolicyParams = getattr(self.policy, "params", PolicyParams())
+        now = self.env.now
+        kept: list[tuple[float, int, str]] = []
         while heap:
             due, token, tid = heap[0]
             live = self._wb_token.get(tid) == token
-            if (
-                live
-                and not everything
-                and trend.seconds_to_write(due - trend.filled_total) > params.writeback_horizon_s
-            ):
+            evicted_in = trend.seconds_to_write(due - trend.filled_total)
+            if live and not everything and evicted_in > params.writeback_horizon_s:
                 break
             heapq.heappop(heap)
-            if live:
+            if not live:
+                continue
+            if not everything and self._resume_first(tid, now, evicted_in, params):
+                kept.append((due, token, tid))
+            else:
                 self._write_back(tid)
+        for entry in kept:
+            heapq.heappush(heap, entry)
 
     def _write_back(self, tid: str, saved: int | None = None) -> None:
         """Copy what vLLM still caches of the trajectory (a prefix of its context), or its
         first ``saved`` blocks (the rest is being overwritten)."""
         del self._wb_token[tid]
         self._wb_due.pop(tid, None)
+        self._wb_resume_by.pop(tid, None)
         pool = self.pool
         want = self.copy_blocks.get(tid, 0)
         have = min(want, pool.private.get(tid, 0)) if tid in pool.lru else 0
@@ -186,14 +204,17 @@ class WritebackMixin:
         c = self.costs
         per_step = max(1, c.max_batched_tokens // c.block_tokens)
         dt = c.step_s(c.prefill_s(c.max_batched_tokens, 0))
-        horizon = getattr(self.policy, "params", PolicyParams()).writeback_horizon_s
+        params: PolicyParams = getattr(self.policy, "params", PolicyParams())
         trend = replace(self.trend)
         due = self._wb_due[tid]
         now = self.env.now
         free = self.pool.empty + self.pool.cached_free
         written = 0
         while written < start + n:
-            if trend.seconds_to_write(due - trend.filled_total) <= horizon:
+            evicted_in = trend.seconds_to_write(due - trend.filled_total)
+            if evicted_in <= params.writeback_horizon_s and not self._resume_first(
+                tid, now, evicted_in, params
+            ):
                 return n - max(0, written - start)
             now += dt
             written += per_step

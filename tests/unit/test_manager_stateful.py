@@ -157,7 +157,7 @@ class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedSta
             self.pool,
             key_of=key_of,
             costs=self.costs,
-            policy=PolicyParams(disk_after_s=100.0, max_lease_s=60.0, writeback_margin_s=0.0),
+            policy=PolicyParams(disk_after_s=100.0, max_lease_s=60.0, writeback_margin=0.0),
             clock=self.clock,
         )
         self._configure(self.mgr)

@@ -65,12 +65,15 @@ def test_a_forecast_that_counted_reused_blocks_is_late_and_loses_the_rest() -> N
     a; 2 fresh blocks were written. When b's 86 blocks come, 72 empty blocks are really ahead
     of a, the forecast still says 78: the tick before the sixth chunk (80 written) is the
     first to find it due, after 8 of a's 15 blocks were overwritten. 7 are copied, 8 lost;
-    b evicts 14 of a's, so a's resume finds 1 on the device and 6 on host (eager: 14)."""
+    b evicts 14 of a's, so a's resume finds 1 on the device and 6 on host (eager: 14).
+    a declares 15 s (p90 30 s): with _A's 30 s (p90 60 s) its forecast, c's prefill rate over
+    80 blocks, is less than twice the p90 and the copy is made at the pause."""
     c = (SimTurn(0, 1000, 16), SimTurn(1016, 100, 16, 6.0, "t", 6.0))
+    a = (_A[0], replace(_A[1], expected_wait_s=15.0))
     wl = SimWorkload(
         (
             SimTrajectory("c", 0.0, c),
-            SimTrajectory("a", 1.0, _A),
+            SimTrajectory("a", 1.0, a),
             SimTrajectory("b", 20.0, (SimTurn(0, 11000, 8),)),
         )
     )

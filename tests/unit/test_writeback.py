@@ -11,7 +11,7 @@ import pytest
 from agentkv.admission import Admission, PoolTrend
 from agentkv.costs import CostModel
 from agentkv.manager import BranchState, DemotedBy
-from agentkv.policy import Action, PolicyParams, Writeback, decide
+from agentkv.policy import Action, PolicyParams, Writeback, decide, defer_writeback
 from tests.unit.manager_helpers import assert_answers, counted
 from tests.unit.sim_engine import Rig, key_of, make_rig
 
@@ -39,12 +39,29 @@ def test_a_roomy_pool_defers_the_host_copy_and_says_why() -> None:
     assert d.prefetch_at_s is None  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("eviction_in_s", [0.0, 10.0, 31.9, math.nan, -1.0])
+@pytest.mark.parametrize("eviction_in_s", [0.0, 10.0, 59.9, math.nan, -1.0])
 def test_eviction_forecast_before_the_resume_copies_now(eviction_in_s: float) -> None:
-    # Wait p90 30 s + the 2 s write-back margin: eviction forecast before 32 s copies now.
+    # Wait p90 30 s, margin half the forecast: eviction forecast before 60 s copies now.
     d = _decide(eviction_in_s)
     assert d.action is Action.OFFLOAD_HOST and not d.writeback_deferred  # type: ignore[attr-defined]
     assert "write-back copy to host" in d.rationale  # type: ignore[attr-defined]
+
+
+def test_the_margin_is_a_fraction_of_the_forecast_not_seconds() -> None:
+    # The 128-block trace replay: wait p90 0.52 s, eviction forecast 1.16 s. The old 2 s margin
+    # copied every such pause, and nobody read the copies.
+    half = PolicyParams()
+    assert half.writeback_margin == 0.5
+    assert defer_writeback(0.52, 1.16, half)
+    assert not defer_writeback(0.52, 1.04, half)  # half of 1.04 s is before the p90
+    none = PolicyParams(writeback_margin=0.0)
+    assert defer_writeback(0.52, 0.53, none) and not defer_writeback(0.52, 0.52, none)
+    assert defer_writeback(30.0, math.inf, half)  # nothing is being written
+    assert not defer_writeback(0.0, math.inf, PolicyParams(writeback_margin=1.0))
+    assert not defer_writeback(-0.01, 5.0, half)  # the wait outlived its p90: copy
+    assert not defer_writeback(math.nan, 5.0, half) and not defer_writeback(0.5, math.nan, half)
+    assert _decide(61.0).writeback_deferred  # type: ignore[attr-defined]
+    assert not _decide(59.0).writeback_deferred  # type: ignore[attr-defined]
 
 
 def test_a_blocked_queue_or_an_unknown_wait_copies_now() -> None:
@@ -161,6 +178,43 @@ def test_a_filling_pool_forecasts_eviction_and_copies() -> None:
     # before the ~32 blocks ahead of the branch's in vLLM's free queue are written over.
     stored = [step_of_traffic(3) for _ in range(8)]
     assert [4] in stored and rig.mgr.eviction_forecast() <= 1.5
+    rig.settle()
+    assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
+    assert rig.eng.violations == []
+    assert counted(rig) == {
+        "store_blocks": 4,
+        "stores": 1,
+        "writebacks_deferred": 1,
+        "writebacks_deferred_copied": 1,
+    }
+
+
+def test_a_copy_due_soon_waits_for_a_resume_predicted_sooner_then_goes() -> None:
+    rig = _rig()
+    _paused(rig, wait=0.3)  # declared 0.3 s: p90 0.6 s
+    rig.settle()
+    p90 = _branch(rig).estimate.p90
+    assert p90 == pytest.approx(0.6) and _branch(rig).state is BranchState.CACHED
+    horizon = rig.mgr.policy.writeback_horizon_s
+    held_in_horizon = 0
+    copied_at: float | None = None
+    paused_for = 0.0
+    while copied_at is None and paused_for < 1.5:
+        rig.clock.advance(0.1)
+        paused_for += 0.1
+        assert rig.eng.spike(4)  # 4 blocks a step of other traffic (40/s), freed again
+        rig.eng.release_spike()
+        stored = [len(job.blocks) for job in rig.eng.step().stores]
+        if stored:
+            assert stored == [4]
+            copied_at = paused_for
+        else:
+            trend, due = rig.mgr.pool_trend, rig.mgr.writebacks.heap[0][0]
+            # The old rule copied once the branch's own eviction was due within the horizon.
+            held_in_horizon += trend.seconds_to_write(due - trend.filled_total) <= horizon
+    # Held while the resume was predicted first, copied at the first tick past the p90, in time.
+    assert held_in_horizon >= 2
+    assert copied_at is not None and p90 - 1e-9 <= copied_at <= p90 + 0.15
     rig.settle()
     assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
     assert rig.eng.violations == []
