@@ -198,7 +198,12 @@ def test_cli_repeats_makes_one_pool_a_sweep(
         got.append((list(pools), repeats))
         return {"pools": [], "repeats": repeats}
 
+    def no_single_run(opts: BenchOptions, progress: Any = None) -> dict[str, Any]:
+        # Without the sweep the command would start real servers: fail at once instead.
+        raise AssertionError("--repeats 2 ran a single-pool bench, not a sweep")
+
     monkeypatch.setattr(sweep_runner, "run_agents_sweep", fake_sweep)
+    monkeypatch.setattr(runner, "run_bench", no_single_run)
     args = ["bench", "agents", "--quick", "--repeats", "2", "--out", str(tmp_path), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
