@@ -189,7 +189,7 @@ def _synthetic(
 
         sweep = run_or_fail(
             lambda on_progress: run_agents_sweep(
-                opts, pools or [opts.num_blocks], on_progress, repeats
+                opts, pools or [opts.num_blocks], on_progress, repeats=repeats
             )
         )
         _show_sweep(sweep, out, as_json)
@@ -299,7 +299,9 @@ def _trace(
             sizes = list(pools) if pools else [plan(opts)[2].num_blocks]
         except AgentKVError as exc:
             fail(str(exc))
-        sweep = run_or_fail(lambda on_progress: run_trace_sweep(opts, sizes, on_progress, repeats))
+        sweep = run_or_fail(
+            lambda on_progress: run_trace_sweep(opts, sizes, on_progress, repeats=repeats)
+        )
         _show_sweep(sweep, out, as_json)
         return
     report = run_or_fail(lambda on_progress: run_trace_bench(opts, on_progress))

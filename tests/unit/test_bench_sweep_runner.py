@@ -185,8 +185,15 @@ def test_trace_sweep_repeats_run_the_oracle_and_fit_each_bound_once(
         sweep_runner.run_trace_sweep(opts, [64], repeats=0)
 
 
+TINY_TRACE = """session_id,arrival_time,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms
+a,0,0,0,1000,4,3000
+a,0,1,1004,60,4,0
+"""
+
+
+@pytest.mark.parametrize("trace", [False, True])
 def test_cli_repeats_makes_one_pool_a_sweep(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, trace: bool
 ) -> None:
     from typer.testing import CliRunner
 
@@ -194,18 +201,23 @@ def test_cli_repeats_makes_one_pool_a_sweep(
 
     got: list[tuple[list[int], int]] = []
 
-    def fake_sweep(opts: BenchOptions, pools: Any, progress: Any, repeats: int) -> dict:
+    def fake_sweep(opts: Any, pools: Any, progress: Any, repeats: int = 1) -> dict:
         got.append((list(pools), repeats))
         return {"pools": [], "repeats": repeats}
 
-    def no_single_run(opts: BenchOptions, progress: Any = None) -> dict[str, Any]:
+    def no_single_run(opts: Any, progress: Any = None) -> dict[str, Any]:
         # Without the sweep the command would start real servers: fail at once instead.
         raise AssertionError("--repeats 2 ran a single-pool bench, not a sweep")
 
     monkeypatch.setattr(sweep_runner, "run_agents_sweep", fake_sweep)
+    monkeypatch.setattr(sweep_runner, "run_trace_sweep", fake_sweep)
     monkeypatch.setattr(runner, "run_bench", no_single_run)
-    args = ["bench", "agents", "--quick", "--repeats", "2", "--out", str(tmp_path), "--json"]
-    result = CliRunner().invoke(app, args)
+    monkeypatch.setattr(trace_runner, "run_trace_bench", no_single_run)
+    args = ["bench", "agents", "--quick", "--num-blocks", "48", "--repeats", "2"]
+    if trace:
+        (tmp_path / "t.csv").write_text(TINY_TRACE)
+        args += ["--trace", str(tmp_path / "t.csv")]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "out"), "--json"])
     assert result.exit_code == 0, result.output
     assert got == [([48], 2)]
 
