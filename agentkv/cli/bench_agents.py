@@ -60,8 +60,7 @@ def agents(
     (KV load per tier, prefill, queueing) next to a raw memcpy of the same bytes. Example:
     agentkv bench agents --trace multi_session_large.csv --token-scale 0.5 --num-blocks 160
 
-    --configs, a list of --num-blocks or --repeats N make it a sweep (sweep.md): every
-    configuration at every pool size, N times each in alternating order, medians reported.
+    --configs, several --num-blocks or --repeats N > 1 make the run a sweep (sweep.md).
     """
     if trace is not None:
         _reject_generator_flags(
