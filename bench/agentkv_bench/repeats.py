@@ -5,6 +5,7 @@ Primitives:
   run_order(configs, repeat) -> tuple      repeat 0, 2, 4, ... as given, 1, 3, ... reversed (ABBA)
   repeat_label(pool, repeat, repeats)      the progress prefix: "[pool 48, repeat 2/3] "
   validate_repeats(n) -> n                 ValueError unless an integer >= 1
+  numbers(values) -> list                  the ints and floats among ``values`` (no None, no bool)
   median(values) -> float | int | None     of the numbers among ``values`` (None, missing skipped)
   Merged / merge(repeats, keys)            per configuration the median of each metric, every
                                            repeat's raw value, the pause decisions summed
@@ -45,19 +46,22 @@ def repeat_label(pool: int, repeat: int, repeats: int) -> str:
 
 
 def validate_repeats(repeats: int) -> int:
+    """``repeats`` when it is an integer >= 1 (the runners' own check; the CLI's is typer's)."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"--repeats must be an integer >= 1, got {repeats!r}")
     return repeats
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def numbers(values: Sequence[Any]) -> list[float | int]:
+    """The measurements among ``values``: ints and floats (None, a missing value or a flag is
+    not one)."""
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
 def median(values: Sequence[Any]) -> float | int | None:
     """The median of the numbers among ``values`` (the mean of the middle two for an even
     count); None when there is none. A repeat that lacks a metric does not count as zero."""
-    nums = [v for v in values if _number(v)]
+    nums = numbers(values)
     return statistics.median(nums) if nums else None
 
 
@@ -75,7 +79,7 @@ def _decisions_sum(reps: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     total: dict[str, int] = {}
     for s in reps:
         for k, v in (s.get("decisions") or {}).items():
-            if _number(v):
+            if numbers([v]):
                 total[k] = total.get(k, 0) + int(v)
     return total
 

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from agentkv_bench.matrix import FIXED_POLICIES, BenchConfig
-from agentkv_bench.repeats import RepeatSummaries, merge
+from agentkv_bench.repeats import RepeatSummaries, merge, numbers
 
 SCHEMA = "agentkv-bench-sweep/1"
 FIXED_NAMES: tuple[str, ...] = tuple(str(c) for c in FIXED_POLICIES)
@@ -303,7 +303,7 @@ def _cell(sec: Mapping[str, Any], name: str, key: str, unit: str) -> str:
     if not reps:
         return text
     raw = reps["values"].get(name, {}).get(key) or []
-    nums = [float(v) for v in raw if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    nums = numbers(raw)
     if not nums:
         return text
     spread = f"{_fmt(min(nums), unit)}-{_fmt(max(nums), unit)}"
