@@ -35,6 +35,7 @@ def agents(
     fork_prob: options.ForkProb = None,
     num_blocks: options.NumBlocks = None,
     configs: options.Configs = None,
+    repeats: options.Repeats = 1,
     host_capacity_gib: options.HostCapacityGib = 2.0,
     disk: options.Disk = False,
     prefetch: options.Prefetch = True,
@@ -58,6 +59,8 @@ def agents(
     agentkv/oracle for resume TTFT and job completion time, and takes each resume stall apart
     (KV load per tier, prefill, queueing) next to a raw memcpy of the same bytes. Example:
     agentkv bench agents --trace multi_session_large.csv --token-scale 0.5 --num-blocks 160
+
+    --configs, several --num-blocks or --repeats N > 1 make the run a sweep (sweep.md).
     """
     if trace is not None:
         _reject_generator_flags(
@@ -66,6 +69,7 @@ def agents(
         _trace(
             trace,
             configs=configs,
+            repeats=repeats,
             token_scale=token_scale,
             time_scale=1.0 if time_scale is None else time_scale,
             sessions=sessions,
@@ -89,6 +93,7 @@ def agents(
         fork_prob=fork_prob,
         num_blocks=num_blocks,
         configs=configs,
+        repeats=repeats,
         host_capacity_gib=host_capacity_gib,
         out=out or Path("bench/results/agents"),
         quick=quick,
@@ -136,9 +141,10 @@ def _synthetic(
     as_json: bool,
     disk: bool = False,
     prefetch: bool = True,
+    repeats: int = 1,
 ) -> None:
-    """The generated workload: one run of every configuration, or a sweep (pool sizes or an
-    explicit --configs list)."""
+    """The generated workload: one run of every configuration, or a sweep (pool sizes, an
+    explicit --configs list, or --repeats)."""
     from agentkv_bench.matrix import BenchConfig
 
     config_list, pools = _matrix(configs, num_blocks)
@@ -177,11 +183,13 @@ def _synthetic(
     opts.max_model_len = min(4096 if quick else 16384, (min(pools or [opts.num_blocks]) - 1) * 128)
     if quick and opts.overhead is not None:
         opts.overhead = OverheadSpec(num_prompts=8, input_len=256, output_len=16, num_warmups=1)
-    if config_list is not None or len(pools or ()) > 1:
+    if config_list is not None or len(pools or ()) > 1 or repeats > 1:
         from agentkv_bench.sweep_runner import run_agents_sweep
 
         sweep = run_or_fail(
-            lambda on_progress: run_agents_sweep(opts, pools or [opts.num_blocks], on_progress)
+            lambda on_progress: run_agents_sweep(
+                opts, pools or [opts.num_blocks], on_progress, repeats=repeats
+            )
         )
         _show_sweep(sweep, out, as_json)
         return
@@ -239,9 +247,8 @@ def _show_sweep(sweep: dict[str, Any], out: Path, as_json: bool) -> None:
     from rich.markdown import Markdown
 
     Console().print(Markdown((out / "sweep.md").read_text()))
-    print_paths(
-        f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}; each pool size's report: {out}/pool-*/"
-    )
+    each = f"{out}/pool-*/rep-*/" if sweep.get("repeats") else f"{out}/pool-*/"
+    print_paths(f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}; each pool size's report: {each}")
 
 
 def _trace(
@@ -260,6 +267,7 @@ def _trace(
     command: str,
     disk: bool = False,
     prefetch: bool = True,
+    repeats: int = 1,
 ) -> None:
     from rich.console import Console
 
@@ -283,14 +291,16 @@ def _trace(
     )
     if config_list is not None:
         opts.configs = tuple(c.value for c in config_list)
-    if config_list is not None or len(pools or ()) > 1:
+    if config_list is not None or len(pools or ()) > 1 or repeats > 1:
         from agentkv_bench.sweep_runner import run_trace_sweep
 
         try:
             sizes = list(pools) if pools else [plan(opts)[2].num_blocks]
         except AgentKVError as exc:
             fail(str(exc))
-        sweep = run_or_fail(lambda on_progress: run_trace_sweep(opts, sizes, on_progress))
+        sweep = run_or_fail(
+            lambda on_progress: run_trace_sweep(opts, sizes, on_progress, repeats=repeats)
+        )
         _show_sweep(sweep, out, as_json)
         return
     report = run_or_fail(lambda on_progress: run_trace_bench(opts, on_progress))

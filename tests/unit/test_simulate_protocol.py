@@ -89,8 +89,10 @@ def test_a_trace_rows_command_runs_vanilla_and_agentkv_where_the_table_reads_it(
     assert pred["row"]["sessions"] == 2
     seen: dict[str, object] = {}
 
-    def fake_sweep(opts: object, sizes: list[int], progress: object) -> dict[str, object]:
-        seen.update(opts=opts, sizes=sizes)
+    def fake_sweep(
+        opts: object, sizes: list[int], progress: object, repeats: int = 1
+    ) -> dict[str, object]:
+        seen.update(opts=opts, sizes=sizes, repeats=repeats)
         return {}
 
     monkeypatch.setattr(sweep_runner, "run_trace_sweep", fake_sweep)
@@ -102,7 +104,7 @@ def test_a_trace_rows_command_runs_vanilla_and_agentkv_where_the_table_reads_it(
     assert out.exit_code == 0, out.output
     opts = seen["opts"]
     assert opts.configs == ("vanilla", "agentkv") and opts.sessions == 2  # type: ignore[attr-defined]
-    assert seen["sizes"] == [12]
+    assert seen["sizes"] == [12] and seen["repeats"] == 1
     written = opts.out / "pool-12" / "report.json"  # type: ignore[attr-defined]
     assert str(written) == pred["measured_report"]
 
