@@ -322,7 +322,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
             r.alloc = alloc
             self._fork_admitted(r)
             # Scheduled: the manager sees the resume now (a deferred copy was due until then).
-            self._writeback_cancel(r.tid)
+            self._writeback_resumed(r.tid, priv)
             hit = (pre + priv) * self.bt
             r.computed = hit + tier_n * self.bt
             if not r.preempted:

@@ -14,6 +14,8 @@ Primitives:
     _defer_writeback(tid, p90)   an offload_host decision with ``writeback_deferred``: the
                                  blocks stay in vLLM's cache (the LRU), no copy yet; ``p90``:
                                  the pause's wait p90 (its resume is predicted by then)
+    _writeback_resumed(tid, n)   its next turn was admitted, hitting n of its blocks: the
+                                 trajectories ahead of it keep their place (the manager's rule)
     _writeback_cancel(tid)       the trajectory's next turn was scheduled (or it ended) first:
                                  while that turn waits in the queue the copy can still be due
     _before_evict(need)          the pool is about to evict ``need`` blocks at once: replay the
@@ -128,6 +130,23 @@ class WritebackMixin:
         self._wb_token.pop(tid, None)
         self._wb_due.pop(tid, None)
         self._wb_resume_by.pop(tid, None)
+
+    def _writeback_resumed(self, tid: str, hit_blocks: int) -> None:
+        """The trajectory's next turn was admitted, hitting ``hit_blocks`` of its own blocks: as
+        the manager does (``agentkv.manager.writeback``), the deferred trajectories ahead of it
+        in the LRU keep their place."""
+        due = self._wb_due.get(tid)
+        self._writeback_cancel(tid)
+        if due is None or hit_blocks <= 0:
+            return
+        heap = self._wb_heap
+        for i, (d, token, other) in enumerate(heap):
+            if d < due:
+                heap[i] = (d + hit_blocks, token, other)
+        heapq.heapify(heap)
+        for other, d in self._wb_due.items():
+            if d < due:
+                self._wb_due[other] = d + hit_blocks
 
     def _resume_first(self, tid: str, now: float, evicted_in: float, params: PolicyParams) -> bool:
         """The manager's tick rule: the copy can still wait (the resume is predicted first)."""

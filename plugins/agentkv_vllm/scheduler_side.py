@@ -496,7 +496,9 @@ class SchedulerSide(ControlOps):
         # a freed block closer to eviction as surely as new KV does. Without them the forecast
         # ran late and deferred write-backs lost contexts (issue 26; the simulator found it).
         # Counting hits that running requests already held overstates the fill: the forecast
-        # errs early, towards a copy nobody reads, never towards a lost context.
+        # errs early, towards a copy nobody reads, never towards a lost context. A deferred
+        # context's own resume moves only what is queued behind it: the manager keeps the
+        # deferred contexts ahead of it in place (DeferredWritebacks._resumed).
         self._step_hit_blocks = sum(
             int(getattr(r, "num_computed_tokens", 0) or 0) // max(1, self.block_size)
             for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ()

@@ -215,3 +215,22 @@ def test_the_bench_adapter_forks_as_the_bench_harness_does() -> None:
     # No forks asked for: the plan is the one without forks (no extra draws).
     plain = bench_workload(WorkloadConfig(trajectories=2, turns=3), token_scale=1.0)
     assert all(not u.branches for t in plain.trajectories for u in t.turns)
+
+
+def test_a_resume_keeps_the_deferred_contexts_ahead_of_it_in_place() -> None:
+    """The manager's rule (agentkv.manager.writeback), on the simulator's books: b resumes
+    with 4 of its blocks hit; a, ahead of it in the LRU, keeps its distance to eviction (its
+    due moves with the fill the hit adds), c behind it moves up."""
+    from agentkv.simulate.writeback import WritebackMixin
+
+    w = WritebackMixin()
+    w._wb_due = {"a": 10.0, "b": 20.0, "c": 30.0}
+    w._wb_token = {"a": 1, "b": 2, "c": 3}
+    w._wb_resume_by = {}
+    w._wb_heap = [(10.0, 1, "a"), (20.0, 2, "b"), (30.0, 3, "c")]
+    w._writeback_resumed("b", 4)
+    assert w._wb_due == {"a": 14.0, "c": 30.0}
+    assert sorted(w._wb_heap) == [(14.0, 1, "a"), (20.0, 2, "b"), (30.0, 3, "c")]
+    assert "b" not in w._wb_token
+    w._writeback_resumed("a", 0)  # nothing of its own was hit: nobody moves
+    assert w._wb_due == {"c": 30.0}

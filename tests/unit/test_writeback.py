@@ -226,6 +226,28 @@ def test_a_copy_due_soon_waits_for_a_resume_predicted_sooner_then_goes() -> None
     }
 
 
+def test_a_resume_behind_a_deferred_branch_leaves_its_distance_to_eviction() -> None:
+    rig = _rig()
+    p2 = [5, 5, 5, 5, 6, 6, 6, 6, 2, 3, 4, 5, 6, 7, 8, 9, 2]  # 4 full blocks of its own
+    _paused(rig)
+    rig.turn("t2", p2)
+    rig.eng.step()
+    assert rig.mgr.pause("t2", "main", "pytest", 2.0)[1]["decision"]["writeback_deferred"]
+    rig.settle()
+    wb, trend = rig.mgr.writebacks, rig.mgr.pool_trend
+    t1, t2 = rig.mgr.table["t1"], rig.mgr.table["t2"]
+    due1, due2 = wb.due[(id(t1), "main")], wb.due[(id(t2), "main")]
+    assert due1 < due2  # t1 paused first: ahead of t2 in vLLM's free queue
+    left1 = due1 - trend.filled_total
+    rig.turn("t2", [*p2, 1, 1, 1])  # t2 resumes: its 4 cached blocks are hit
+    rig.eng.step()
+    # The adapter counted t2's hit as fill; t1, ahead of it, is as far from eviction as before
+    # (only the resume's own new blocks, none here past the hit's partial block, move it).
+    assert wb.due[(id(t1), "main")] - trend.filled_total == pytest.approx(left1, abs=1.0)
+    assert (id(t2), "main") not in wb.due
+    assert _branch(rig).state is BranchState.CACHED and rig.eng.violations == []
+
+
 def test_blocks_evicted_before_the_forecast_fall_back_to_recompute() -> None:
     rig = _rig()
     _paused(rig)
