@@ -100,6 +100,19 @@ def _branch(rig: Rig):  # type: ignore[no-untyped-def]
     return rig.mgr.table["t1"].branches["main"]
 
 
+def _assert_copied_once_in_time(rig: Rig) -> None:
+    """The deferred copy was made, once, of all 4 blocks, before vLLM overwrote any."""
+    rig.settle()
+    assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
+    assert rig.eng.violations == []
+    assert counted(rig) == {
+        "store_blocks": 4,
+        "stores": 1,
+        "writebacks_deferred": 1,
+        "writebacks_deferred_copied": 1,
+    }
+
+
 def test_roomy_pool_unpins_without_a_copy_and_the_resume_hits_the_device() -> None:
     rig = _rig()
     body = _paused(rig)
@@ -178,15 +191,7 @@ def test_a_filling_pool_forecasts_eviction_and_copies() -> None:
     # before the ~32 blocks ahead of the branch's in vLLM's free queue are written over.
     stored = [step_of_traffic(3) for _ in range(8)]
     assert [4] in stored and rig.mgr.eviction_forecast() <= 1.5
-    rig.settle()
-    assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
-    assert rig.eng.violations == []
-    assert counted(rig) == {
-        "store_blocks": 4,
-        "stores": 1,
-        "writebacks_deferred": 1,
-        "writebacks_deferred_copied": 1,
-    }
+    _assert_copied_once_in_time(rig)
 
 
 def test_a_copy_due_soon_waits_for_a_resume_predicted_sooner_then_goes() -> None:
@@ -215,15 +220,7 @@ def test_a_copy_due_soon_waits_for_a_resume_predicted_sooner_then_goes() -> None
     # Held while the resume was predicted first, copied at the first tick past the p90, in time.
     assert held_in_horizon >= 2
     assert copied_at is not None and p90 - 1e-9 <= copied_at <= p90 + 0.15
-    rig.settle()
-    assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
-    assert rig.eng.violations == []
-    assert counted(rig) == {
-        "store_blocks": 4,
-        "stores": 1,
-        "writebacks_deferred": 1,
-        "writebacks_deferred_copied": 1,
-    }
+    _assert_copied_once_in_time(rig)
 
 
 def test_a_resume_behind_a_deferred_branch_leaves_its_distance_to_eviction() -> None:
