@@ -111,10 +111,13 @@ class TransferHandle:
 
 @dataclass(frozen=True, slots=True)
 class HostRead:
-    """Views of pinned host blocks from ``acquire_host``; None where a key was not in host."""
+    """Views of pinned host blocks from ``acquire_host``; None where a key was not in host.
+    ``addresses``: each view's first byte in the host arena (0 where None), for native batched
+    copies (``BlockTable.host_batch``) that would otherwise ask numpy for it per view."""
 
     views: list[ByteArray | None]
     _blocks: list[Any]
+    addresses: list[int]
 
     @property
     def missing(self) -> list[int]:

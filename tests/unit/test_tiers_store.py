@@ -336,6 +336,8 @@ def test_acquire_host_pins_views_until_release(make) -> None:  # type: ignore[no
     v0, v1 = read.views[0], read.views[2]
     assert v0 is not None and v1 is not None
     assert np.array_equal(v0, content(ks[0])) and np.array_equal(v1, content(ks[1]))
+    # Each view's arena address, for native batched copies (0 where the key was not in host).
+    assert read.addresses == [v0.ctypes.data, 0, v1.ctypes.data]
     with pytest.raises(ValueError):
         v0[0] = 1  # read-only: a reader must never write a tier
     # Host is full and both blocks are pinned: a new store cannot evict them mid-read...
