@@ -12,7 +12,10 @@ vLLM's attention layers do), ``finish_step``, ``take_report``: exactly the plugi
 
 Phases (perf_counter_ns stamps from wrappers around the worker's own functions; the wrappers add
 ~1 us each, so the ``end to end`` row is also measured with none installed):
-  submit        ``start_step`` on the engine thread (pins, copier setup), less the handoff call
+  submit        ``start_step`` on the engine thread up to the copy (keys, address arrays,
+                copier setup, the handoff call), less the pins
+  pins          pinning the host copies (``acquire_host``: the store's lock, a pin, a read-only
+                view and an address per block)
   handoff       the copy handed to the copier thread: from ``submit`` to the copy's first line
                 (0 where the copy runs on the engine thread)
   layer copy    per layer, the kernel call (native_copy.copy_runs): the bytes moving
@@ -57,6 +60,7 @@ from agentkv_vllm.worker_side import WorkerSide
 NUM_BLOCKS, BLOCK_TOKENS = 24, 128
 PHASES = (
     "submit",
+    "pins",
     "handoff",
     "layer copy",
     "layer python",
@@ -140,6 +144,7 @@ class _Instruments:
         self._wrap(native_copy, "copy_runs", "layer copy")
         self._wrap(device_copy.LayerEvent, "set", "event set")
         self._wrap(TieredStore, "release_host", "release")
+        self._wrap(TieredStore, "acquire_host", "pins")
 
     def remove(self) -> None:
         for undo in reversed(self._undo):
@@ -248,7 +253,8 @@ def _phases(stamps: Stamps, marks: dict[str, int], end_ns: int) -> dict[str, int
     began, ended = marks["began"], marks["ended"]
     accounted = ns.get("layer copy", 0) + ns.get("event set", 0) + ns.get("release", 0)
     return {
-        "submit": handed - marks["entered"],
+        "submit": handed - marks["entered"] - ns.get("pins", 0),
+        "pins": ns.get("pins", 0),
         "handoff": began - handed,
         "layer copy": ns.get("layer copy", 0),
         "layer python": ended - began - accounted,  # the copy's own lines, around the kernel
