@@ -25,6 +25,7 @@ The mixin reads and writes the worker's state declared below (``WorkerSide`` def
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -161,7 +162,8 @@ class LayerwiseLoads:
                     hosts.append(address)
         copy.nbytes = self.views.block_bytes * (len(copy.from_disk) + len(copy.host_ids))
         if copy.host_ids:
-            copy.batch = self.views.table.host_batch(copy.host_ids, hosts)
+            with contextlib.suppress(IndexError):  # the copy raises it again, as a failed load
+                copy.batch = self.views.table.host_batch(copy.host_ids, hosts)
         return copy
 
     def _copy_layers(self, copy: _StepCopy) -> float:

@@ -279,3 +279,20 @@ def test_a_large_cpu_step_goes_layer_by_layer_on_the_copier_thread(
     taken = w.take_report()
     assert taken is not None and taken.report.jobs_done == {2: 1} and not taken.report.jobs_failed
     w.shutdown()
+
+
+def test_a_block_id_outside_the_cache_fails_the_load_instead_of_raising_into_the_engine() -> None:
+    _native()
+    w, caches = _worker()
+    _stored_pair(w, caches)
+    w.start_step(_step(loads=[LoadJob(2, "req", [BlockTransfer(b"k1", NUM_BLOCKS)], True)]))
+    for name in NAMES:
+        w.wait_for_layer(name)
+    w.finish_step()
+    assert w.load_error_block_ids() == {NUM_BLOCKS}  # vLLM recomputes; the pins were released
+    taken = w.take_report()
+    assert taken is not None and taken.report.jobs_failed == {2}
+    w.start_step(_step(loads=[LoadJob(3, "r2", [BlockTransfer(b"k1", 0)], True)]))
+    w.finish_step()
+    assert w.load_error_block_ids() == set()
+    w.shutdown()
