@@ -52,9 +52,10 @@ LAYER_WAIT_TIMEOUT_S = 60.0
 # ``start_step`` (one native call, ~0.1 ms per MiB) instead of by the copier thread. Why: the copy
 # is CPU work either way, and on the few cores of a CPU server the thread competes with the
 # forward pass it was meant to overlap; what it costs next to the copy itself (a thread wake-up,
-# per-layer events and Python, the GIL handed back and forth with the engine thread) was
-# 1.5-3x the copy at 2 MiB (reload_phases bench, docs/tiers.md). Larger steps keep the thread:
-# their first layers reach the forward before the last ones are copied.
+# per-layer events and Python, the GIL handed back and forth with the engine thread) was ~380 us
+# next to a ~170 us copy of 2 MiB (reload_phases bench, docs/tiers.md), more than the overlap
+# can save. Larger steps keep the thread: their first layers reach the forward before the last
+# ones are copied.
 SYNC_COPY_MAX_BYTES = 8 << 20
 
 
@@ -77,7 +78,8 @@ class _StepCopy:
 
 @dataclass
 class LayerwiseStep:
-    """This step's layer-by-layer loads: per layer, an event set once its segments are copied."""
+    """This step's layer-by-layer loads: per layer, an event set once its segments are copied
+    (none when the step was copied in ``start_step``: its future is already done)."""
 
     events: dict[str, threading.Event]
     future: Future[float]  # the copy's own duration (not the forward it overlaps)
