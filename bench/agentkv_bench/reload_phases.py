@@ -1,7 +1,7 @@
 """Where a small layer-by-layer host reload's time goes (issue 27): the plugin's worker-side load
 code, driven without a vLLM server, timed end to end and per phase.
 
-    python -m agentkv_bench.reload_phases [--blocks 8] [--reps 300] [--forward] [--json]
+    python -m agentkv_bench.reload_phases [--blocks 8] [--reps 300] [--forward] [--cold] [--json]
 
 Geometry: the ``tiny`` preset (agentkv.modelgen) in vLLM's CPU layout: 4 layers of
 ``[num_blocks=24, kv_heads=2, block_size=128, 2*head_dim=128]`` bf16, so one block is 4 runs of
@@ -30,7 +30,9 @@ Phases (perf_counter_ns stamps from wrappers around the worker's own functions; 
 trace bench's "reload time"); ``memcpy`` a numpy copy of the same bytes, best of 5 per rep.
 ``--forward`` runs a stand-in forward pass on the engine thread (per layer, before its wait, the
 tiny model's MLP matmuls for 16 tokens on torch's threads), as in a real prefill step: the copier
-thread then shares the cores and the GIL with it.
+thread then shares the cores and the GIL with it. ``--cold``: 512 MiB of blocks in host, each
+rep reloading the next 8 (their bytes come from memory, not cache, as a resume's do, blocks
+stored long before), against a memcpy from sources spread over as much (median of 50).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ from agentkv_vllm.settings import ConnectorSettings
 from agentkv_vllm.worker_side import WorkerSide
 
 NUM_BLOCKS, BLOCK_TOKENS = 24, 128
+# --cold: the host blocks reloaded in turn span this much memory, so none is still in cache
+COLD_POOL_BYTES = 512 << 20
 PHASES = (
     "submit",
     "pins",
@@ -96,7 +100,9 @@ def tiny_caches(num_blocks: int = NUM_BLOCKS) -> dict[str, torch.Tensor]:
 
 def _worker(caches: dict[str, torch.Tensor], num_blocks: int) -> WorkerSide:
     w = WorkerSide(
-        settings=ConnectorSettings(host_capacity_gib=0.25, run_dir="/tmp"),
+        settings=ConnectorSettings(
+            host_capacity_gib=COLD_POOL_BYTES / 2**30 + 0.05, run_dir="/tmp"
+        ),
         model_id="tiny",
         tp_rank=0,
         tp_size=1,
@@ -107,10 +113,11 @@ def _worker(caches: dict[str, torch.Tensor], num_blocks: int) -> WorkerSide:
 
 
 def _store(w: WorkerSide, blocks: int) -> list[bytes]:
+    """``blocks`` keys stored to host from the cache's blocks in turn."""
     keys = [f"k{i}".encode() for i in range(blocks)]
     w.start_step(
         AgentKVStepMetadata(
-            StepPlan(stores=[StoreJob(1, Tier.HOST, [BlockTransfer(k, i) for i, k in enumerate(keys)])])
+            StepPlan(stores=[StoreJob(1, Tier.HOST, [BlockTransfer(k, i % w.num_blocks) for i, k in enumerate(keys)])])
         )
     )  # fmt: skip
     for p in w._jobs:
@@ -209,15 +216,27 @@ def _forward_stand_in(tokens: int = 16) -> Callable[[], None]:
     return layer
 
 
-def _memcpy_ns(nbytes: int) -> int:
-    src = np.ones(nbytes, np.uint8)
+def _memcpy_ns(nbytes: int, cold: bool) -> int:
+    """A numpy copy of ``nbytes``: best of 5 of one buffer (the trace report's baseline: the
+    source hot in cache), or ``cold``: the median of 50 copies from sources spread over
+    COLD_POOL_BYTES (the source in memory, as a block stored long ago is)."""
     dst = np.zeros(nbytes, np.uint8)
-    best = 1 << 62
-    for _ in range(5):
+    if not cold:
+        src = np.ones(nbytes, np.uint8)
+        best = 1 << 62
+        for _ in range(5):
+            t0 = time.perf_counter_ns()
+            np.copyto(dst, src)
+            best = min(best, time.perf_counter_ns() - t0)
+        return best
+    pool = np.ones(COLD_POOL_BYTES, np.uint8)
+    spans: list[int] = []
+    for i in range(50):
+        start = (i * 7 * nbytes) % (COLD_POOL_BYTES - nbytes)
         t0 = time.perf_counter_ns()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter_ns() - t0)
-    return best
+        np.copyto(dst, pool[start : start + nbytes])
+        spans.append(time.perf_counter_ns() - t0)
+    return int(statistics.median(spans))
 
 
 def one_rep(
@@ -265,17 +284,19 @@ def _phases(stamps: Stamps, marks: dict[str, int], end_ns: int) -> dict[str, int
     }
 
 
-def measure(blocks: int, reps: int, forward: bool) -> dict[str, Any]:
+def measure(blocks: int, reps: int, forward: bool, cold: bool = False) -> dict[str, Any]:
     """End to end and per phase medians (us) of ``reps`` layerwise reloads of ``blocks``."""
     native_copy.warm_up(background=False)
     w = _worker(tiny_caches(), NUM_BLOCKS)
     assert w.views is not None
-    keys = _store(w, blocks)
+    pool = _store(w, COLD_POOL_BYTES // w.views.block_bytes if cold else blocks)
+    groups = [pool[i : i + blocks] for i in range(0, len(pool) - blocks + 1, blocks)]
+    turn = iter(range(1 << 62))  # cold: each rep reloads the next group, not recently copied
     marks: dict[str, int] = {}
     w._copier = _TimedPool(marks)
     _stamp_copy(w, marks)
     step = _forward_stand_in() if forward else None
-    plain = [one_rep(w, keys, marks, step) for _ in range(reps)]  # no wrappers: end to end
+    plain = [one_rep(w, groups[next(turn) % len(groups)], marks, step) for _ in range(reps)]
     inst = _Instruments()
     inst.install()
     rows: list[dict[str, int]] = []
@@ -283,7 +304,7 @@ def measure(blocks: int, reps: int, forward: bool) -> dict[str, Any]:
         for _ in range(reps):
             stamps = inst.rep()
             marks.clear()
-            ns, _ = one_rep(w, keys, marks, step)
+            ns, _ = one_rep(w, groups[next(turn) % len(groups)], marks, step)
             rows.append(_phases(stamps, marks, marks["entered"] + ns))
     finally:
         inst.remove()
@@ -298,7 +319,8 @@ def measure(blocks: int, reps: int, forward: bool) -> dict[str, Any]:
         "forward": forward,
         "end_to_end_us": end_to_end,
         "metric_us": statistics.median(s for _, s in plain) * 1e6,
-        "memcpy_us": _memcpy_ns(nbytes) / 1e3,
+        "memcpy_us": _memcpy_ns(nbytes, cold) / 1e3,
+        "cold": cold,
         "phases_us": phases,
     }
 
@@ -321,7 +343,8 @@ def table(result: dict[str, Any]) -> str:
         f"| sum of phases (instrumented) | {total:.1f} | |",
         f"| end to end (no instruments) | {result['end_to_end_us']:.1f} | |",
         f"| metric: reported reload seconds | {result['metric_us']:.1f} | |",
-        f"| memcpy of the same bytes (numpy, best of 5) | {result['memcpy_us']:.1f} | |",
+        f"| memcpy of the same bytes (numpy, {'cold source' if result.get('cold') else 'best of 5'})"
+        f" | {result['memcpy_us']:.1f} | |",
     ]
     return "\n".join(lines)
 
@@ -331,9 +354,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--forward", action="store_true")
+    parser.add_argument("--cold", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = measure(args.blocks, args.reps, args.forward)
+    result = measure(args.blocks, args.reps, args.forward, args.cold)
     print(json.dumps(result, indent=1) if args.json else table(result))
 
 
