@@ -29,7 +29,9 @@ How a resume round is taken apart (all configurations alike, times in seconds):
   queue   the rest of the TTFT: waiting behind other requests, batching with their steps,
           scheduling, the HTTP hop. Clamped at 0 (a layerwise load overlaps the prefill).
   memcpy  a numpy copy of the same bytes in this process, best of 5: the physical limit of
-          moving them once through this machine's memory; load / memcpy is the distance to it.
+          moving them once through this machine's memory, with the source in cache (a reload's
+          source, stored long before, is in memory: a cold copy is slower, docs/tiers.md);
+          load / memcpy is the distance to it.
 """
 
 from __future__ import annotations
@@ -572,7 +574,7 @@ def _stall_markdown(st: dict[str, Any], names: list[str]) -> list[str]:
     lines += [
         "",
         "| tier | reload jobs | MiB | copy time (s) | reload GB/s | memcpy GB/s (numpy, same "
-        "sizes) | load / memcpy |",
+        "sizes, cache-hot) | load / memcpy |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     note = (
@@ -581,7 +583,10 @@ def _stall_markdown(st: dict[str, Any], names: list[str]) -> list[str]:
         "its host copies unpinned (a small step is copied inside `start_step` before the "
         "forward, a larger one by the copier thread next to it, sharing the cores); an async "
         "load from when a store worker took it up to its last block. The wait before either "
-        "is in queue + rest above."
+        "is in queue + rest above. The memcpy is a best of 5 of one buffer, its source in "
+        "cache; a reload reads blocks stored long before, from memory (a copy from a cold "
+        "source took ~1.5x as long on the 2-core dev VM: `python -m "
+        "agentkv_bench.reload_phases --cold`, docs/tiers.md)."
     )
     for t, d in sorted(st["tiers"].items()):
         bps, mbps, r = d["reload_bytes_per_s"], d["memcpy_bytes_per_s"], d["load_over_memcpy"]
