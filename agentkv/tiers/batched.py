@@ -21,6 +21,10 @@ Primitives:
                             layer-by-layer loads: runs ``runs`` of blocks ``ids`` from their host
                             images (pinned host arena views); CUDA: one batched pointer copy
                             (vLLM's ``swap_blocks_batch``) when the installed vLLM has it.
+    BlockTable.host_batch(ids, hosts) -> HostBatch | None
+                            CPU: blocks and the arena addresses of their host images as the
+                            kernel's arrays, made once; ``.copy(runs)`` is then one native call
+                            per layer (or one for all runs) and nothing else.
     BlockRef                one block of a table: ``gather_into(dest)`` / ``scatter_from(src)``
                             copy its image (CPU: every run in one native call, native_copy.py;
                             numpy per run until the kernel is compiled or without numba),
@@ -266,6 +270,19 @@ class BlockTable:
             raise IndexError(f"block id out of range (0..{self.num_blocks - 1}): {ids.tolist()}")
         native_copy.copy_runs(hosts, ids, self._geometry, self._all_runs, to_host, True)
 
+    def host_batch(self, ids: Sequence[int], hosts: Sequence[int]) -> HostBatch | None:
+        """Blocks ``ids`` and the addresses ``hosts`` of their host images (``block_bytes`` of
+        live memory each that nobody writes meanwhile, e.g. pinned host arena slots:
+        ``HostRead.addresses``) as the kernel's arrays, made once for several ``HostBatch.copy``
+        calls (a layer-by-layer load: one per layer, or one for every run); None where
+        ``copy_runs_from_host`` must be used instead (CUDA, native kernel not compiled yet).
+        IndexError for ids out of range."""
+        if not self.copies_natively:
+            return None
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):  # a few ids: no numpy calls
+            raise IndexError(f"block id out of range (0..{self.num_blocks - 1}): {list(ids)}")
+        return HostBatch(self, np.array(ids, np.int64), np.array(hosts, np.int64))
+
     def _copy_native(
         self,
         ids: Sequence[int],
@@ -297,6 +314,29 @@ class BlockTable:
             return
         for array, (start, stop) in zip(self._arrays, self._bounds, strict=True):
             array[block_id] = src[start:stop]
+
+
+@dataclass(frozen=True, slots=True)
+class HostBatch:
+    """Blocks of a CPU BlockTable and the addresses of their host images, checked once
+    (``BlockTable.host_batch``): each ``copy`` is one native call and no other per-call work.
+
+    Why: a layer-by-layer load copies the same blocks once per layer; checking the images and
+    asking numpy for their addresses per call (``copy_runs_from_host``) cost ~12 us of Python
+    per layer for 8 blocks (1.5 us per ``__array_interface__``; reload_phases bench,
+    docs/tiers.md), a third of copying them. The caller keeps the images alive (pinned host
+    arena slots) until its last ``copy``."""
+
+    table: BlockTable
+    blocks: npt.NDArray[np.int64]
+    hosts: npt.NDArray[np.int64]
+
+    def copy(self, runs: npt.NDArray[np.int64] | None = None) -> None:
+        """Runs ``runs`` (None: every run) of each block from its host image into the cache,
+        streaming stores, GIL released."""
+        table = self.table
+        which = table._all_runs if runs is None else runs
+        native_copy.copy_runs(self.hosts, self.blocks, table._geometry, which, False, True)
 
 
 def _host_tensor(torch: Any, array: ByteArray) -> Tensor:

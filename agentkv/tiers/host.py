@@ -10,7 +10,8 @@ Primitives:
     HostArena.alloc      take a free slot in O(1); returns None when every slot is taken.
     HostArena.free       give a slot back in O(1).
     HostArena.slot       the slot's bytes as a writable uint8 view (no copy).
-    HostArena.addresses  the slots' memory addresses (native batched copies, batched.py).
+    HostArena.addresses  the slots' memory addresses (native batched copies, batched.py);
+                         ``address(slot)`` one of them as an int.
 
 The arena knows nothing about keys, pins or eviction; the store decides which slot holds what.
 
@@ -147,6 +148,7 @@ class HostArena:
         self._buffer = allocate_host(size, pin_memory if self.num_slots else False)
         self.pinned = self._buffer.pinned
         self._memory = self._buffer.array
+        self._base = int(self._memory.ctypes.data)  # fixed: the buffer never moves
         self._slots = self._memory[: self.num_slots * block_bytes].reshape(
             self.num_slots, block_bytes
         )
@@ -170,8 +172,11 @@ class HostArena:
 
     def addresses(self, slots: Sequence[int]) -> npt.NDArray[np.int64]:
         """The memory address of each slot's first byte (for native batched copies)."""
-        base = int(self._memory.ctypes.data)
-        return base + np.asarray(slots, np.int64) * self.block_bytes
+        return self._base + np.asarray(slots, np.int64) * self.block_bytes
+
+    def address(self, slot: int) -> int:
+        """``addresses`` of one slot, as a Python int (no numpy call)."""
+        return self._base + slot * self.block_bytes
 
     def slot(self, slot: int) -> ByteArray:
         """Return the slot's bytes as a writable view of the arena (no copy)."""

@@ -374,6 +374,8 @@ class TieredStore(RemoteTransfers):
         """
         views: list[ByteArray | None] = []
         blocks: list[Any] = []
+        addresses: list[int] = []
+        arena = self._arena
         with self._lock:
             for key in keys:
                 self._counters["loads"] += 1
@@ -382,15 +384,16 @@ class TieredStore(RemoteTransfers):
                     self._counters["misses"] += 1
                     views.append(None)
                     blocks.append(None)
+                    addresses.append(0)
                     continue
                 self._host_order.pin(block)
-                view = self._arena.slot(block.host_slot)
-                view = view.view()
+                view = arena.slot(block.host_slot).view()
                 view.flags.writeable = False
                 views.append(view)
                 blocks.append(block)
+                addresses.append(arena.address(block.host_slot))
                 self._counters["hits_host"] += 1
-        return HostRead(views, blocks)
+        return HostRead(views, blocks, addresses)
 
     def release_host(self, read: HostRead) -> None:
         """Unpin what ``acquire_host`` pinned."""

@@ -60,6 +60,7 @@ class LocalTransfers(BlockIndex):
 
     def _run(self, handle: TransferHandle, one: Callable[[int], BlockResult]) -> None:
         def run_chunk(start: int, stop: int) -> None:
+            handle._begin()
             for index in range(start, stop):
                 try:
                     result = one(index)
@@ -84,6 +85,7 @@ class LocalTransfers(BlockIndex):
         completed with errors, so the handle always finishes."""
 
         def run(start: int, stop: int) -> None:
+            handle._begin()
             indices = list(range(start, stop))
             results: dict[int, BlockResult] = {}
             try:

@@ -3,7 +3,9 @@
 Primitives:
     TransferHandle   completion of one submitted transfer: ``done()`` polls without blocking;
                      ``result()`` waits and returns one BlockResult per key, in order;
-                     ``finished_at`` is when the last block completed (time.monotonic());
+                     ``started_at`` is when a store worker first took it up, ``finished_at``
+                     when the last block completed (time.monotonic(); the transfer's own time
+                     between them, without its wait in the store's queue);
                      ``cancel()`` (loads) fences: once it returns, nothing more is written into
                      the caller's buffers; ``ok_prefix()`` counts the leading successes.
     HostRead         read-only views of pinned host blocks from ``TieredStore.acquire_host``;
@@ -35,12 +37,19 @@ class TransferHandle:
         self._cancelled = False
         self._writers = 0
         self._fence = threading.Condition()
-        # When the last block completed: a caller polling once per engine step times the copy
-        # with it, not with the poll that noticed it.
+        # When a worker first took up the transfer, and when its last block completed: a caller
+        # times the transfer itself with them, not the wait in the store's queue before it
+        # (behind the step's other transfers) nor the engine step whose poll noticed the end.
+        self.started_at: float | None = None
         self.finished_at: float | None = None
         if not self.keys:
-            self.finished_at = time.monotonic()
+            self.started_at = self.finished_at = time.monotonic()
             self._finished.set()
+
+    def _begin(self) -> None:
+        """A worker starts on this transfer (the store's runners call it first thing)."""
+        if self.started_at is None:  # racing workers both stamp ~now; either stamp is right
+            self.started_at = time.monotonic()
 
     def cancel(self) -> None:
         """Stop writing into the caller's buffers: blocks not started yet complete as errors, and
@@ -111,10 +120,13 @@ class TransferHandle:
 
 @dataclass(frozen=True, slots=True)
 class HostRead:
-    """Views of pinned host blocks from ``acquire_host``; None where a key was not in host."""
+    """Views of pinned host blocks from ``acquire_host``; None where a key was not in host.
+    ``addresses``: each view's first byte in the host arena (0 where None), for native batched
+    copies (``BlockTable.host_batch``) that would otherwise ask numpy for it per view."""
 
     views: list[ByteArray | None]
     _blocks: list[Any]
+    addresses: list[int]
 
     @property
     def missing(self) -> list[int]:

@@ -19,15 +19,19 @@ Primitives:
 How a resume round is taken apart (all configurations alike, times in seconds):
   load    its ``tier_hit_tokens`` as bytes (``block_bytes`` per ``block_tokens``) at its tier's
           reload throughput over the run (reload bytes / reload seconds, from the plugin's
-          transfer histograms: the copy time, per job). The plugin reports transfer times per
-          job and hit tokens per turn, not a job per turn, so a round's share is its bytes at
-          the run's rate; the per-tier totals are the histograms' own sums.
+          transfer histograms: each job's copy time as the worker timed it, not its latency:
+          a layer-by-layer load from its copy's first line to its pins released, an async one
+          from when a store worker took it up to its last block). The plugin reports transfer
+          times per job and hit tokens per turn, not a job per turn, so a round's share is its
+          bytes at the run's rate; the per-tier totals are the histograms' own sums.
   prefill the tokens it prefilled (prompt - cached) at the engine's prefill rate (agentkv's
           online calibration from the engine's prefill steps, read at the end of its run).
   queue   the rest of the TTFT: waiting behind other requests, batching with their steps,
           scheduling, the HTTP hop. Clamped at 0 (a layerwise load overlaps the prefill).
   memcpy  a numpy copy of the same bytes in this process, best of 5: the physical limit of
-          moving them once through this machine's memory; load / memcpy is the distance to it.
+          moving them once through this machine's memory, with the source in cache (a reload's
+          source, stored long before, is in memory: a cold copy is slower, docs/tiers.md);
+          load / memcpy is the distance to it.
 """
 
 from __future__ import annotations
@@ -569,10 +573,21 @@ def _stall_markdown(st: dict[str, Any], names: list[str]) -> list[str]:
         return [*lines, "", "No agentkv reloads in this run (every hit was on the device)."]
     lines += [
         "",
-        "| tier | reload jobs | MiB | reload time (s) | reload GB/s | memcpy GB/s (numpy, same "
-        "sizes) | load / memcpy |",
+        "| tier | reload jobs | MiB | copy time (s) | reload GB/s | memcpy GB/s (numpy, same "
+        "sizes, cache-hot) | load / memcpy |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    note = (
+        "copy time: the plugin's own timing of each reload job (`agentkv_reload_seconds`), "
+        "not its latency: a layer-by-layer load (CPU host hits) from its copy's first line to "
+        "its host copies unpinned (a small step is copied inside `start_step` before the "
+        "forward, a larger one by the copier thread next to it, sharing the cores); an async "
+        "load from when a store worker took it up to its last block. The wait before either "
+        "is in queue + rest above. The memcpy is a best of 5 of one buffer, its source in "
+        "cache; a reload reads blocks stored long before, from memory (a copy from a cold "
+        "source took ~1.5x as long on the 2-core dev VM: `python -m "
+        "agentkv_bench.reload_phases --cold`, docs/tiers.md)."
+    )
     for t, d in sorted(st["tiers"].items()):
         bps, mbps, r = d["reload_bytes_per_s"], d["memcpy_bytes_per_s"], d["load_over_memcpy"]
         lines.append(
@@ -581,4 +596,4 @@ def _stall_markdown(st: dict[str, Any], names: list[str]) -> list[str]:
             f"{'-' if mbps is None else f'{mbps / 1e9:.2f}'} | "
             f"{'-' if r is None else f'{r:.1f}x'} |"
         )
-    return lines
+    return [*lines, "", note]

@@ -4,7 +4,9 @@ vLLM's KV cache layer after layer while the model runs.
 Primitives (``LayerwiseLoads``, a mixin of ``worker_side.WorkerSide``):
   _start_layerwise(loads)   pin the host copies in place (``TieredStore.acquire_host``), start
                             one copier thread writing them layer by layer in forward order;
-                            blocks only disk holds are read whole (checksummed) first
+                            blocks only disk holds are read whole (checksummed) first. A small
+                            CPU step (up to SYNC_COPY_MAX_BYTES, all in host) is instead copied
+                            right there, one native call, before the forward starts
   wait_for_layer(name)      block until ``name``'s segments of this step's loads are copied
   finish_step()             after the forward: wait for the copier, release its host pins,
                             report its jobs and its own copy time
@@ -14,24 +16,29 @@ Primitives (``LayerwiseLoads``, a mixin of ``worker_side.WorkerSide``):
 vLLM has already scheduled the request in this step, so a block missing from host, or any copy
 error, goes to ``load_error_block_ids``: vLLM then discards the step's output for that request
 and recomputes. Each attention layer waits only for its own layer. One batch for the whole step:
-per layer, one copy call over every block of every job (one batched pointer copy on CUDA when
-vLLM has it).
+per layer, one copy call over every block of every job (CPU: one native call with the addresses
+computed once per step, ``BlockTable.host_batch``; CUDA: one batched pointer copy when vLLM has
+it).
 
 The mixin reads and writes the worker's state declared below (``WorkerSide`` defines it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from agentkv.manager.jobs import LoadJob, TransferKind, TransferRef, WorkerReport
 from agentkv.tier import Tier
 from agentkv.tiers import HostRead, TieredStore
+from agentkv.tiers.batched import HostBatch
 from agentkv.tiers.keys import BlockKey
 from agentkv_vllm.device_copy import LayerCopier
 
@@ -41,11 +48,38 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentkv.worker")
 # A layer copy that takes this long is stuck (host memcpy runs at GB/s): stop waiting, recompute.
 LAYER_WAIT_TIMEOUT_S = 60.0
+# A CPU step whose host blocks total at most this is copied on the engine thread inside
+# ``start_step`` (one native call, ~0.1 ms per MiB) instead of by the copier thread. Why: the copy
+# is CPU work either way, and on the few cores of a CPU server the thread competes with the
+# forward pass it was meant to overlap; what it costs next to the copy itself (a thread wake-up,
+# per-layer events and Python, the GIL handed back and forth with the engine thread) was ~380 us
+# next to a ~170 us copy of 2 MiB (reload_phases bench, docs/tiers.md), more than the overlap
+# can save. Larger steps keep the thread: their first layers reach the forward before the last
+# ones are copied.
+SYNC_COPY_MAX_BYTES = 8 << 20
+
+
+@dataclass
+class _StepCopy:
+    """What one step's layer-by-layer copy moves: pinned host reads, disk-only blocks, and the
+    CPU batch of the host blocks (None: per-layer ``LayerCopier.copy_runs``, CUDA)."""
+
+    job_ids: list[int]
+    reads: list[HostRead] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    host_ids: list[int] = field(default_factory=list)
+    host_views: list[np.ndarray] = field(default_factory=list)
+    from_disk: list[tuple[BlockKey, int, bytes, int]] = field(default_factory=list)
+    failed_jobs: set[int] = field(default_factory=set)
+    nbytes: int = 0
+    batch: HostBatch | None = None
+    copier: LayerCopier | None = None  # None: copied synchronously on the engine thread
 
 
 @dataclass
 class LayerwiseStep:
-    """This step's layer-by-layer loads: per layer, an event set once its segments are copied."""
+    """This step's layer-by-layer loads: per layer, an event set once its segments are copied
+    (none when the step was copied in ``start_step``: its future is already done)."""
 
     events: dict[str, threading.Event]
     future: Future[float]  # the copy's own duration (not the forward it overlaps)
@@ -79,77 +113,115 @@ class LayerwiseLoads:
     def _start_layerwise(self, loads: list[LoadJob]) -> None:
         assert self.store is not None and self.views is not None
         self.finish_step()  # never two steps' copies at once
+        started = time.monotonic()
+        copy = self._pin_layerwise(loads)
+        if copy.batch is not None and not copy.from_disk and copy.nbytes <= SYNC_COPY_MAX_BYTES:
+            # Small, CPU, all in host: copied here, before the forward starts (see SYNC_COPY_...).
+            seconds: Future[float] = Future()
+            seconds.set_result(self._copy_layers(copy))
+            events: dict[str, threading.Event] = {}
+        else:
+            copier = LayerCopier(self.views.device, [name for name, _ in self._layers])
+            copy.copier = copier
+            events = copier.events  # CUDA: each also carries its layer's copy-done CUDA event
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
+            seconds = self._copier.submit(self._copy_layers, copy)
+        self._layerwise = LayerwiseStep(
+            events,
+            seconds,
+            copy.block_ids,
+            copy.nbytes,
+            started,
+            f"layerwise-{loads[0].req_id}",
+        )
+        self._layerwise_jobs = (copy.job_ids, copy.failed_jobs)
+
+    def _pin_layerwise(self, loads: list[LoadJob]) -> _StepCopy:
+        """Pin the host copies of the step's loads; blocks only disk holds are read whole later,
+        blocks no tier holds fail now (vLLM recomputes them)."""
+        assert self.store is not None and self.views is not None
         store = self.store
-        table = self.views.table
-        jobs: list[tuple[HostRead, list[int]]] = []
-        block_ids: list[int] = []
-        failed_jobs: set[int] = set()
-        # Blocks the host does not hold but disk does (a prefetch still in flight): read whole,
-        # checksummed, before the first layer is released.
-        from_disk: list[tuple[BlockKey, int, bytes, int]] = []
+        copy = _StepCopy(job_ids=[load.job_id for load in loads])
+        hosts: list[int] = []  # the host blocks' arena addresses, for the CPU batch
         for load in loads:
             keys = [self.rank_key(b.key) for b in load.blocks]
             read = store.acquire_host(keys)
             ids = [b.block_id for b in load.blocks]
             for i in read.missing:
                 if store.tier_of(keys[i]) is Tier.DISK:
-                    from_disk.append((keys[i], ids[i], load.blocks[i].key, load.job_id))
+                    copy.from_disk.append((keys[i], ids[i], load.blocks[i].key, load.job_id))
                 else:  # not where the scheduler said: vLLM recomputes it
                     self._load_errors.add(ids[i])
                     self._bad(load.blocks[i].key, None)
-                    failed_jobs.add(load.job_id)
-            jobs.append((read, ids))
-            block_ids += ids
-        # One batch for the whole step: per layer, one copy call over every block of every job.
-        host_ids = [
-            bid
-            for read, ids in jobs
-            for v, bid in zip(read.views, ids, strict=True)
-            if v is not None
-        ]
-        host_views = [v for read, _ in jobs for v in read.views if v is not None]
-        copier = LayerCopier(self.views.device, [name for name, _ in self._layers])
-        events = copier.events  # CUDA: each also carries its layer's copy-done CUDA event
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
-        started = time.monotonic()
-        nbytes = self.views.block_bytes * (len(from_disk) + len(host_ids))
-        job_ids = [load.job_id for load in loads]
+                    copy.failed_jobs.add(load.job_id)
+            copy.reads.append(read)
+            copy.block_ids += ids
+            for view, address, bid in zip(read.views, read.addresses, ids, strict=True):
+                if view is not None:
+                    copy.host_ids.append(bid)
+                    copy.host_views.append(view)
+                    hosts.append(address)
+        copy.nbytes = self.views.block_bytes * (len(copy.from_disk) + len(copy.host_ids))
+        if copy.host_ids:
+            with contextlib.suppress(IndexError):  # the copy raises it again, as a failed load
+                copy.batch = self.views.table.host_batch(copy.host_ids, hosts)
+        return copy
 
-        def copy_layers() -> float:
-            begin = time.monotonic()
-            try:
-                if from_disk:
-                    results = store.submit_load(
-                        [k for k, _, _, _ in from_disk],
-                        [self.views.block(bid) for _, bid, _, _ in from_disk],  # type: ignore[union-attr]
-                    ).result(timeout=LAYER_WAIT_TIMEOUT_S)
-                    for r, (_, bid, logical, job_id) in zip(results, from_disk, strict=True):
-                        if not r.ok:
-                            self._load_errors.add(bid)
-                            self._bad(logical, r)
-                            failed_jobs.add(job_id)
-                for name, segs in self._layers:
-                    if host_ids:
-                        copier.copy_runs(table, host_ids, host_views, [i for i, _, _ in segs])
-                    events[name].set()
-            except Exception:
-                log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
-                self._load_errors.update(block_ids)
-                failed_jobs.update(job_ids)
-            finally:
-                for ev in events.values():
+    def _copy_layers(self, copy: _StepCopy) -> float:
+        """The step's copy (the copier thread's, or the engine thread's for a small one): blocks
+        read from disk first, then layer by layer in forward order; returns its own duration."""
+        assert self.store is not None
+        store = self.store
+        begin = time.monotonic()
+        copier = copy.copier
+        try:
+            if copy.from_disk:
+                self._load_from_disk(copy)
+            if copier is None:  # the synchronous path: every run of every block, one call
+                assert copy.batch is not None
+                copy.batch.copy()
+            else:
+                self._copy_each_layer(copy, copier)
+        except Exception:
+            log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
+            self._load_errors.update(copy.block_ids)
+            copy.failed_jobs.update(copy.job_ids)
+        finally:
+            if copier is not None:
+                for ev in copier.events.values():
                     ev.set()  # a failure must not leave the forward pass waiting
                 copier.synchronize()  # the DMA reads the host copies until it completes
-                for read, _ in jobs:
-                    store.release_host(read)
-            return time.monotonic() - begin
+            for read in copy.reads:
+                store.release_host(read)
+        return time.monotonic() - begin
 
-        future = self._copier.submit(copy_layers)
-        self._layerwise = LayerwiseStep(
-            events, future, block_ids, nbytes, started, f"layerwise-{loads[0].req_id}"
-        )
-        self._layerwise_jobs = (job_ids, failed_jobs)
+    def _copy_each_layer(self, copy: _StepCopy, copier: LayerCopier) -> None:
+        """Per layer in forward order: its runs of every host block, then its event."""
+        assert self.views is not None
+        table = self.views.table
+        for name, segs in self._layers:
+            runs = [i for i, _, _ in segs]
+            if copy.batch is not None:
+                copy.batch.copy(np.array(runs, np.int64))
+            elif copy.host_ids:
+                copier.copy_runs(table, copy.host_ids, copy.host_views, runs)
+            copier.events[name].set()
+
+    def _load_from_disk(self, copy: _StepCopy) -> None:
+        """Blocks the host lacks but disk holds (a prefetch still in flight): read whole,
+        checksummed, before the first layer is released."""
+        assert self.store is not None and self.views is not None
+        views = self.views
+        results = self.store.submit_load(
+            [k for k, _, _, _ in copy.from_disk],
+            [views.block(bid) for _, bid, _, _ in copy.from_disk],
+        ).result(timeout=LAYER_WAIT_TIMEOUT_S)
+        for r, (_, bid, logical, job_id) in zip(results, copy.from_disk, strict=True):
+            if not r.ok:
+                self._load_errors.add(bid)
+                self._bad(logical, r)
+                copy.failed_jobs.add(job_id)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Block until this step's layerwise loads have copied ``layer_name``; must be fast."""
@@ -158,7 +230,8 @@ class LayerwiseLoads:
             return
         event = step.events.get(layer_name)
         if event is None:
-            # A layer we did not see at registration: wait for all of them to be safe.
+            # Copied in start_step (no events), or a layer we did not see at registration: wait
+            # for all of them to be safe.
             step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
             return
         if not event.wait(LAYER_WAIT_TIMEOUT_S):

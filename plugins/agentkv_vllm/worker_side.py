@@ -137,8 +137,10 @@ class _Pending:
     move: MoveKind | None = None  # a tier move (fetch/upload/promote/demote); None: store/load
 
     def seconds(self, now: float) -> float:
-        """The transfer's own time: from its start (a delayed load's: after the delay) to its
-        last block (``now``, the poll that saw it, where the handle does not say)."""
+        """The transfer's own time: from its start (when a store worker first took it up, not
+        its submit: the wait behind the step's other transfers is queueing, not transfer; a
+        delayed load's: after the delay) to its last block (``now``, the poll that saw it, where
+        the handle does not say)."""
         started = getattr(self.handle, "started_at", None) or self.started
         finished = getattr(self.handle, "finished_at", None) or now
         return max(0.0, finished - started)

@@ -284,3 +284,47 @@ def test_copy_stream_is_one_stream_per_role_and_device(monkeypatch: pytest.Monke
     assert batched.copy_stream("cuda:0", "gather") is gather0
     assert batched.copy_stream("cuda:1", "gather") is not gather0
     assert made == ["cuda:0", "cuda:0", "cuda:1"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_host_batch_copies_layer_by_layer_or_all_runs_at_once_exactly(layout: str) -> None:
+    """``host_batch``: the blocks and their host addresses turned into the kernel's arrays once;
+    each ``copy(runs)`` writes exactly those runs of every block (a later layer stays untouched
+    until its turn), ``copy()`` every run in one call, on every layout."""
+    native_copy.warm_up(background=False)
+    if not native_copy.available():
+        pytest.skip("numba is not installed: no native copies")
+    caches, dim = _caches(layout)
+    before = {name: t.clone() for name, t in caches.items()}
+    views = BlockViews(caches, NUM_BLOCKS)
+    images = np.empty((len(SRC), views.block_bytes), np.uint8)
+    for b, image in zip(SRC, images, strict=True):
+        views.block(b).gather_into(image)
+    hosts = [image.ctypes.data for image in images]
+    batch = views.table.host_batch(DST, hosts)
+    assert batch is not None
+    layers = views.layer_slices()
+    for done, (_name, segs) in enumerate(layers):
+        batch.copy(np.array([index for index, _, _ in segs], np.int64))
+        for later, _ in layers[done + 1 :]:
+            assert torch.equal(_bits(caches[later]), _bits(before[later])), later
+    _assert_moved(before, caches, dim, set(range(NUM_BLOCKS)) - set(DST))
+    for t, b in zip(caches.values(), before.values(), strict=True):
+        t.copy_(b)
+    views.table.host_batch(DST, hosts).copy()  # type: ignore[union-attr]
+    _assert_moved(before, caches, dim, set(range(NUM_BLOCKS)) - set(DST))
+
+
+def test_a_host_batch_refuses_out_of_range_ids_and_is_none_without_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    native_copy.warm_up(background=False)
+    if not native_copy.available():
+        pytest.skip("numba is not installed: no native copies")
+    table = BlockViews(_caches("cpu")[0], NUM_BLOCKS).table
+    image = np.zeros(table.block_bytes, np.uint8)
+    for bad in (-1, NUM_BLOCKS):
+        with pytest.raises(IndexError):
+            table.host_batch([0, bad], [image.ctypes.data] * 2)
+    monkeypatch.setattr(native_copy, "_kernel", None)
+    assert table.host_batch([0], [image.ctypes.data]) is None  # callers keep copy_runs_from_host

@@ -327,6 +327,8 @@ def test_report_has_three_sections_oracle_ratios_and_check(tmp_path: Path) -> No
     assert "Oracle check: 1 of 1 resume rounds" in md
     assert "## Resume stall, taken apart" in md
     assert "| host | 3 |" in md  # the tier's reload jobs against memcpy
+    # The plugin's per-job timing is labelled as what it is: copy time, not job latency.
+    assert "| copy time (s) |" in md and "not its latency" in md
     paths = write_trace_plots(report, tmp_path)
     assert [p.name for p in paths] == [
         "trace_ttft_cdf.png",

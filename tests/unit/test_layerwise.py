@@ -186,3 +186,113 @@ def test_silent_rank_knob_never_reports_matching_stores() -> None:
     taken = w.take_report()
     assert taken is not None and taken.report.jobs_done == {2: 1}
     w.shutdown()
+
+
+def _stored_pair(w: WorkerSide, caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Blocks 1 and 2 of every layer stored to host as k1, k2, then zeroed; their old bytes."""
+    for i, name in enumerate(NAMES):
+        caches[name][1] = i + 1
+        caches[name][2] = -(i + 1)
+    w.start_step(
+        _step(stores=[StoreJob(1, "host", [BlockTransfer(b"k1", 1), BlockTransfer(b"k2", 2)], "t")])
+    )
+    _drain(w)
+    w.take_report()
+    expected = {name: caches[name][1:3].clone() for name in NAMES}
+    for name in NAMES:
+        caches[name].zero_()
+    return expected
+
+
+def _native() -> None:
+    from agentkv.tiers import native_copy
+
+    native_copy.warm_up(background=False)
+    if not native_copy.available():
+        pytest.skip("numba is not installed: no native copies")
+
+
+def test_a_small_cpu_step_is_copied_inside_start_step_without_the_copier_thread() -> None:
+    """Up to SYNC_COPY_MAX_BYTES on CPU: the copy is done when start_step returns (one native
+    call, no thread hand-off, no per-layer events), the waits return at once, and the job and
+    its copy time are reported as before."""
+    _native()
+    w, caches = _worker()
+    expected = _stored_pair(w, caches)
+    w.start_step(
+        _step(loads=[LoadJob(2, "req", [BlockTransfer(b"k1", 6), BlockTransfer(b"k2", 4)], True)])
+    )
+    assert w._copier is None  # no thread was ever started for it
+    for name in NAMES:  # already there before any layer is waited for
+        assert torch.equal(caches[name][6], expected[name][0])
+        assert torch.equal(caches[name][4], expected[name][1])
+    for name in NAMES:
+        w.wait_for_layer(name)
+    w.finish_step()
+    taken = w.take_report()
+    assert taken is not None and taken.report.jobs_done == {2: 1} and not taken.report.jobs_failed
+    [((kind, tier, _), (nbytes, seconds))] = list(taken.report.transfers.items())
+    assert (kind, tier, nbytes) == ("reload", "host", 2 * w.views.block_bytes)  # type: ignore[union-attr]
+    assert seconds > 0
+    # The pins were released: the same blocks load again (and a host miss still fails).
+    w.start_step(
+        _step(loads=[LoadJob(3, "r2", [BlockTransfer(b"k2", 0), BlockTransfer(b"no", 7)], True)])
+    )
+    w.finish_step()
+    assert torch.equal(caches[NAMES[-1]][0], expected[NAMES[-1]][1])
+    assert w.load_error_block_ids() == {7}
+    w.shutdown()
+
+
+def test_a_large_cpu_step_goes_layer_by_layer_on_the_copier_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Above SYNC_COPY_MAX_BYTES the copier thread writes layer after layer, one native call of
+    the step's batch per layer (addresses made once), exactly."""
+    from agentkv.tiers import native_copy
+    from agentkv_vllm import layerwise_loads
+
+    _native()
+    monkeypatch.setattr(layerwise_loads, "SYNC_COPY_MAX_BYTES", 0)
+    w, caches = _worker()
+    expected = _stored_pair(w, caches)
+    calls: list[tuple[list[int], list[int]]] = []
+    real = native_copy.copy_runs
+
+    def counting(hosts: object, blocks: object, table: object, runs: object, *rest: object) -> None:
+        calls.append((list(blocks), list(runs)))  # type: ignore[call-overload]
+        real(hosts, blocks, table, runs, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native_copy, "copy_runs", counting)
+    w.start_step(
+        _step(loads=[LoadJob(2, "req", [BlockTransfer(b"k2", 7), BlockTransfer(b"k1", 3)], True)])
+    )
+    for name in NAMES:
+        w.wait_for_layer(name)
+        assert torch.equal(caches[name][7], expected[name][1])
+        assert torch.equal(caches[name][3], expected[name][0])
+    w.finish_step()
+    assert w._copier is not None
+    # Forward order (layers 0, 1, 2, 10, 11 are runs 0, 1, 4, 2, 3 of the sorted table), one
+    # call per layer for both blocks.
+    assert calls == [([7, 3], [i]) for i in (0, 1, 4, 2, 3)]
+    taken = w.take_report()
+    assert taken is not None and taken.report.jobs_done == {2: 1} and not taken.report.jobs_failed
+    w.shutdown()
+
+
+def test_a_block_id_outside_the_cache_fails_the_load_instead_of_raising_into_the_engine() -> None:
+    _native()
+    w, caches = _worker()
+    _stored_pair(w, caches)
+    w.start_step(_step(loads=[LoadJob(2, "req", [BlockTransfer(b"k1", NUM_BLOCKS)], True)]))
+    for name in NAMES:
+        w.wait_for_layer(name)
+    w.finish_step()
+    assert w.load_error_block_ids() == {NUM_BLOCKS}  # vLLM recomputes; the pins were released
+    taken = w.take_report()
+    assert taken is not None and taken.report.jobs_failed == {2}
+    w.start_step(_step(loads=[LoadJob(3, "r2", [BlockTransfer(b"k1", 0)], True)]))
+    w.finish_step()
+    assert w.load_error_block_ids() == set()
+    w.shutdown()

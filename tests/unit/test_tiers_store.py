@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -336,6 +337,8 @@ def test_acquire_host_pins_views_until_release(make) -> None:  # type: ignore[no
     v0, v1 = read.views[0], read.views[2]
     assert v0 is not None and v1 is not None
     assert np.array_equal(v0, content(ks[0])) and np.array_equal(v1, content(ks[1]))
+    # Each view's arena address, for native batched copies (0 where the key was not in host).
+    assert read.addresses == [v0.ctypes.data, 0, v1.ctypes.data]
     with pytest.raises(ValueError):
         v0[0] = 1  # read-only: a reader must never write a tier
     # Host is full and both blocks are pinned: a new store cannot evict them mid-read...
@@ -492,3 +495,21 @@ def test_moves_of_absent_blocks_miss_and_moves_already_done_are_ok(make) -> None
         "promotions": 1,
         "stores": 2,
     }
+
+
+def test_a_transfer_is_timed_from_when_a_worker_takes_it_up_not_from_its_submit(make) -> None:  # type: ignore[no-untyped-def]
+    """``started_at`` excludes the wait in the store's queue: with the only worker held, a
+    submitted load has no start yet; it starts after the worker is free, and ends after that."""
+    s = make(2, None, workers=1)
+    ks = keys(1)
+    assert store_all(s, ks) == [OK]
+    held, release = threading.Event(), threading.Event()
+    s._pool.submit(lambda: (held.set(), release.wait(10)))
+    assert held.wait(10)
+    handle = s.submit_load(ks, [np.zeros(BLOCK, np.uint8)])
+    assert handle.started_at is None and not handle.done()  # queued, not transferring
+    freed = time.monotonic()
+    release.set()
+    assert [r.status for r in handle.result(10)] == [OK]
+    assert handle.started_at is not None and handle.finished_at is not None
+    assert freed <= handle.started_at <= handle.finished_at
