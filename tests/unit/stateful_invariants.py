@@ -52,6 +52,21 @@ class ManagerInvariants:
         assert not self.cascades, self.cascades
 
     @invariant()
+    def deferred_write_backs_track_cached_branches(self) -> None:
+        """8. every branch with a recorded eviction due is CACHED (a resume, a copy or a
+        delete takes it off), and each live heap entry carries exactly that due (a resume's
+        shift of the contexts ahead of it moves both)."""
+        if self.mgr is None:
+            return
+        wb = self.mgr.writebacks
+        cached = {ref: b for ref, (_, b) in wb.cached.items()}
+        for ref in wb.due:
+            assert ref in cached and cached[ref].state.value == "cached", ref
+        for due, _, traj, branch, token in wb.heap:
+            if branch.state.value == "cached" and branch.timer_token == token and not traj.deleted:
+                assert wb.due.get((id(traj), branch.name)) == due, (branch.name, due)
+
+    @invariant()
     def device_prefetch_states_are_consistent(self) -> None:
         """A prefetch being ordered or loaded belongs to an OFFLOADED, idle branch of a live
         trajectory; a ready one pins only as RETAINED (else it fell back, pinning nothing); no

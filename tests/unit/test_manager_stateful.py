@@ -29,6 +29,8 @@ Invariants after every step (numbers from agentkv/manager/core.py's docstring):
   6. index == stores: what the index lists complete is on every rank; the ranks hold nothing the
      index does not know (drops still in the outbox aside); no tier is written past capacity
   7. the KV-event change log replays to exactly the index
+  8. deferred write-backs: a recorded eviction due belongs to a CACHED branch, and its live
+     heap entry carries the same due
 They are in stateful_invariants.py (ManagerInvariants, a mixin of the machine). The rules: the
 control channel's in stateful_control.py (ControlRules), the restarts in stateful_restart.py
 (RestartRules), both mixins; the requests, engine loop, workers, clock and pressure here.

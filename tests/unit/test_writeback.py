@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentkv.admission import Admission, PoolTrend
 from agentkv.costs import CostModel
@@ -243,6 +245,45 @@ def test_a_resume_behind_a_deferred_branch_leaves_its_distance_to_eviction() -> 
     assert wb.due[(id(t1), "main")] - trend.filled_total == pytest.approx(left1, abs=1.0)
     assert (id(t2), "main") not in wb.due
     assert _branch(rig).state is BranchState.CACHED and rig.eng.violations == []
+
+
+_CONTEXTS = {  # 4 full blocks each, none shared
+    "a": [7, 7, 7, 7, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1],
+    "b": [5, 5, 5, 5, 6, 6, 6, 6, 2, 3, 4, 5, 6, 7, 8, 9, 2],
+    "c": [3, 3, 3, 3, 8, 8, 8, 8, 4, 5, 6, 7, 8, 9, 1, 2, 3],
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(order=st.permutations(["a", "b", "c"]), resumes=st.integers(1, 3))
+def test_each_resume_moves_only_the_deferred_contexts_behind_it(
+    order: list[str], resumes: int
+) -> None:
+    """a, b, c paused (deferred) in that order; some resume in any order. A deferred context's
+    distance to eviction shrinks by the blocks of the resumed contexts queued ahead of it, and
+    only by those (within the resume's own partial block); the heap and the dues agree."""
+    rig = _rig()
+    for name, ctx in _CONTEXTS.items():
+        rig.turn(name, ctx)
+        rig.eng.step()
+        assert rig.mgr.pause(name, "main", "pytest", 2.0)[1]["decision"]["writeback_deferred"]
+        rig.settle()
+    wb, trend = rig.mgr.writebacks, rig.mgr.pool_trend
+    ref = {n: (id(rig.mgr.table[n]), "main") for n in _CONTEXTS}
+    left = {n: wb.due[ref[n]] - trend.filled_total for n in _CONTEXTS}
+    assert left["a"] < left["b"] < left["c"]
+    gone: list[str] = []
+    for name in order[:resumes]:
+        rig.turn(name, [*_CONTEXTS[name], 1, 1, 1])
+        rig.eng.step()
+        gone.append(name)
+        for other in (n for n in _CONTEXTS if n not in gone):
+            ahead = sum(4 for g in gone if "abc".index(g) < "abc".index(other))
+            now = wb.due[ref[other]] - trend.filled_total
+            assert now == pytest.approx(left[other] - ahead, abs=float(len(gone))), other
+        live = [e for e in wb.heap if e[3].state is BranchState.CACHED and e[3].timer_token == e[4]]
+        assert sorted(e[0] for e in live) == sorted(wb.due.values())
+    assert rig.eng.violations == []
 
 
 def test_blocks_evicted_before_the_forecast_fall_back_to_recompute() -> None:
