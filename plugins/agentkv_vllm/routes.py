@@ -268,12 +268,8 @@ async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
             detail += f"; it may have been applied: retry with the same {KEY_HEADER}"
         raise HTTPException(status_code=503, detail=detail) from None
     replayed = bool(body.pop(REPLAYED_FIELD, False))
-    if nudge and status < 400 and _State.engine_client is not None:
-        try:
-            # Any utility call wakes an idle engine loop, which then runs the queued transfers.
-            await _State.engine_client.is_sleeping()
-        except Exception as exc:
-            log.debug("agentkv: engine nudge failed: %s", exc)
+    if nudge and status < 400:
+        _nudge_soon()
     headers = {REPLAYED_HEADER: "true"} if replayed else None
     return JSONResponse(status_code=status, content=body, headers=headers)
 
@@ -451,10 +447,18 @@ async def _auto_pause(
         ",".join(tools),
         (body.get("decision") or {}).get("action"),
     )
-    if _State.engine_client is not None:
-        task = asyncio.get_running_loop().create_task(_nudge())
-        _State.background.add(task)
-        task.add_done_callback(_State.background.discard)
+    _nudge_soon()
+
+
+def _nudge_soon() -> None:
+    """Wake an idle engine loop (any utility call does; it then runs the transfers the op
+    queued) without waiting for it: the utility call is answered between engine steps, so
+    awaiting it would add up to a whole step to every pause and resume the agent waits on."""
+    if _State.engine_client is None:
+        return
+    task = asyncio.get_running_loop().create_task(_nudge())
+    _State.background.add(task)
+    task.add_done_callback(_State.background.discard)
 
 
 async def _nudge() -> None:
