@@ -53,6 +53,7 @@ from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
 from agentkv_vllm.control import ControlClient, ControlUnavailable
 from agentkv_vllm.control_ops import REPLAYED_FIELD
 from agentkv_vllm.hooks import AgentKVHooks, HookState
+from agentkv_vllm.metrics_snapshot import MetricsSnapshot
 from agentkv_vllm.params import BranchStr
 from agentkv_vllm.prefetch_issuer import PrefetchIssuer
 from agentkv_vllm.settings import ConnectorSettings
@@ -576,13 +577,9 @@ def _register_metrics(client: ControlClient) -> None:
 
     from agentkv.prometheus_export import SnapshotCollector
 
-    def fetch() -> dict[str, Any]:
-        status, body = client.call_sync("metrics", timeout_s=METRICS_TIMEOUT_S)
-        if status != 200:
-            raise ControlUnavailable(f"metrics op answered {status}: {body.get('detail')}")
-        return body
-
-    REGISTRY.register(SnapshotCollector(fetch))
+    snapshot = MetricsSnapshot(client, timeout_s=METRICS_TIMEOUT_S)
+    _State.hooks.before_metrics = snapshot.refresh
+    REGISTRY.register(SnapshotCollector(snapshot.fetch))
     _metrics_registered = True
 
 
