@@ -24,6 +24,7 @@ from agentkv import stats
 from agentkv.stats import mean, percentile
 from agentkv_bench.prefetch_report import prefetch_markdown, prefetch_section
 from agentkv_bench.sampler import Sample
+from agentkv_bench.stall_report import PHASE_FAST, SLOW_PHASE_S
 from agentkv_bench.stall_report import ms as _ms
 from agentkv_bench.stall_report import stall_markdown as _stall_markdown
 from agentkv_bench.trace_replay import RoundRecord, SessionRecord
@@ -149,12 +150,14 @@ def ratios(a: TraceSummary, b: TraceSummary) -> dict[str, float | None]:
 
 _PROM_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 _LABEL_RE = re.compile(r'(?:tier|phase)="([^"]*)"')
+_LE_RE = re.compile(r'le="([^"]*)"')
 PROM_WANTED = (
     "agentkv_reload_bytes_sum",
     "agentkv_reload_bytes_count",
     "agentkv_reload_seconds_sum",
     "agentkv_reload_phase_seconds_sum",
     "agentkv_reload_phase_seconds_count",
+    "agentkv_reload_phase_seconds_bucket",  # only le=SLOW_PHASE_S, kept as PHASE_FAST
     "agentkv_offload_bytes_sum",
     "agentkv_offload_seconds_sum",
     "vllm:request_queue_time_seconds_sum",
@@ -165,12 +168,19 @@ PROM_WANTED = (
 
 
 def parse_prom(text: str) -> dict[tuple[str, str], float]:
-    """The PROM_WANTED series of a /metrics page, keyed by (name, tier or phase label or "")."""
+    """The PROM_WANTED series of a /metrics page, keyed by (name, tier or phase label or "");
+    of the phase histogram's buckets only the one at SLOW_PHASE_S, as ``PHASE_FAST``."""
     out: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
         m = _PROM_RE.match(line.strip())
         if not m or m.group(1) not in PROM_WANTED:
             continue
+        name = m.group(1)
+        if name == "agentkv_reload_phase_seconds_bucket":
+            le = _LE_RE.search(m.group(2) or "")
+            if le is None or le.group(1) == "+Inf" or float(le.group(1)) != SLOW_PHASE_S:
+                continue
+            name = PHASE_FAST
         try:
             value = float(m.group(3))
         except ValueError:
@@ -178,7 +188,7 @@ def parse_prom(text: str) -> dict[tuple[str, str], float]:
         if math.isnan(value):
             continue
         label = _LABEL_RE.search(m.group(2) or "")
-        key = (m.group(1), label.group(1) if label else "")
+        key = (name, label.group(1) if label else "")
         out[key] = out.get(key, 0.0) + value
     return out
 

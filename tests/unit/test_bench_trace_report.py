@@ -121,6 +121,10 @@ agentkv_reload_phase_seconds_sum{phase="prepare"} 0.0003
 agentkv_reload_phase_seconds_count{phase="prepare"} 3.0
 agentkv_reload_phase_seconds_sum{phase="copy"} 0.0009
 agentkv_reload_phase_seconds_count{phase="copy"} 3.0
+agentkv_reload_phase_seconds_bucket{le="0.0005",phase="copy"} 1.0
+agentkv_reload_phase_seconds_bucket{le="0.001",phase="copy"} 2.0
+agentkv_reload_phase_seconds_bucket{le="+Inf",phase="copy"} 3.0
+agentkv_reload_phase_seconds_bucket{le="0.001",phase="prepare"} 3.0
 agentkv_reload_phase_seconds_sum{phase="copy_cpu"} 0.0006
 agentkv_reload_phase_seconds_count{phase="copy_cpu"} 3.0
 vllm:request_queue_time_seconds_sum{engine="0",model_name="tiny"} 2.5
@@ -155,7 +159,13 @@ def test_engine_counters_parse_and_difference() -> None:
     # The worker's reload phases, in ReloadPhase order, per step.
     reload = reload_phase_section(after)
     assert list(reload) == ["prepare", "copy", "copy_cpu"]
-    assert reload["copy"] == {"steps": 3, "total_s": 0.0009, "mean_s": pytest.approx(3e-4)}
+    assert reload["copy"] == {
+        "steps": 3,
+        "total_s": 0.0009,
+        "mean_s": pytest.approx(3e-4),
+        "slow_steps": 1,  # 2 of its 3 steps within 1 ms
+    }
+    assert reload["prepare"]["slow_steps"] == reload["copy_cpu"]["slow_steps"] == 0
     assert reload_phase_section({}) == {}
 
 
@@ -361,7 +371,7 @@ def test_report_has_three_sections_oracle_ratios_and_check(tmp_path: Path) -> No
     # host: 3 jobs of 1e6 B in 0.006 s; cold memcpy 3e6 / 10e9 s, hot 3e6 / 15e9 s.
     assert "| host | 3 | 2.9 | 0.006 | 0.50 | 10.00 | 20.00x | 15.00 | 30.00x |" in md
     # The worker's reload phases: a table, and how much of the copy its thread was running.
-    assert "| copy | 3 | 300 | 0.0009 |" in md
+    assert "| copy | 3 | 300 | 0.0009 | 1 |" in md
     assert "ran 67% of the copy's wall time" in md and "300 vs 100 us" in md
     paths = write_trace_plots(report, tmp_path)
     assert [p.name for p in paths] == [
