@@ -233,7 +233,7 @@ def stall_markdown(st: dict[str, Any], names: list[str]) -> list[str]:
         "metrics); queue = the rest of the TTFT.",
         "",
         "| config | resume rounds | TTFT | load | prefill | queue + rest | prefilled tokens "
-        "| loaded MiB | memcpy of those bytes |",
+        "| loaded MiB | memcpy of those bytes (cold) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in names:
