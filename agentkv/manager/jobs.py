@@ -66,7 +66,8 @@ class ReloadPhase(enum.StrEnum):
     HANDOFF = "handoff"  # to the copy's first line: the copier thread's wake-up (0 in start_step)
     DISK = "disk"  # blocks only disk held, read whole and checked first
     COPY = "copy"  # the host copies (the native kernel), wall time
-    COPY_CPU = "copy_cpu"  # the copying thread's CPU time during COPY (COPY - this: descheduled)
+    COPY_CPU = "copy_cpu"  # the copying thread's CPU time in DISK + COPY + RELEASE (the rest:
+    # off the CPU, or waiting for the GIL or the store's lock)
     RELEASE = "release"  # the host pins released
     FORWARD = "forward"  # start_step returned to finish_step: the model's forward and vLLM's work
     FINISH = "finish"  # finish_step: waiting for the copier (thread path), its bookkeeping

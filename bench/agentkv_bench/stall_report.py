@@ -314,15 +314,16 @@ def _phase_markdown(st: dict[str, Any]) -> list[str]:
             f"| {name} | {d['steps']} | {1e6 * d['mean_s']:,.0f} | {d['total_s']:.4f} | "
             f"{d.get('slow_steps', '-')} |"
         )
-    copy, cpu = phases.get("copy"), phases.get("copy_cpu")
-    if copy and cpu and copy["total_s"] > 0:
+    own = sum((phases.get(p) or {}).get("total_s", 0.0) for p in ("disk", "copy", "release"))
+    cpu, copy = phases.get("copy_cpu"), phases.get("copy")
+    if cpu and copy and own > 0:
         lines += [
             "",
-            f"The copying thread ran {cpu['total_s'] / copy['total_s']:.0%} of the copy's wall "
-            "time (the rest it was off the CPU: other threads and processes on the cores)"
+            f"The copying thread ran {cpu['total_s'] / own:.0%} of the copy time (disk + copy + "
+            "release; the rest it was off the CPU or waiting for the GIL or the store's lock)"
             + (
-                f"; the copy's mean per step against a cold memcpy of the host tier's mean job:"
-                f" {1e6 * copy['mean_s']:,.0f} vs {cold_us:,.0f} us."
+                f"; the copy phase's mean per step against a cold memcpy of the host tier's mean"
+                f" job: {1e6 * copy['mean_s']:,.0f} vs {cold_us:,.0f} us."
                 if cold_us
                 else "."
             ),

@@ -81,7 +81,8 @@ class ReloadStamps:
 
     def phases(self) -> dict[ReloadPhase, float]:
         """Seconds per phase (ReloadPhase); a phase whose end was not reached (the copy failed,
-        the step never returned) is left out, and none is negative."""
+        the step never returned) is left out, and none is negative. COPY_CPU (the copying
+        thread's CPU time over disk + copy + release) comes with COPY."""
         spans = {
             ReloadPhase.BEFORE: (self.entered, self.layerwise),
             ReloadPhase.PREPARE: (self.layerwise, self.prepared),
@@ -217,14 +218,17 @@ class LayerwiseLoads:
         read from disk first, then layer by layer in forward order; returns its own duration."""
         assert self.store is not None
         store = self.store
-        begin = time.monotonic()
         stamps = copy.stamps
+        # The thread's CPU clock is read outside the timed span: it is a system call, and on
+        # return the kernel may hand a core whose slice is used up to another task (EEVDF
+        # checks the slice there): measured inside, that wait landed in the copy's time.
+        cpu = time.thread_time()
+        begin = time.monotonic()
         stamps.copy_start = time.perf_counter()
         copier = copy.copier
         try:
             if copy.from_disk:
                 self._load_from_disk(copy)
-            cpu = time.thread_time()
             stamps.disk_done = time.perf_counter()
             if copier is None:  # the synchronous path: every run of every block, one call
                 assert copy.batch is not None
@@ -232,7 +236,6 @@ class LayerwiseLoads:
             else:
                 self._copy_each_layer(copy, copier)
             stamps.copy_end = time.perf_counter()
-            stamps.copy_cpu = time.thread_time() - cpu
         except Exception:
             log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
             self._load_errors.update(copy.block_ids)
@@ -245,7 +248,9 @@ class LayerwiseLoads:
             for read in copy.reads:
                 store.release_host(read)
             stamps.released = time.perf_counter()
-        return time.monotonic() - begin
+        seconds = time.monotonic() - begin
+        stamps.copy_cpu = time.thread_time() - cpu
+        return seconds
 
     def _copy_each_layer(self, copy: _StepCopy, copier: LayerCopier) -> None:
         """Per layer in forward order: its runs of every host block, then its event."""

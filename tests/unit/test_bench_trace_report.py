@@ -372,7 +372,7 @@ def test_report_has_three_sections_oracle_ratios_and_check(tmp_path: Path) -> No
     assert "| host | 3 | 2.9 | 0.006 | 0.50 | 10.00 | 20.00x | 15.00 | 30.00x |" in md
     # The worker's reload phases: a table, and how much of the copy its thread was running.
     assert "| copy | 3 | 300 | 0.0009 | 1 |" in md
-    assert "ran 67% of the copy's wall time" in md and "300 vs 100 us" in md
+    assert "ran 67% of the copy time (disk + copy + release" in md and "300 vs 100 us" in md
     paths = write_trace_plots(report, tmp_path)
     assert [p.name for p in paths] == [
         "trace_ttft_cdf.png",
