@@ -320,7 +320,8 @@ def _phase_markdown(st: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"The copying thread ran {cpu['total_s'] / own:.0%} of the copy time (disk + copy + "
-            "release; the rest it was off the CPU or waiting for the GIL or the store's lock)"
+            "release; the rest it was off the CPU or waiting for the GIL or the store's lock; "
+            "its CPU clock is read just outside that span, so a little over 100% is none)"
             + (
                 f"; the copy phase's mean per step against a cold memcpy of the host tier's mean"
                 f" job: {1e6 * copy['mean_s']:,.0f} vs {cold_us:,.0f} us."
