@@ -31,6 +31,8 @@ MetricKind = Literal["counter", "gauge", "histogram"]
 # Transfers: one job is a trajectory's context, from one 128-token block (tens of KiB on small
 # models) to tens of GiB on a large model's long context.
 BYTE_BUCKETS = tuple(float(1 << (16 + 2 * i)) for i in range(10))  # 64 KiB .. 16 GiB
+# A reload step's phases are tens to hundreds of microseconds each.
+PHASE_SECOND_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
 TRANSFER_SECOND_BUCKETS = (
     0.001,
     0.0025,
@@ -145,6 +147,14 @@ RELOAD_SECONDS = MetricSpec(
     TRANSFER_SECOND_BUCKETS,
     "s",
 )
+RELOAD_PHASE_SECONDS = MetricSpec(
+    "agentkv_reload_phase_seconds",
+    "histogram",
+    "Per layer-by-layer reload step: seconds in each phase on the worker, slowest rank.",
+    ("phase",),
+    PHASE_SECOND_BUCKETS,
+    "s",
+)
 TOOL_WAIT_PREDICTED = MetricSpec(
     "agentkv_tool_wait_predicted_seconds",
     "histogram",
@@ -231,6 +241,7 @@ METRICS: tuple[MetricSpec, ...] = (
     OFFLOAD_SECONDS,
     RELOAD_BYTES,
     RELOAD_SECONDS,
+    RELOAD_PHASE_SECONDS,
     TOOL_WAIT_PREDICTED,
     TOOL_WAIT_OBSERVED,
     PREFIX_HIT_RATIO,

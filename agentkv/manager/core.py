@@ -335,6 +335,8 @@ class TrajectoryManager:
                     self.metrics.observe(
                         m.OFFLOAD_SECONDS if off else m.RELOAD_SECONDS, seconds, tier=tier
                     )
+            for phase, seconds in report.reload_phases.items():
+                self.metrics.observe(m.RELOAD_PHASE_SECONDS, seconds, phase=str(phase))
             self.bad_keys.clear()
             self.transitions.drain_doomed()
 

@@ -5,6 +5,7 @@ Primitives:
   MoveKind        PROMOTE | DEMOTE | FETCH | UPLOAD (a StrEnum)
   TransferKind    OFFLOAD | RELOAD | PROMOTE | DEMOTE: what a reported transfer measured
   TransferRef     (kind, tier, ref): one reported transfer, the key of WorkerReport.transfers
+  ReloadPhase     where a layer-by-layer reload step's time went on a worker (a StrEnum)
   KeyProblem      'miss' | 'corrupt' | 'error': why a rank could not serve or write a key
   StoreJob        device -> tier (Tier.HOST | Tier.DISK); the device blocks stay pinned until done
   LoadJob         tier -> device blocks the engine allocated for a request
@@ -52,6 +53,24 @@ class TransferRef(NamedTuple):
     kind: TransferKind
     tier: Tier
     ref: str
+
+
+class ReloadPhase(enum.StrEnum):
+    """One phase of a layer-by-layer reload step on a worker, in the order they happen
+    (``agentkv_reload_phase_seconds``; the reported reload seconds are DISK + COPY + RELEASE).
+    Why per phase: the reload's own time varies 2x between identical replays; these say which
+    part moved (docs/tiers.md)."""
+
+    BEFORE = "before"  # start_step up to the layerwise loads: the step's drops, stores, moves
+    PREPARE = "prepare"  # keys, host pins (store lock), views, addresses, the batch's arrays
+    HANDOFF = "handoff"  # to the copy's first line: the copier thread's wake-up (0 in start_step)
+    DISK = "disk"  # blocks only disk held, read whole and checked first
+    COPY = "copy"  # the host copies (the native kernel), wall time
+    COPY_CPU = "copy_cpu"  # the copying thread's CPU time in DISK + COPY + RELEASE (the rest:
+    # off the CPU, or waiting for the GIL or the store's lock)
+    RELEASE = "release"  # the host pins released
+    FORWARD = "forward"  # start_step returned to finish_step: the model's forward and vLLM's work
+    FINISH = "finish"  # finish_step: waiting for the copier (thread path), its bookkeeping
 
 
 # Why a rank could not serve or write a key (the worker fills it; a Literal, not an enum: the
@@ -125,10 +144,17 @@ class WorkerReport:
     hello: dict[int, int] = field(default_factory=dict)
     # what each transfer measured -> (bytes, seconds)
     transfers: dict[TransferRef, tuple[int, float]] = field(default_factory=dict)
+    # layer-by-layer reload steps since the last report: phase -> seconds (summed over steps)
+    reload_phases: dict[ReloadPhase, float] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(
-            self.jobs_done or self.jobs_failed or self.bad_keys or self.hello or self.transfers
+            self.jobs_done
+            or self.jobs_failed
+            or self.bad_keys
+            or self.hello
+            or self.transfers
+            or self.reload_phases
         )
 
     def merge(self, other: WorkerReport) -> WorkerReport:
@@ -139,6 +165,7 @@ class WorkerReport:
             bad_keys={**self.bad_keys, **other.bad_keys},
             hello={**self.hello, **other.hello},
             transfers=dict(self.transfers),
+            reload_phases=dict(self.reload_phases),
             fetch_missing={k: list(v) for k, v in self.fetch_missing.items()},
         )
         for job, keys in other.fetch_missing.items():
@@ -149,4 +176,6 @@ class WorkerReport:
         for ref, (nbytes, seconds) in other.transfers.items():
             b0, s0 = out.transfers.get(ref, (0, 0.0))
             out.transfers[ref] = (b0 + nbytes, max(s0, seconds))
+        for phase, seconds in other.reload_phases.items():
+            out.reload_phases[phase] = max(out.reload_phases.get(phase, 0.0), seconds)
         return out

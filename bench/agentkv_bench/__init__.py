@@ -14,7 +14,10 @@ Modules:
 Recorded traces (``agentkv bench agents --trace FILE``; the parser is ``agentkv.traces``):
   trace_prompts  token-id prompts whose prefix is the session's history; the oracle's pool size
   trace_replay   a closed loop per session against one server (vanilla, agentkv or oracle)
-  trace_report   summaries, agentkv/vanilla and agentkv/oracle ratios, the resume stall taken
-                 apart (load per tier, prefill, queue) against a raw memcpy, JSON and markdown
+  trace_report   summaries, agentkv/vanilla and agentkv/oracle ratios, JSON and markdown
+  stall_report   the resume stall taken apart (load per tier, prefill, queue), each tier's
+                 reload against memcpy, the worker's reload phases
+  copy_baseline  the memcpy baselines: cold (shuffled slots of pools past the LLC: the
+                 target's) and cache-hot
   trace_runner   one invocation: the three configurations in turn, the report and the plots
 """

@@ -8,7 +8,7 @@ hit_rate_by_turn.png  prefix hit rate (cached / prompt tokens) per turn index
 For a trace replay (``write_trace_plots``, vanilla, agentkv and the oracle):
 trace_ttft_cdf.png      CDF of TTFT, resume rounds and all rounds
 trace_stall.png         the mean resume round taken apart: load per tier, prefill, queue + rest,
-                        next to the memcpy time of the loaded bytes
+                        next to the (cold) memcpy time of the loaded bytes
 trace_kv_occupancy.png  device KV blocks in use over time and how many sessions are waiting
 """
 
@@ -178,7 +178,9 @@ def _stall(plt: Any, report: dict[str, Any], configs: dict[str, Any], path: Path
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
     memcpy = [1000 * by_config[n]["memcpy_mean_s"] for n in names]
     if any(memcpy):
-        ax.scatter(names, memcpy, marker="_", s=400, color="black", label="memcpy of loaded bytes")
+        ax.scatter(
+            names, memcpy, marker="_", s=400, color="black", label="memcpy of loaded bytes (cold)"
+        )
     ax.set_ylabel("ms, mean per resume round")
     ax.set_title("resume stall, taken apart")
     ax.grid(True, axis="y", alpha=0.3)

@@ -7,39 +7,16 @@ Primitives:
   device_hit(r, block_tokens)  the round reused every cacheable block of its history
   parse_prom(text)  {(metric, tier label or ""): value} for the counters the bench reads
   prom_delta(before, after)
-  TierRates         per tier: reload jobs, bytes and seconds over the run (the plugin's
-                    ``agentkv_reload_*`` histograms), hence its reload throughput
-  StallRow          one resume round taken apart: load per tier, prefill, queue + the rest,
-                    and the raw memcpy time of the bytes it loaded
-  decompose(rounds, ...) -> [StallRow]
-  memcpy_seconds(nbytes)  best of 5 numpy copies of a buffer that size, on this machine
-  stall_section(...)  the JSON section: per configuration means, per tier load vs memcpy
+  (the resume stall, TierRates, decompose, stall_section: agentkv_bench.stall_report)
   build_report(...), to_markdown(report)
 
-How a resume round is taken apart (all configurations alike, times in seconds):
-  load    its ``tier_hit_tokens`` as bytes (``block_bytes`` per ``block_tokens``) at its tier's
-          reload throughput over the run (reload bytes / reload seconds, from the plugin's
-          transfer histograms: each job's copy time as the worker timed it, not its latency:
-          a layer-by-layer load from its copy's first line to its pins released, an async one
-          from when a store worker took it up to its last block). The plugin reports transfer
-          times per job and hit tokens per turn, not a job per turn, so a round's share is its
-          bytes at the run's rate; the per-tier totals are the histograms' own sums.
-  prefill the tokens it prefilled (prompt - cached) at the engine's prefill rate (agentkv's
-          online calibration from the engine's prefill steps, read at the end of its run).
-  queue   the rest of the TTFT: waiting behind other requests, batching with their steps,
-          scheduling, the HTTP hop. Clamped at 0 (a layerwise load overlaps the prefill).
-  memcpy  a numpy copy of the same bytes in this process, best of 5: the physical limit of
-          moving them once through this machine's memory, with the source in cache (a reload's
-          source, stored long before, is in memory: a cold copy is slower, docs/tiers.md);
-          load / memcpy is the distance to it.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -47,6 +24,9 @@ from agentkv import stats
 from agentkv.stats import mean, percentile
 from agentkv_bench.prefetch_report import prefetch_markdown, prefetch_section
 from agentkv_bench.sampler import Sample
+from agentkv_bench.stall_report import PHASE_FAST, SLOW_PHASE_S
+from agentkv_bench.stall_report import ms as _ms
+from agentkv_bench.stall_report import stall_markdown as _stall_markdown
 from agentkv_bench.trace_replay import RoundRecord, SessionRecord
 
 SCHEMA = "agentkv-bench-trace/1"
@@ -180,11 +160,15 @@ def ratios(a: TraceSummary, b: TraceSummary) -> dict[str, float | None]:
 # ---------------------------------------------------------------- engine counters
 
 _PROM_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-_TIER_RE = re.compile(r'tier="([^"]*)"')
+_LABEL_RE = re.compile(r'(?:tier|phase)="([^"]*)"')
+_LE_RE = re.compile(r'le="([^"]*)"')
 PROM_WANTED = (
     "agentkv_reload_bytes_sum",
     "agentkv_reload_bytes_count",
     "agentkv_reload_seconds_sum",
+    "agentkv_reload_phase_seconds_sum",
+    "agentkv_reload_phase_seconds_count",
+    "agentkv_reload_phase_seconds_bucket",  # only le=SLOW_PHASE_S, kept as PHASE_FAST
     "agentkv_offload_bytes_sum",
     "agentkv_offload_seconds_sum",
     "vllm:request_queue_time_seconds_sum",
@@ -195,20 +179,27 @@ PROM_WANTED = (
 
 
 def parse_prom(text: str) -> dict[tuple[str, str], float]:
-    """The PROM_WANTED series of a /metrics page, keyed by (name, tier label or "")."""
+    """The PROM_WANTED series of a /metrics page, keyed by (name, tier or phase label or "");
+    of the phase histogram's buckets only the one at SLOW_PHASE_S, as ``PHASE_FAST``."""
     out: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
         m = _PROM_RE.match(line.strip())
         if not m or m.group(1) not in PROM_WANTED:
             continue
+        name = m.group(1)
+        if name == "agentkv_reload_phase_seconds_bucket":
+            le = _LE_RE.search(m.group(2) or "")
+            if le is None or le.group(1) == "+Inf" or float(le.group(1)) != SLOW_PHASE_S:
+                continue
+            name = PHASE_FAST
         try:
             value = float(m.group(3))
         except ValueError:
             continue
         if math.isnan(value):
             continue
-        tier = _TIER_RE.search(m.group(2) or "")
-        key = (m.group(1), tier.group(1) if tier else "")
+        label = _LABEL_RE.search(m.group(2) or "")
+        key = (name, label.group(1) if label else "")
         out[key] = out.get(key, 0.0) + value
     return out
 
@@ -217,31 +208,6 @@ def prom_delta(
     before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
 ) -> dict[tuple[str, str], float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
-
-
-@dataclass(frozen=True)
-class TierRates:
-    tier: str
-    jobs: int
-    bytes: float
-    seconds: float
-
-    @property
-    def bytes_per_s(self) -> float | None:
-        return self.bytes / self.seconds if self.seconds > 0 else None
-
-
-def tier_rates(delta: dict[tuple[str, str], float]) -> dict[str, TierRates]:
-    tiers = {t for (name, t) in delta if name.startswith("agentkv_reload_") and t}
-    return {
-        t: TierRates(
-            t,
-            round(delta.get(("agentkv_reload_bytes_count", t), 0.0)),
-            delta.get(("agentkv_reload_bytes_sum", t), 0.0),
-            delta.get(("agentkv_reload_seconds_sum", t), 0.0),
-        )
-        for t in sorted(tiers)
-    }
 
 
 def vllm_phases(delta: dict[tuple[str, str], float]) -> dict[str, float | None]:
@@ -253,149 +219,6 @@ def vllm_phases(delta: dict[tuple[str, str], float]) -> dict[str, float | None]:
         out[f"{phase}_mean_s"] = s / n if n > 0 else None
     out["requests"] = delta.get(("vllm:request_queue_time_seconds_count", ""), 0.0)
     return out
-
-
-# ---------------------------------------------------------------- the resume stall
-
-
-def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
-    """Best of ``repeats`` numpy copies of ``nbytes`` between two touched buffers."""
-    import numpy as np
-
-    if nbytes <= 0:
-        return 0.0
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    np.copyto(dst, src)  # fault both in before timing
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-class MemcpyTimer:
-    """memcpy_seconds with one measurement per distinct size (rounds share block counts)."""
-
-    def __init__(self, measure: Callable[[int], float] = memcpy_seconds) -> None:
-        self.measure = measure
-        self.cache: dict[int, float] = {}
-
-    def __call__(self, nbytes: int) -> float:
-        if nbytes not in self.cache:
-            self.cache[nbytes] = self.measure(nbytes)
-        return self.cache[nbytes]
-
-
-@dataclass
-class StallRow:
-    trajectory_id: str
-    round: int
-    ttft_s: float
-    tier: str | None
-    load_bytes: int
-    load_s: float
-    prefill_tokens: int
-    prefill_s: float
-    queue_s: float  # the rest of the TTFT
-    memcpy_s: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def decompose(
-    rounds: Sequence[RoundRecord],
-    *,
-    block_tokens: int,
-    block_bytes: int,
-    rates: dict[str, TierRates],
-    prefill_tokens_per_s: float,
-    memcpy: Callable[[int], float],
-) -> list[StallRow]:
-    """Take every resume round of ``rounds`` apart (see the module docstring)."""
-    if prefill_tokens_per_s <= 0:
-        raise ValueError("prefill_tokens_per_s must be > 0")
-    out: list[StallRow] = []
-    for r in rounds:
-        if r.kind != "resume":
-            continue
-        tier_tokens = r.tier_hit_tokens or 0
-        nbytes = tier_tokens * block_bytes // block_tokens
-        rate = rates.get(r.tier or "")
-        bps = rate.bytes_per_s if rate is not None else None
-        load = nbytes / bps if nbytes and bps else 0.0
-        prefill = r.recomputed_tokens / prefill_tokens_per_s
-        out.append(
-            StallRow(
-                trajectory_id=r.trajectory_id,
-                round=r.round,
-                ttft_s=r.ttft_s,
-                tier=r.tier if nbytes else None,
-                load_bytes=nbytes,
-                load_s=load,
-                prefill_tokens=r.recomputed_tokens,
-                prefill_s=prefill,
-                queue_s=max(0.0, r.ttft_s - load - prefill),
-                memcpy_s=memcpy(nbytes) if nbytes else 0.0,
-            )
-        )
-    return out
-
-
-def _stall_means(rows: Sequence[StallRow]) -> dict[str, Any]:
-    n = len(rows)
-    if not n:
-        return {"resume_rounds": 0}
-    by_tier: dict[str, float] = {}
-    for row in rows:
-        if row.tier:
-            by_tier[row.tier] = by_tier.get(row.tier, 0.0) + row.load_s / n
-    return {
-        "resume_rounds": n,
-        "rounds_with_load": sum(1 for r in rows if r.load_bytes),
-        "ttft_mean_s": sum(r.ttft_s for r in rows) / n,
-        "load_mean_s": sum(r.load_s for r in rows) / n,
-        "load_mean_s_by_tier": by_tier,
-        "prefill_mean_s": sum(r.prefill_s for r in rows) / n,
-        "queue_mean_s": sum(r.queue_s for r in rows) / n,
-        "memcpy_mean_s": sum(r.memcpy_s for r in rows) / n,
-        "prefill_tokens_mean": sum(r.prefill_tokens for r in rows) / n,
-        "load_bytes_mean": sum(r.load_bytes for r in rows) / n,
-    }
-
-
-def stall_section(
-    rows_by_config: dict[str, list[StallRow]],
-    rates: dict[str, TierRates],
-    prefill_tokens_per_s: float,
-    prefill_source: str,
-    memcpy: Callable[[int], float],
-) -> dict[str, Any]:
-    """Per configuration the mean resume round taken apart; per tier the plugin's reload totals
-    against a memcpy of the same bytes (the jobs' mean size, times the job count)."""
-    tiers: dict[str, Any] = {}
-    for t, rate in rates.items():
-        if rate.jobs <= 0:
-            continue
-        per_job = int(rate.bytes / rate.jobs)
-        copy_s = memcpy(per_job) * rate.jobs if per_job else 0.0
-        tiers[t] = {
-            "reload_jobs": rate.jobs,
-            "reload_bytes": rate.bytes,
-            "reload_s": rate.seconds,
-            "reload_bytes_per_s": rate.bytes_per_s,
-            "memcpy_s": copy_s,
-            "memcpy_bytes_per_s": rate.bytes / copy_s if copy_s > 0 else None,
-            "load_over_memcpy": rate.seconds / copy_s if copy_s > 0 else None,
-        }
-    return {
-        "prefill_tokens_per_s": prefill_tokens_per_s,
-        "prefill_rate_source": prefill_source,
-        "by_config": {name: _stall_means(rows) for name, rows in rows_by_config.items()},
-        "tiers": tiers,
-    }
 
 
 # ---------------------------------------------------------------- report
@@ -452,10 +275,6 @@ def _fmt(x: Any, unit: str = "") -> str:
     if isinstance(x, int):
         return f"{x:,}"
     return str(x)
-
-
-def _ms(x: Any) -> str:
-    return "-" if x is None else f"{x * 1000:.1f}"
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -553,58 +372,3 @@ def _bounds_markdown(report: dict[str, Any], names: list[str]) -> list[str]:
             ),
         ]
     return lines
-
-
-def _stall_markdown(st: dict[str, Any], names: list[str]) -> list[str]:
-    """The resume stall taken apart per configuration, and each tier's reload against memcpy."""
-    lines = [
-        "",
-        "## Resume stall, taken apart (mean per resume round, ms)",
-        "",
-        f"Prefill rate {st['prefill_tokens_per_s']:,.0f} tokens/s ({st['prefill_rate_source']}); "
-        "load = tier-hit bytes at the tier's reload throughput over the run (plugin transfer "
-        "metrics); queue = the rest of the TTFT.",
-        "",
-        "| config | resume rounds | TTFT | load | prefill | queue + rest | prefilled tokens "
-        "| loaded MiB | memcpy of those bytes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for n in names:
-        m = st["by_config"].get(n) or {}
-        if not m.get("resume_rounds"):
-            continue
-        tiers = ", ".join(f"{t} {_ms(v)}" for t, v in sorted(m["load_mean_s_by_tier"].items()))
-        lines.append(
-            f"| {n} | {m['resume_rounds']} | {_ms(m['ttft_mean_s'])} | {_ms(m['load_mean_s'])}"
-            f"{f' ({tiers})' if tiers else ''} | {_ms(m['prefill_mean_s'])} | "
-            f"{_ms(m['queue_mean_s'])} | {m['prefill_tokens_mean']:,.0f} | "
-            f"{m['load_bytes_mean'] / 2**20:.2f} | {_ms(m['memcpy_mean_s'])} |"
-        )
-    if not st["tiers"]:
-        return [*lines, "", "No agentkv reloads in this run (every hit was on the device)."]
-    lines += [
-        "",
-        "| tier | reload jobs | MiB | copy time (s) | reload GB/s | memcpy GB/s (numpy, same "
-        "sizes, cache-hot) | load / memcpy |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    note = (
-        "copy time: the plugin's own timing of each reload job (`agentkv_reload_seconds`), "
-        "not its latency: a layer-by-layer load (CPU host hits) from its copy's first line to "
-        "its host copies unpinned (a small step is copied inside `start_step` before the "
-        "forward, a larger one by the copier thread next to it, sharing the cores); an async "
-        "load from when a store worker took it up to its last block. The wait before either "
-        "is in queue + rest above. The memcpy is a best of 5 of one buffer, its source in "
-        "cache; a reload reads blocks stored long before, from memory (a copy from a cold "
-        "source took ~1.5x as long on the 2-core dev VM: `python -m "
-        "agentkv_bench.reload_phases --cold`, docs/tiers.md)."
-    )
-    for t, d in sorted(st["tiers"].items()):
-        bps, mbps, r = d["reload_bytes_per_s"], d["memcpy_bytes_per_s"], d["load_over_memcpy"]
-        lines.append(
-            f"| {t} | {d['reload_jobs']} | {d['reload_bytes'] / 2**20:,.1f} | "
-            f"{d['reload_s']:.3f} | {'-' if bps is None else f'{bps / 1e9:.2f}'} | "
-            f"{'-' if mbps is None else f'{mbps / 1e9:.2f}'} | "
-            f"{'-' if r is None else f'{r:.1f}x'} |"
-        )
-    return [*lines, "", note]

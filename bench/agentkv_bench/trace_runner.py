@@ -35,6 +35,7 @@ import httpx
 from agentkv.errors import ConfigError
 from agentkv.launch import LaunchSpec, RunningServer, running_server
 from agentkv.traces import TraceWorkload, load_trace
+from agentkv_bench.copy_baseline import MemcpyTimer
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.progress import ProgressFn, reporter
 from agentkv_bench.report import writebacks
@@ -46,19 +47,21 @@ from agentkv_bench.runner import (
     utc_stamp,
 )
 from agentkv_bench.sampler import Sampler
+from agentkv_bench.stall_report import (
+    StallRow,
+    decompose,
+    reload_phase_section,
+    stall_section,
+    tier_rates,
+)
 from agentkv_bench.trace_prompts import RoundPrompt, build_prompts, oracle_blocks
 from agentkv_bench.trace_replay import MODES, TIMEOUT, RoundRecord, SessionRecord, replay
 from agentkv_bench.trace_report import (
-    MemcpyTimer,
-    StallRow,
     TraceSummary,
     build_report,
-    decompose,
     parse_prom,
     prom_delta,
-    stall_section,
     summarize,
-    tier_rates,
     to_markdown,
     vllm_phases,
 )
@@ -252,7 +255,7 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
     block_bytes = int(pool.get("block_bytes") or sizing.block_bytes)
     rate, rate_source = _prefill_rate(agentkv_run.status)
     rates = tier_rates(agentkv_run.prom)
-    memcpy = MemcpyTimer()
+    memcpy = MemcpyTimer(block_bytes)
     rows: dict[str, list[StallRow]] = {}
     summaries: dict[str, TraceSummary] = {}
     configs: dict[str, dict[str, Any]] = {}
@@ -269,7 +272,9 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
         summaries[name] = summarize(name, run.sessions, run.samples, run.makespan_s, block_tokens)
         summaries[name].writeback_blocks = writebacks(run.status)
         configs[name] = _config_section(name, run, sizing, rounds, rows[name])
-    stall = stall_section(rows, rates, rate, rate_source, memcpy)
+    stall = stall_section(
+        rows, rates, rate, rate_source, memcpy, reload_phase_section(agentkv_run.prom)
+    )
     report = build_report(
         command=opts.command,
         machine=machine_info(),

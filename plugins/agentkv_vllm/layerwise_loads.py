@@ -11,6 +11,8 @@ Primitives (``LayerwiseLoads``, a mixin of ``worker_side.WorkerSide``):
   finish_step()             after the forward: wait for the copier, release its host pins,
                             report its jobs and its own copy time
   LayerwiseStep             one step's copy: per layer an event, the copier's future
+  ReloadStamps              one step's milestones (perf_counter), hence its ReloadPhase
+                            seconds, reported with the step (``agentkv_reload_phase_seconds``)
   LAYER_WAIT_TIMEOUT_S      a layer copy slower than this is stuck: stop waiting, recompute
 
 vLLM has already scheduled the request in this step, so a block missing from host, or any copy
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agentkv.manager.jobs import LoadJob, TransferKind, TransferRef, WorkerReport
+from agentkv.manager.jobs import LoadJob, ReloadPhase, TransferKind, TransferRef, WorkerReport
 from agentkv.tier import Tier
 from agentkv.tiers import HostRead, TieredStore
 from agentkv.tiers.batched import HostBatch
@@ -60,11 +62,50 @@ SYNC_COPY_MAX_BYTES = 8 << 20
 
 
 @dataclass
+class ReloadStamps:
+    """One layer-by-layer reload step's milestones, ``time.perf_counter()`` seconds (0.0: not
+    reached), and the copying thread's CPU seconds during the copy. Written by the engine
+    thread, and by the copier thread before its future completes (read after it)."""
+
+    entered: float  # start_step
+    layerwise: float = 0.0  # the layerwise loads' turn in start_step
+    prepared: float = 0.0  # keys, pins, addresses and the batch done
+    copy_start: float = 0.0
+    disk_done: float = 0.0  # blocks only disk held read (== copy_start when none)
+    copy_end: float = 0.0
+    released: float = 0.0
+    returned: float = 0.0  # start_step returned: the forward starts
+    finishing: float = 0.0  # finish_step entered: the forward is over
+    finished: float = 0.0
+    copy_cpu: float = 0.0
+
+    def phases(self) -> dict[ReloadPhase, float]:
+        """Seconds per phase (ReloadPhase); a phase whose end was not reached (the copy failed,
+        the step never returned) is left out, and none is negative. COPY_CPU (the copying
+        thread's CPU time over disk + copy + release) comes with COPY."""
+        spans = {
+            ReloadPhase.BEFORE: (self.entered, self.layerwise),
+            ReloadPhase.PREPARE: (self.layerwise, self.prepared),
+            ReloadPhase.HANDOFF: (self.prepared, self.copy_start),
+            ReloadPhase.DISK: (self.copy_start, self.disk_done),
+            ReloadPhase.COPY: (self.disk_done, self.copy_end),
+            ReloadPhase.RELEASE: (self.copy_end, self.released),
+            ReloadPhase.FORWARD: (self.returned, self.finishing),
+            ReloadPhase.FINISH: (self.finishing, self.finished),
+        }
+        out = {p: max(0.0, end - start) for p, (start, end) in spans.items() if start and end}
+        if ReloadPhase.COPY in out:
+            out[ReloadPhase.COPY_CPU] = self.copy_cpu
+        return out
+
+
+@dataclass
 class _StepCopy:
     """What one step's layer-by-layer copy moves: pinned host reads, disk-only blocks, and the
     CPU batch of the host blocks (None: per-layer ``LayerCopier.copy_runs``, CUDA)."""
 
     job_ids: list[int]
+    stamps: ReloadStamps
     reads: list[HostRead] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     host_ids: list[int] = field(default_factory=list)
@@ -87,6 +128,7 @@ class LayerwiseStep:
     nbytes: int
     started: float
     ref: str
+    stamps: ReloadStamps
 
 
 class LayerwiseLoads:
@@ -110,11 +152,13 @@ class LayerwiseLoads:
     def _done(self, job_id: int, ok: bool) -> None:
         raise NotImplementedError
 
-    def _start_layerwise(self, loads: list[LoadJob]) -> None:
+    def _start_layerwise(self, loads: list[LoadJob], entered: float) -> None:
         assert self.store is not None and self.views is not None
         self.finish_step()  # never two steps' copies at once
         started = time.monotonic()
-        copy = self._pin_layerwise(loads)
+        stamps = ReloadStamps(entered, layerwise=time.perf_counter())
+        copy = self._pin_layerwise(loads, stamps)
+        stamps.prepared = time.perf_counter()
         if copy.batch is not None and not copy.from_disk and copy.nbytes <= SYNC_COPY_MAX_BYTES:
             # Small, CPU, all in host: copied here, before the forward starts (see SYNC_COPY_...).
             seconds: Future[float] = Future()
@@ -134,15 +178,16 @@ class LayerwiseLoads:
             copy.nbytes,
             started,
             f"layerwise-{loads[0].req_id}",
+            stamps,
         )
         self._layerwise_jobs = (copy.job_ids, copy.failed_jobs)
 
-    def _pin_layerwise(self, loads: list[LoadJob]) -> _StepCopy:
+    def _pin_layerwise(self, loads: list[LoadJob], stamps: ReloadStamps) -> _StepCopy:
         """Pin the host copies of the step's loads; blocks only disk holds are read whole later,
         blocks no tier holds fail now (vLLM recomputes them)."""
         assert self.store is not None and self.views is not None
         store = self.store
-        copy = _StepCopy(job_ids=[load.job_id for load in loads])
+        copy = _StepCopy(job_ids=[load.job_id for load in loads], stamps=stamps)
         hosts: list[int] = []  # the host blocks' arena addresses, for the CPU batch
         for load in loads:
             keys = [self.rank_key(b.key) for b in load.blocks]
@@ -173,16 +218,24 @@ class LayerwiseLoads:
         read from disk first, then layer by layer in forward order; returns its own duration."""
         assert self.store is not None
         store = self.store
+        stamps = copy.stamps
+        # The thread's CPU clock is read outside the timed span: it is a system call, and on
+        # return the kernel may hand a core whose slice is used up to another task (EEVDF
+        # checks the slice there): measured inside, that wait landed in the copy's time.
+        cpu = time.thread_time()
         begin = time.monotonic()
+        stamps.copy_start = time.perf_counter()
         copier = copy.copier
         try:
             if copy.from_disk:
                 self._load_from_disk(copy)
+            stamps.disk_done = time.perf_counter()
             if copier is None:  # the synchronous path: every run of every block, one call
                 assert copy.batch is not None
                 copy.batch.copy()
             else:
                 self._copy_each_layer(copy, copier)
+            stamps.copy_end = time.perf_counter()
         except Exception:
             log.exception("agentkv: layer-by-layer load failed; vLLM recomputes")
             self._load_errors.update(copy.block_ids)
@@ -194,7 +247,10 @@ class LayerwiseLoads:
                 copier.synchronize()  # the DMA reads the host copies until it completes
             for read in copy.reads:
                 store.release_host(read)
-        return time.monotonic() - begin
+            stamps.released = time.perf_counter()
+        seconds = time.monotonic() - begin
+        stamps.copy_cpu = time.thread_time() - cpu
+        return seconds
 
     def _copy_each_layer(self, copy: _StepCopy, copier: LayerCopier) -> None:
         """Per layer in forward order: its runs of every host block, then its event."""
@@ -243,6 +299,7 @@ class LayerwiseLoads:
         step, self._layerwise = self._layerwise, None
         if step is None:
             return
+        step.stamps.finishing = time.perf_counter()
         job_ids, failed = self._layerwise_jobs
         self._layerwise_jobs = ([], set())
         try:
@@ -259,3 +316,7 @@ class LayerwiseLoads:
             step.nbytes,
             seconds,
         )
+        step.stamps.finished = time.perf_counter()
+        phases = self._report.reload_phases
+        for phase, spent in step.stamps.phases().items():
+            phases[phase] = phases.get(phase, 0.0) + spent

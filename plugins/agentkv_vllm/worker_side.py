@@ -243,6 +243,7 @@ class WorkerSide(LayerwiseLoads):
     def start_step(self, meta: AgentKVStepMetadata) -> None:
         """Start this step's jobs: drops first (their slots are free for this step's stores), then
         stores, moves and loads. Must not block. A job that cannot start is reported failed."""
+        entered = time.perf_counter()
         plan = meta.plan
         if self.store is None or self.views is None:
             for load in plan.loads:  # never leave vLLM waiting on a load we cannot run
@@ -259,10 +260,12 @@ class WorkerSide(LayerwiseLoads):
             self._start_move(move, now)
         layerwise = [load for load in plan.loads if load.layerwise]
         if layerwise:
-            self._start_layerwise(layerwise)
+            self._start_layerwise(layerwise, entered)
         for load in plan.loads:
             if not load.layerwise:
                 self._start_load(load, now)
+        if layerwise and self._layerwise is not None:
+            self._layerwise.stamps.returned = time.perf_counter()
 
     def _start_stores(self, jobs: list[StoreJob], now: float) -> None:
         """Device -> tier copies of the step's store jobs (a silent rank's test knob skips its

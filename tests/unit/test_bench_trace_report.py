@@ -8,21 +8,23 @@ from typing import Any
 
 import pytest
 
+from agentkv_bench.copy_baseline import CopyBaseline, MemcpyTimer, memcpy_seconds
 from agentkv_bench.plots import write_trace_plots
 from agentkv_bench.sampler import Sample
+from agentkv_bench.stall_report import (
+    decompose,
+    reload_phase_section,
+    stall_section,
+    tier_rates,
+)
 from agentkv_bench.trace_replay import RoundRecord, SessionRecord, _attach_engine_stats
 from agentkv_bench.trace_report import (
-    MemcpyTimer,
     build_report,
-    decompose,
     device_hit,
-    memcpy_seconds,
     parse_prom,
     prom_delta,
     ratios,
-    stall_section,
     summarize,
-    tier_rates,
     to_markdown,
     vllm_phases,
 )
@@ -130,6 +132,16 @@ agentkv_reload_seconds_sum{tier="host"} 0.006
 agentkv_reload_bytes_count{tier="disk"} 1.0
 agentkv_reload_bytes_sum{tier="disk"} 1.0e+06
 agentkv_reload_seconds_sum{tier="disk"} 0.01
+agentkv_reload_phase_seconds_sum{phase="prepare"} 0.0003
+agentkv_reload_phase_seconds_count{phase="prepare"} 3.0
+agentkv_reload_phase_seconds_sum{phase="copy"} 0.0009
+agentkv_reload_phase_seconds_count{phase="copy"} 3.0
+agentkv_reload_phase_seconds_bucket{le="0.0005",phase="copy"} 1.0
+agentkv_reload_phase_seconds_bucket{le="0.001",phase="copy"} 2.0
+agentkv_reload_phase_seconds_bucket{le="+Inf",phase="copy"} 3.0
+agentkv_reload_phase_seconds_bucket{le="0.001",phase="prepare"} 3.0
+agentkv_reload_phase_seconds_sum{phase="copy_cpu"} 0.0006
+agentkv_reload_phase_seconds_count{phase="copy_cpu"} 3.0
 vllm:request_queue_time_seconds_sum{engine="0",model_name="tiny"} 2.5
 vllm:request_queue_time_seconds_count{engine="0",model_name="tiny"} 10.0
 vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 1.0
@@ -151,7 +163,7 @@ def test_engine_counters_parse_and_difference() -> None:
     assert ("vllm:kv_cache_usage_perc", "") not in after  # not wanted
     d = prom_delta(before, after)
     rates = tier_rates(d)
-    assert set(rates) == {"disk", "host"}
+    assert set(rates) == {"disk", "host"}  # a phase label is not a tier
     assert (rates["host"].jobs, rates["host"].bytes) == (2, 2.0e6)
     assert rates["host"].bytes_per_s == pytest.approx(2.0e6 / 0.002)
     assert rates["disk"].bytes_per_s == pytest.approx(1.0e8)
@@ -159,6 +171,17 @@ def test_engine_counters_parse_and_difference() -> None:
     assert phases["queue_mean_s"] == pytest.approx(2.0 / 8)
     assert phases["prefill_mean_s"] == pytest.approx(0.1)
     assert vllm_phases({})["queue_mean_s"] is None
+    # The worker's reload phases, in ReloadPhase order, per step.
+    reload = reload_phase_section(after)
+    assert list(reload) == ["prepare", "copy", "copy_cpu"]
+    assert reload["copy"] == {
+        "steps": 3,
+        "total_s": 0.0009,
+        "mean_s": pytest.approx(3e-4),
+        "slow_steps": 1,  # 2 of its 3 steps within 1 ms
+    }
+    assert reload["prepare"]["slow_steps"] == reload["copy_cpu"]["slow_steps"] == 0
+    assert reload_phase_section({}) == {}
 
 
 def test_decompose_splits_ttft_into_load_prefill_and_the_rest() -> None:
@@ -171,9 +194,9 @@ def test_decompose_splits_ttft_into_load_prefill_and_the_rest() -> None:
     ]
     copies: list[int] = []
 
-    def fake_memcpy(n: int) -> float:
+    def fake_memcpy(n: int) -> CopyBaseline:
         copies.append(n)
-        return n / 10e9
+        return CopyBaseline(cold_s=n / 10e9, hot_s=n / 20e9)
 
     rows = decompose(
         rounds,
@@ -189,8 +212,9 @@ def test_decompose_splits_ttft_into_load_prefill_and_the_rest() -> None:
     assert host.load_s == pytest.approx(512 * 2048 / 1.0e9 * 2)  # at 0.5 GB/s
     assert host.prefill_s == pytest.approx(360 / 10_000)
     assert host.queue_s == pytest.approx(0.2 - host.load_s - host.prefill_s)
-    assert host.memcpy_s == pytest.approx(512 * 2048 / 10e9)
-    assert (dev.load_s, dev.tier, dev.memcpy_s) == (0.0, None, 0.0)
+    assert host.memcpy_s == pytest.approx(512 * 2048 / 10e9)  # cold: the target's baseline
+    assert host.memcpy_hot_s == pytest.approx(512 * 2048 / 20e9)
+    assert (dev.load_s, dev.tier, dev.memcpy_s, dev.memcpy_hot_s) == (0.0, None, 0.0, 0.0)
     assert dev.prefill_s == pytest.approx(0.01)
     assert disk.load_s == pytest.approx(128 * 2048 / 1.0e8)
     assert disk.queue_s == 0.0  # clamped: a layerwise load overlaps the prefill
@@ -205,9 +229,7 @@ def test_decompose_splits_ttft_into_load_prefill_and_the_rest() -> None:
             memcpy=fake_memcpy,
         )
 
-    section = stall_section(
-        {"agentkv": rows, "oracle": []}, rates, 10_000.0, "test", lambda n: n / 10e9
-    )
+    section = stall_section({"agentkv": rows, "oracle": []}, rates, 10_000.0, "test", fake_memcpy)
     m = section["by_config"]["agentkv"]
     assert m["resume_rounds"] == 3 and m["rounds_with_load"] == 2
     assert m["load_mean_s"] == pytest.approx((host.load_s + disk.load_s) / 3)
@@ -215,22 +237,30 @@ def test_decompose_splits_ttft_into_load_prefill_and_the_rest() -> None:
     assert section["by_config"]["oracle"] == {"resume_rounds": 0}
     host_tier = section["tiers"]["host"]
     assert host_tier["memcpy_s"] == pytest.approx(2 * (1.5e6 / 10e9))  # mean job size x jobs
-    assert host_tier["load_over_memcpy"] == pytest.approx(0.006 / (3e6 / 10e9))
+    assert host_tier["load_over_memcpy"] == pytest.approx(0.006 / (3e6 / 10e9))  # cold
+    assert host_tier["memcpy_hot_s"] == pytest.approx(2 * (1.5e6 / 20e9))
+    assert host_tier["load_over_memcpy_hot"] == pytest.approx(0.006 / (3e6 / 20e9))
+    assert m["memcpy_mean_s"] == pytest.approx(2 * m["memcpy_hot_mean_s"])
 
 
-def test_memcpy_is_measured_and_cached_per_size() -> None:
+def test_memcpy_is_measured_cold_and_hot_once_per_size() -> None:
     t = memcpy_seconds(1 << 20)
     assert 0 < t < 1.0
     assert memcpy_seconds(0) == 0.0
-    calls: list[int] = []
+    calls: list[tuple[str, int]] = []
 
-    def measure(n: int) -> float:
-        calls.append(n)
+    def cold(n: int) -> float:
+        calls.append(("cold", n))
+        return 2e-3
+
+    def hot(n: int) -> float:
+        calls.append(("hot", n))
         return 1e-3
 
-    timer = MemcpyTimer(measure)
-    assert timer(4096) == timer(4096) == 1e-3
-    assert calls == [4096]
+    timer = MemcpyTimer(BLOCK_BYTES, cold=cold, hot=hot)
+    assert timer(4096) == timer(4096) == CopyBaseline(cold_s=2e-3, hot_s=1e-3)
+    assert timer(0) == CopyBaseline(0.0, 0.0)  # nothing measured for nothing loaded
+    assert calls == [("cold", 4096), ("hot", 4096)]
 
 
 def test_attach_engine_stats_matches_turns_to_rounds_by_number_and_prompt() -> None:
@@ -254,6 +284,10 @@ def test_attach_engine_stats_matches_turns_to_rounds_by_number_and_prompt() -> N
         256,
         "host",
     )
+
+
+def _baseline(n: int) -> CopyBaseline:
+    return CopyBaseline(cold_s=n / 10e9, hot_s=n / 15e9)
 
 
 def _report() -> dict[str, Any]:
@@ -288,7 +322,7 @@ def _report() -> dict[str, Any]:
             block_bytes=BLOCK_BYTES,
             rates=rates if n == "agentkv" else {},
             prefill_tokens_per_s=10_000.0,
-            memcpy=lambda n: n / 10e9,
+            memcpy=_baseline,
         )
         for n, ss in sessions.items()
     }
@@ -322,7 +356,9 @@ def _report() -> dict[str, Any]:
         },
         configs=configs,
         summaries=summaries,
-        stall=stall_section(rows, rates, 10_000.0, "test", lambda n: n / 10e9),
+        stall=stall_section(
+            rows, rates, 10_000.0, "test", _baseline, reload_phase_section(parse_prom(PROM))
+        ),
     )
 
 
@@ -344,6 +380,14 @@ def test_report_has_three_sections_oracle_ratios_and_check(tmp_path: Path) -> No
     assert "| host | 3 |" in md  # the tier's reload jobs against memcpy
     # The plugin's per-job timing is labelled as what it is: copy time, not job latency.
     assert "| copy time (s) |" in md and "not its latency" in md
+    # Both baselines, the target's (cold) first, and where it comes from.
+    assert "| **load / cold memcpy** (target <= 1.25) | memcpy GB/s, cache-hot |" in md
+    assert "Cold, the baseline the target uses" in md
+    # host: 3 jobs of 1e6 B in 0.006 s; cold memcpy 3e6 / 10e9 s, hot 3e6 / 15e9 s.
+    assert "| host | 3 | 2.9 | 0.006 | 0.50 | 10.00 | 20.00x | 15.00 | 30.00x |" in md
+    # The worker's reload phases: a table, and how much of the copy its thread was running.
+    assert "| copy | 3 | 300 | 0.0009 | 1 |" in md
+    assert "ran 67% of the copy time (disk + copy + release" in md and "300 vs 100 us" in md
     paths = write_trace_plots(report, tmp_path)
     assert [p.name for p in paths] == [
         "trace_ttft_cdf.png",

@@ -13,8 +13,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from agentkv.manager.jobs import BlockTransfer, LoadJob, StepPlan, StoreJob  # noqa: E402
+from agentkv.manager.jobs import (  # noqa: E402
+    BlockTransfer,
+    LoadJob,
+    ReloadPhase,
+    StepPlan,
+    StoreJob,
+)
 from agentkv_vllm.block_copy import BlockViews  # noqa: E402
+from agentkv_vllm.layerwise_loads import ReloadStamps  # noqa: E402
 from agentkv_vllm.metadata import AgentKVStepMetadata  # noqa: E402
 from agentkv_vllm.settings import ConnectorSettings  # noqa: E402
 from agentkv_vllm.worker_side import WorkerSide  # noqa: E402
@@ -234,6 +241,14 @@ def test_a_small_cpu_step_is_copied_inside_start_step_without_the_copier_thread(
     [((kind, tier, _), (nbytes, seconds))] = list(taken.report.transfers.items())
     assert (kind, tier, nbytes) == ("reload", "host", 2 * w.views.block_bytes)  # type: ignore[union-attr]
     assert seconds > 0
+    # Its phases come with it: every one of a copy done in start_step, the reported copy time
+    # made of the disk, copy and release phases (same clock), no thread hand-off to wait for.
+    phases = taken.report.reload_phases
+    assert set(phases) == set(ReloadPhase)
+    assert phases[ReloadPhase.COPY] > 0 and phases[ReloadPhase.DISK] < phases[ReloadPhase.COPY]
+    own = phases[ReloadPhase.DISK] + phases[ReloadPhase.COPY] + phases[ReloadPhase.RELEASE]
+    assert own <= seconds
+    assert phases[ReloadPhase.COPY_CPU] > 0
     # The pins were released: the same blocks load again (and a host miss still fails).
     w.start_step(
         _step(loads=[LoadJob(3, "r2", [BlockTransfer(b"k2", 0), BlockTransfer(b"no", 7)], True)])
@@ -278,6 +293,9 @@ def test_a_large_cpu_step_goes_layer_by_layer_on_the_copier_thread(
     assert calls == [([7, 3], [i]) for i in (0, 1, 4, 2, 3)]
     taken = w.take_report()
     assert taken is not None and taken.report.jobs_done == {2: 1} and not taken.report.jobs_failed
+    # Timed on the copier thread too; its hand-off is a phase of its own.
+    phases = taken.report.reload_phases
+    assert set(phases) == set(ReloadPhase) and phases[ReloadPhase.HANDOFF] > 0
     w.shutdown()
 
 
@@ -296,3 +314,37 @@ def test_a_block_id_outside_the_cache_fails_the_load_instead_of_raising_into_the
     w.finish_step()
     assert w.load_error_block_ids() == set()
     w.shutdown()
+
+
+def test_reload_stamps_give_each_phase_and_leave_out_the_unreached_ones() -> None:
+    stamps = ReloadStamps(
+        10.0,
+        layerwise=10.1,
+        prepared=10.3,
+        copy_start=10.3,
+        disk_done=10.3,
+        copy_end=11.0,
+        released=11.05,
+        returned=11.2,
+        finishing=15.0,
+        finished=15.01,
+        copy_cpu=0.4,
+    )
+    assert stamps.phases() == pytest.approx(
+        {
+            ReloadPhase.BEFORE: 0.1,
+            ReloadPhase.PREPARE: 0.2,
+            ReloadPhase.HANDOFF: 0.0,
+            ReloadPhase.DISK: 0.0,
+            ReloadPhase.COPY: 0.7,
+            ReloadPhase.COPY_CPU: 0.4,
+            ReloadPhase.RELEASE: 0.05,
+            ReloadPhase.FORWARD: 3.8,
+            ReloadPhase.FINISH: 0.01,
+        }
+    )
+    # The copy raised: no copy (nor its CPU time) and no disk phase end; what ran is kept.
+    failed = ReloadStamps(1.0, layerwise=1.0, prepared=1.2, copy_start=1.3, released=1.4)
+    assert failed.phases() == pytest.approx(
+        {ReloadPhase.BEFORE: 0.0, ReloadPhase.PREPARE: 0.2, ReloadPhase.HANDOFF: 0.1}
+    )
