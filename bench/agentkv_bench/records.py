@@ -38,6 +38,9 @@ class RequestRecord:
     writeback_deferred: bool | None = None
     eviction_in_s: float | None = None
     wait_p90_s: float | None = None
+    # Wall time of the agentkv control calls around the wait before it (pause + resume): the
+    # agent waits for each, so it is on the job's critical path. None: no agentkv calls.
+    control_s: float | None = None
 
     @property
     def recomputed_tokens(self) -> int:

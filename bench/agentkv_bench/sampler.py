@@ -3,7 +3,9 @@
 Both configurations: vLLM's ``/metrics`` (``vllm:kv_cache_usage_perc``, prefix-cache queries and
 hits) and the harness's own count of trajectories waiting on a tool with their context tokens.
 With agentkv also ``GET /agentkv/v1/status``: bytes held pinned on the device, in host RAM and on
-disk, and branches by state. Vanilla vLLM has no notion of a paused trajectory: its paused
+disk, and branches by state, read every ``status_every``-th sample and on the last one (carried
+forward in between): each read is a control call the engine answers, work a vanilla server in
+the same comparison is not asked to do. Vanilla vLLM has no notion of a paused trajectory: its paused
 contexts sit, unpinned, in the prefix cache until evicted, which only ``kv_cache_usage_perc``
 and the hit rates show.
 """
@@ -68,28 +70,31 @@ class Sampler:
         paused: Callable[[], tuple[int, int]],
         interval_s: float = 0.5,
         headers: dict[str, str] | None = None,
+        status_every: int = 4,
     ) -> None:
         self.base_url = base_url
         self.agentkv = agentkv
         self.t_run = t_run
         self.paused = paused
         self.interval_s = interval_s
+        self.status_every = max(1, status_every)
+        self._status: dict[str, Any] = {}
         self.samples: list[Sample] = []
         self.errors = 0
         self._client = httpx.AsyncClient(timeout=10.0, headers=headers or {})
         self._task: asyncio.Task[None] | None = None
 
-    async def sample_once(self) -> Sample:
+    async def sample_once(self, last: bool = False) -> Sample:
         metrics: dict[str, float] = {}
-        status: dict[str, Any] = {}
         try:
             r = await self._client.get(self.base_url + "/metrics")
             metrics = parse_metrics(r.text)
-            if self.agentkv:
+            if self.agentkv and (last or len(self.samples) % self.status_every == 0):
                 s = await self._client.get(self.base_url + "/agentkv/v1/status")
-                status = s.json() if s.status_code == 200 else {}
+                self._status = s.json() if s.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
             self.errors += 1
+        status = self._status
         n, tokens = self.paused()
         held = status.get("bytes_held") or {}
         sample = Sample(
@@ -122,7 +127,7 @@ class Sampler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         with contextlib.suppress(Exception):
-            await self.sample_once()
+            await self.sample_once(last=True)
         await self._client.aclose()
 
 

@@ -49,6 +49,7 @@ SWEEP_METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("decode_tok_s", "decode throughput per sequence", "tok/s", True),
     ("recomputed_tokens", "tokens prefilled", "tok", False),
     ("writeback_blocks", "blocks written back", "blocks", False),
+    ("control_p50_s", "pause + resume calls per wait, p50", "s", False),
 )
 # The metrics the targets hold agentkv to.
 TARGET_METRICS = ("resume_ttft_p50_s", "resume_ttft_p99_s", "jct_mean_s", "decode_tok_s")

@@ -138,10 +138,11 @@ async def replay_session(
     try:
         for i, (rnd, rp) in enumerate(zip(session.rounds, prompts, strict=True)):
             decision: dict[str, Any] = {}
+            control_s: float | None = None
             wait = session.rounds[i - 1].wait_after_s if i else 0.0
             if i:
                 waiting = (trajectory_id, len(prompts[i - 1].context))
-                decision = await _wait_between(
+                decision, control_s = await _wait_between(
                     client, routes if agentkv else None, hint, wait, waiting, paused
                 )
             sent = time.monotonic() - t_run
@@ -163,6 +164,7 @@ async def replay_session(
                 writeback_deferred=_opt(decision, "writeback_deferred", bool),
                 eviction_in_s=_opt(decision, "eviction_in_s", float),
                 wait_p90_s=_opt(decision, "wait_p90_s", float),
+                control_s=control_s,
             )
             rec.rounds.append(r)
             if on_round is not None:
@@ -189,13 +191,18 @@ async def _wait_between(
     wait: float,
     waiting: tuple[str, int],
     paused: dict[str, int] | None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], float | None]:
     """The wait after a round: ``POST .../pause`` when ``routes`` (agentkv), sleep ``wait``
     seconds listed in ``paused`` (trajectory id -> context tokens), ``POST .../resume``.
-    Returns the pause decision as the server answered it ({} without agentkv or a decision)."""
+    Returns the pause decision as the server answered it ({} without agentkv or a decision) and
+    the pause and resume calls' wall time together (None without agentkv): the agent waits for
+    both, so the server's answer time is on the job's critical path."""
     decision: dict[str, Any] = {}
+    control_s = 0.0
     if routes is not None:
+        t0 = time.monotonic()
         reply = await _control(client, "POST", routes + "/pause", {"tool": TOOL, **hint})
+        control_s += time.monotonic() - t0
         d = reply.get("decision")
         decision = d if isinstance(d, dict) and "action" in d else {}
     if paused is not None:
@@ -204,8 +211,10 @@ async def _wait_between(
     if paused is not None:
         paused.pop(waiting[0], None)
     if routes is not None:
+        t0 = time.monotonic()
         await _control(client, "POST", routes + "/resume", hint)
-    return decision
+        control_s += time.monotonic() - t0
+    return decision, (control_s if routes is not None else None)
 
 
 def _opt(decision: dict[str, Any], key: str, kind: type) -> Any:

@@ -65,6 +65,8 @@ METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("resume_hit_rate", "prefix hit rate, resume rounds", "", True),
     ("reusable_hit_rate", "cacheable history reused, resume rounds", "", True),
     ("makespan_s", "makespan", "s", False),
+    ("control_p50_s", "pause + resume calls per wait, p50", "s", False),
+    ("control_share", "pause + resume calls, share of job time", "", False),
 )
 
 
@@ -105,6 +107,11 @@ class TraceSummary:
     decode_tok_s: float | None = None
     # Blocks the connector copied to a tier (status counters ``store_blocks``); None: no connector
     writeback_blocks: int | None = None
+    # The agentkv pause + resume calls around each wait (the agent waits for both): their wall
+    # time per wait, and their sum over the jobs' summed completion time. None: no agentkv.
+    control_p50_s: float | None = None
+    control_p99_s: float | None = None
+    control_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,6 +136,7 @@ def summarize(
     reusable = sum(r.reusable_tokens for r in resume)
     decode_tokens = sum(max(0, r.completion_tokens - 1) for r in rounds)
     decode_time = sum(max(0.0, r.latency_s - r.ttft_s) for r in rounds)
+    control = [r.control_s for r in rounds if r.control_s is not None]
     resume_prompt = sum(r.prompt_tokens for r in resume)
     return TraceSummary(
         name=name,
@@ -158,6 +166,9 @@ def summarize(
         kv_usage_max=max(usage) if usage else None,
         decisions=decisions,
         decode_tok_s=decode_tokens / decode_time if decode_time > 0 else None,
+        control_p50_s=percentile(control, 50),
+        control_p99_s=percentile(control, 99),
+        control_share=sum(control) / sum(jct) if control and sum(jct) > 0 else None,
     )
 
 

@@ -104,6 +104,8 @@ class HookState:
     responses: ``VLLM_ENABLE_RESPONSES_API_STORE=1``)."""
     pause: PauseFn | None = None
     pause_timeout_s: float = PAUSE_TIMEOUT_S
+    before_metrics: Callable[[], Awaitable[None]] | None = None
+    """Awaited before a ``GET /metrics`` reaches vLLM (``MetricsSnapshot.refresh``)."""
     chains: ResponseChains = field(default_factory=ResponseChains)
     counters: Counter[str] = field(default_factory=Counter)
     warned: set[tuple[str, str]] = field(default_factory=set)
@@ -169,6 +171,14 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
+def _is_metrics_scrape(scope: Scope) -> bool:
+    return (
+        scope.get("type") == "http"
+        and scope.get("method") == "GET"
+        and _route_path(scope).rstrip("/") == "/metrics"
+    )
+
+
 class AgentKVHooks:
     """Raw ASGI middleware; see the module docstring."""
 
@@ -177,6 +187,8 @@ class AgentKVHooks:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.state.before_metrics is not None and _is_metrics_scrape(scope):
+            await self.state.before_metrics()  # so the collector's sync fetch does not block
         if (
             scope.get("type") != "http"
             or scope.get("method") != "POST"

@@ -53,6 +53,7 @@ from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
 from agentkv_vllm.control import ControlClient, ControlUnavailable
 from agentkv_vllm.control_ops import REPLAYED_FIELD
 from agentkv_vllm.hooks import AgentKVHooks, HookState
+from agentkv_vllm.metrics_snapshot import MetricsSnapshot
 from agentkv_vllm.params import BranchStr
 from agentkv_vllm.prefetch_issuer import PrefetchIssuer
 from agentkv_vllm.pump import timer_pump
@@ -269,12 +270,8 @@ async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
             detail += f"; it may have been applied: retry with the same {KEY_HEADER}"
         raise HTTPException(status_code=503, detail=detail) from None
     replayed = bool(body.pop(REPLAYED_FIELD, False))
-    if nudge and status < 400 and _State.engine_client is not None:
-        try:
-            # Any utility call wakes an idle engine loop, which then runs the queued transfers.
-            await _State.engine_client.is_sleeping()
-        except Exception as exc:
-            log.debug("agentkv: engine nudge failed: %s", exc)
+    if nudge and status < 400:
+        _nudge_soon()
     headers = {REPLAYED_HEADER: "true"} if replayed else None
     return JSONResponse(status_code=status, content=body, headers=headers)
 
@@ -452,10 +449,18 @@ async def _auto_pause(
         ",".join(tools),
         (body.get("decision") or {}).get("action"),
     )
-    if _State.engine_client is not None:
-        task = asyncio.get_running_loop().create_task(_nudge())
-        _State.background.add(task)
-        task.add_done_callback(_State.background.discard)
+    _nudge_soon()
+
+
+def _nudge_soon() -> None:
+    """Wake an idle engine loop (any utility call does; it then runs the transfers the op
+    queued) without waiting for it: the utility call is answered between engine steps, so
+    awaiting it would add up to a whole step to every pause and resume the agent waits on."""
+    if _State.engine_client is None:
+        return
+    task = asyncio.get_running_loop().create_task(_nudge())
+    _State.background.add(task)
+    task.add_done_callback(_State.background.discard)
 
 
 async def _nudge() -> None:
@@ -546,13 +551,9 @@ def _register_metrics(client: ControlClient) -> None:
 
     from agentkv.prometheus_export import SnapshotCollector
 
-    def fetch() -> dict[str, Any]:
-        status, body = client.call_sync("metrics", timeout_s=METRICS_TIMEOUT_S)
-        if status != 200:
-            raise ControlUnavailable(f"metrics op answered {status}: {body.get('detail')}")
-        return body
-
-    REGISTRY.register(SnapshotCollector(fetch))
+    snapshot = MetricsSnapshot(client, timeout_s=METRICS_TIMEOUT_S)
+    _State.hooks.before_metrics = snapshot.refresh
+    REGISTRY.register(SnapshotCollector(snapshot.fetch))
     _metrics_registered = True
 
 

@@ -107,6 +107,21 @@ def test_summaries_and_ratios_against_vanilla_and_oracle() -> None:
     assert ratios(sa, summarize("empty", [], [], 0.0))["makespan_s"] is None
 
 
+def test_the_pause_and_resume_calls_are_summed_against_job_time() -> None:
+    """The agent waits on pause and resume: their time per wait and their share of the jobs'
+    time are reported; a run without agentkv calls has none."""
+    rounds = [_round(0, 0.2, 0), _round(1, 0.3, 640), _round(2, 0.3, 640), _round(3, 0.3, 640)]
+    for r, c in zip(rounds[1:], (0.01, 0.03, 0.2), strict=True):
+        r.control_s = c
+    s = summarize(
+        "agentkv", [_session(rounds, 2.0), _session([_round(0, 0.2, 0, tid="t1")], 2.0)], [], 4.0
+    )
+    assert s.control_p50_s == pytest.approx(0.03)
+    assert s.control_p99_s == pytest.approx(0.03 + (0.2 - 0.03) * 0.98)
+    assert s.control_share == pytest.approx(0.24 / 4.0)
+    assert summarize("vanilla", [_session(rounds[:1], 1.0)], [], 1.0).control_share is None
+
+
 PROM = """# HELP agentkv_reload_bytes Bytes per reload job
 agentkv_reload_bytes_bucket{le="+Inf",tier="host"} 3.0
 agentkv_reload_bytes_count{tier="host"} 3.0

@@ -7,6 +7,7 @@ gets the routes' 503 'connector is not enabled').
 
 from __future__ import annotations
 
+import asyncio
 from argparse import Namespace
 from collections.abc import Iterator
 from typing import Any
@@ -212,3 +213,40 @@ async def test_auto_pause_reaches_every_dp_rank_in_the_tenant_namespace(
         assert op == "pause" and fields["trajectory_id"] == "t1" and fields["cache_salt"] == "s"
     with pytest.raises(RuntimeError, match="404"):  # no rank holds it: the hook counts a failure
         await routes._auto_pause("t2", "main", ["grep"], None, cache_salt="s")
+
+
+class _BusyEngine:
+    """An engine client whose utility calls are answered only when the test says (vLLM answers
+    them between engine steps, so a busy engine takes up to a step)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.step_done = asyncio.Event()
+
+    async def is_sleeping(self) -> bool:
+        self.calls += 1
+        await self.step_done.wait()
+        return False
+
+
+@pytest.mark.parametrize("op", ["pause", "resume", "get"])
+async def test_a_trajectory_op_answers_without_waiting_for_the_engine_step(
+    monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    """The agent waits on pause and resume: the route wakes the engine (a utility call) but
+    answers as soon as the manager has, not after the engine's current step."""
+    rank = _FakeRank({None: {"t1"}})
+    engine = _BusyEngine()
+    monkeypatch.setattr(routes._State, "client", rank)
+    monkeypatch.setattr(routes._State, "clients", [rank])
+    monkeypatch.setattr(routes._State, "engine_client", engine)
+    fields: dict[str, Any] = {"tool": "grep"} if op == "pause" else {}
+    response = await asyncio.wait_for(
+        routes._call(op, nudge=True, trajectory_id="t1", **fields), timeout=5
+    )
+    assert response.status_code == 200
+    await asyncio.sleep(0)  # let the nudge task start: it is fired, just not awaited
+    assert engine.calls == 1 and routes._State.background
+    engine.step_done.set()
+    await asyncio.gather(*routes._State.background)
+    assert not routes._State.background
