@@ -420,6 +420,11 @@ class TrajectoryManager:
         with self.lock:
             return self.timers.next_due(self.clock.now(), self._stale)
 
+    def next_prefetch_due(self) -> float | None:
+        """Seconds until the next PREFETCH timer (None: none): its order waits for a tick."""
+        with self.lock:
+            return self.timers.next_wake(self.clock.now(), self._stale)
+
     def engine_work_pending(self) -> bool:
         with self.lock:
             return bool(self.outbox) or bool(self.pins.ops)

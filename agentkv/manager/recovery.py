@@ -15,8 +15,8 @@ Primitives:
     restore(manager, records) -> int
                          recreate the branches as OFFLOADED on disk, each key indexed as a
                          complete disk copy the trajectory owns (up to the disk capacity)
-    ManifestKeeper       a daemon thread that rewrites a manifest when the manager's state
-                         changed (checked every ``interval_s``), and once more at ``close``
+    ManifestKeeper       a daemon thread that rewrites a manifest when its content changed
+                         (checked every ``interval_s``), and once more at ``close``
     prune_rank_files(disk_root, rank_dir, block_bytes, rank_key, fingerprint)
                          a worker at start: keep the block files the manifests list (as this
                          rank names them) under this rank's identity, delete the rest
@@ -261,9 +261,12 @@ def _checksum(body: dict[str, Any]) -> str:
 
 
 class ManifestKeeper:
-    """Keeps ``path`` in step with the manager: a daemon thread checks every ``interval_s``
-    whether anything changed (disk copies, trajectories, counters, generation) and rewrites the
-    manifest; ``close`` writes it once more (a clean stop loses nothing)."""
+    """Keeps ``path`` in step with the manager: a daemon thread takes the snapshot every
+    ``interval_s`` and rewrites the manifest only when its content (records, identity,
+    generation) differs from the last one written; ``close`` writes it once more (a clean stop
+    loses nothing). The content, not a change counter: the snapshot is cheap, the write (two
+    fsyncs) is not, and most of what a busy manager changes (counters, host copies, states of
+    branches without disk copies) is not in the manifest."""
 
     def __init__(
         self,
@@ -278,33 +281,21 @@ class ManifestKeeper:
         self.identity = identity  # -> (identity digest, generation) now
         self.interval_s = interval_s
         self.writes = 0
-        self._last: Any = None
+        self._last: Manifest | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="agentkv-manifest", daemon=True)
         self._thread.start()
 
-    def _signature(self) -> Any:
-        m = self.manager
-        with m.lock:
-            return (
-                m.index.count(Tier.DISK),
-                len(m.table),
-                sum(m.counters.values()),
-                self.identity(),
-            )
-
     def write_if_changed(self) -> bool:
-        """Rewrite the manifest when the manager changed since the last write."""
-        signature = self._signature()
-        if signature == self._last:
-            return False
+        """Rewrite the manifest when its content changed since the last write."""
         with self.manager.lock:
             records = snapshot(self.manager)
             identity, generation = self.identity()
-        Manifest(identity, generation, self.manager.config.block_size, tuple(records)).write(
-            self.path
-        )
-        self._last = signature
+        manifest = Manifest(identity, generation, self.manager.config.block_size, tuple(records))
+        if manifest == self._last:
+            return False
+        manifest.write(self.path)
+        self._last = manifest
         self.writes += 1
         return True
 

@@ -8,6 +8,9 @@ Primitives:
   TimerHeap.add      arm a timer (O(log n)); timers are never cancelled, they go stale
   TimerHeap.pop_due  the due timers in order, stale ones skipped (the caller says what is stale)
   TimerHeap.next_due seconds until the next live timer (None: none)
+  TimerHeap.next_wake   seconds until the next live PREFETCH timer (None: none): the timer whose
+                        firing hands the API server work (a device prefetch order), which the
+                        pump must collect on time even while engine steps fire the others
   Leases.retain      a RETAINED branch under a lease: a LEASE timer plus the pressure candidates
   Leases.release     the branch left RETAINED (any state change, a delete)
   Leases.victims     which retained branches one pressure event demotes (policy.pressure_victims)
@@ -42,6 +45,8 @@ class TimerKind(enum.StrEnum):
 
 
 BRANCH_TIMERS = frozenset({TimerKind.GRACE, TimerKind.LEASE, TimerKind.PREFETCH})
+# Timers whose firing queues work only the API server's pump takes (device prefetch orders).
+WAKE_TIMERS = frozenset({TimerKind.PREFETCH})
 
 
 @dataclass(order=True)
@@ -51,6 +56,7 @@ class Timer:
     kind: TimerKind = field(compare=False)
     held: Any = field(compare=False)  # a job id, or weak references (see ``ref``)
     token: int = field(compare=False, default=0)
+    popped: bool = field(compare=False, default=False)  # left the heap (fired or dropped)
 
     @property
     def ref(self) -> Any:
@@ -74,26 +80,38 @@ def _weakly(kind: TimerKind, ref: Any) -> Any:
 class TimerHeap:
     def __init__(self) -> None:
         self._heap: list[Timer] = []
+        self._wake: list[Timer] = []  # the WAKE_TIMERS among them (the same objects)
         self._seq = itertools.count()
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def add(self, due: float, kind: TimerKind, ref: Any, token: int = 0) -> None:
-        heapq.heappush(self._heap, Timer(due, next(self._seq), kind, _weakly(kind, ref), token))
+        timer = Timer(due, next(self._seq), kind, _weakly(kind, ref), token)
+        heapq.heappush(self._heap, timer)
+        if kind in WAKE_TIMERS:
+            heapq.heappush(self._wake, timer)
 
     def pop_due(self, now: float, stale: Callable[[Timer], bool]) -> Iterator[Timer]:
         """Due live timers, earliest first. A timer a handler arms while iterating fires in the
         same call when it is already due."""
         while self._heap and self._heap[0].due <= now:
             t = heapq.heappop(self._heap)
+            t.popped = True
             if t.ref is not None and not stale(t):
                 yield t
 
     def next_due(self, now: float, stale: Callable[[Timer], bool]) -> float | None:
         while self._heap and (self._heap[0].ref is None or stale(self._heap[0])):
-            heapq.heappop(self._heap)
+            heapq.heappop(self._heap).popped = True
         return max(0.0, self._heap[0].due - now) if self._heap else None
+
+    def next_wake(self, now: float, stale: Callable[[Timer], bool]) -> float | None:
+        """``next_due`` over WAKE_TIMERS only; a due one not fired yet answers 0."""
+        wake = self._wake
+        while wake and (wake[0].popped or wake[0].ref is None or stale(wake[0])):
+            heapq.heappop(wake)
+        return max(0.0, wake[0].due - now) if wake else None
 
 
 def branch_timer_stale(t: Timer) -> bool:

@@ -11,13 +11,15 @@ Primitives:
   ControlClient(endpoint)            REQ client: ``await call(op)`` for the routes,
                                      ``call_sync(op)`` for the /metrics scrape (prometheus_client
                                      collects synchronously); both raise ControlUnavailable when
-                                     the engine does not answer in time
+                                     the engine does not answer in time. Its sockets are pooled
+                                     and reused; one whose call did not end in a reply is closed
 
 JSON, not pickle: the socket is local, but nothing it carries should be able to run code.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -89,10 +91,8 @@ class ControlServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not dict(poller.poll(200)):
+            if not self._sock.poll(200, zmq.POLLIN):
                 continue
             raw = self._sock.recv()
             try:
@@ -113,42 +113,101 @@ class ControlServer:
             Path(self.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
+# Idle REQ sockets a client keeps for reuse; more concurrent calls open more, closed after use.
+POOL_MAX = 8
+
+
 class ControlClient:
-    """One REQ socket per call: REQ sockets are strict send/recv pairs, and a timed-out call must
-    not poison the next one."""
+    """REQ sockets kept across calls (a pool): opening one per call cost a connect, a new peer on
+    the engine's REP socket and zmq I/O-thread work on both sides, every pump tick. A REQ socket
+    is a strict send/recv pair, so a socket goes back to the pool only after its reply was read:
+    a call that times out, is cancelled or fails closes its socket, and a late reply dies with
+    it instead of answering the next call. The sync pool is locked (``call_sync`` runs on
+    whatever thread scrapes /metrics); the async pool belongs to one event loop."""
 
     def __init__(self, endpoint: str, timeout_s: float = 10.0) -> None:
         self.endpoint = endpoint
         self.timeout_ms = int(timeout_s * 1000)
         self._ctx = zmq.asyncio.Context.instance()
+        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._free: list[zmq.asyncio.Socket] = []
+        self._free_loop: asyncio.AbstractEventLoop | None = None
+        self._sync_free: list[zmq.Socket[bytes]] = []
+        self._sync_lock = threading.Lock()
+        self.opened = 0  # sockets opened over the client's life (a reuse counts none)
 
     async def call(self, op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
-        sock = self._ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
+        sock = self._take_async()
         try:
             await sock.send(_encode(op, fields))
             if not await sock.poll(self.timeout_ms, zmq.POLLIN):  # type: ignore[call-arg]
                 raise self._unavailable()
-            return _decode(await sock.recv())
-        finally:
+            reply = _decode(await sock.recv())
+        except BaseException:
             sock.close(0)
+            raise
+        self._give_async(sock)
+        return reply
 
     def call_sync(
         self, op: str, timeout_s: float | None = None, **fields: Any
     ) -> tuple[int, dict[str, Any]]:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
         timeout_ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
+        sock = self._take_sync()
         try:
             sock.send(_encode(op, fields))
             if not sock.poll(timeout_ms, zmq.POLLIN):
                 raise self._unavailable()
-            return _decode(sock.recv())
-        finally:
+            reply = _decode(sock.recv())
+        except BaseException:
             sock.close(0)
+            raise
+        with self._sync_lock:
+            if len(self._sync_free) < POOL_MAX:
+                self._sync_free.append(sock)
+                return reply
+        sock.close(0)
+        return reply
+
+    def close(self) -> None:
+        """Close the idle sockets (calls in flight close theirs when they end)."""
+        with self._sync_lock:
+            socks: list[Any] = [*self._sync_free, *self._free]
+            self._sync_free, self._free = [], []
+        for sock in socks:
+            sock.close(0)
+
+    def _take_async(self) -> zmq.asyncio.Socket:
+        loop = asyncio.get_running_loop()
+        if loop is not self._free_loop:
+            # An asyncio socket polls through its loop: one made on another (closed) loop
+            # is not reused.
+            for stale in self._free:
+                stale.close(0)
+            self._free, self._free_loop = [], loop
+        if self._free:
+            return self._free.pop()
+        sock = self._ctx.socket(zmq.REQ)
+        return self._opened(sock)
+
+    def _give_async(self, sock: zmq.asyncio.Socket) -> None:
+        if len(self._free) < POOL_MAX:
+            self._free.append(sock)
+        else:
+            sock.close(0)
+
+    def _take_sync(self) -> zmq.Socket[bytes]:
+        with self._sync_lock:
+            if self._sync_free:
+                return self._sync_free.pop()
+            sock = self._sync_ctx.socket(zmq.REQ)
+            return self._opened(sock)
+
+    def _opened(self, sock: Any) -> Any:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        self.opened += 1
+        return sock
 
     def _unavailable(self) -> ControlUnavailable:
         return ControlUnavailable(f"agentkv engine control channel {self.endpoint} did not answer")

@@ -2,8 +2,8 @@
 
 Primitives:
   ControlOps.handle(req)   one op: ping, tick (fire due timers; says whether the engine must be
-                           woken, when the next timer is due, and the device prefetches to issue
-                           or cancel), status, metrics, pause, resume, end, get; any other op 400
+                           woken, when the next timer and the next PREFETCH timer are due, the
+                           engine's step count, and the device prefetches to issue or cancel), status, metrics, pause, resume, end, get; any other op 400
   REPLAYABLE_OPS           the ops a retry must not apply twice (pause, resume, end)
   REPLAYED_FIELD           set in an answer that replays an earlier one (the route turns it into
                            a header)
@@ -58,6 +58,10 @@ class ControlOps:
             orders, cancels = mgr.take_prefetch_work()
             return 200, {
                 "next_in_s": next_in,
+                # The pump's back-off (agentkv_vllm.pump): engine steps since start (timers
+                # fire on each) and the next PREFETCH timer, which only a tick collects.
+                "steps": mgr.steps,
+                "prefetch_in_s": mgr.next_prefetch_due(),
                 "engine_work": mgr.engine_work_pending(),
                 # Device prefetches for the pump to issue as internal requests, and the
                 # tickets of those to abort (a resume or DELETE came first).

@@ -56,6 +56,7 @@ from agentkv_vllm.hooks import AgentKVHooks, HookState
 from agentkv_vllm.metrics_snapshot import MetricsSnapshot
 from agentkv_vllm.params import BranchStr
 from agentkv_vllm.prefetch_issuer import PrefetchIssuer
+from agentkv_vllm.pump import timer_pump
 from agentkv_vllm.settings import ConnectorSettings
 
 log = logging.getLogger("agentkv.routes")
@@ -522,38 +523,11 @@ class AgentKVRoutes:
                 PrefetchIssuer(engine_client, rank if dp_size > 1 else None)
                 for rank in range(dp_size)
             ]
-            _State.pump = loop.create_task(_timer_pump(_State.client, _State.issuers[0]))
+            _State.pump = loop.create_task(
+                timer_pump(_State.client, _State.issuers[0], engine_client)
+            )
             for client, issuer in zip(_State.clients[1:], _State.issuers[1:], strict=True):
-                _State.background.add(loop.create_task(_timer_pump(client, issuer)))
-
-
-PUMP_MIN_S, PUMP_MAX_S = 0.02, 0.2
-
-
-async def _timer_pump(client: ControlClient, issuer: PrefetchIssuer | None = None) -> None:
-    """Timers fire on an idle engine: vLLM's engine loop sleeps until a request arrives, so this
-    task asks the engine's control thread to fire due timers (grace, lease, prefetch, job
-    timeouts) and, when that queued engine work (pins, transfers), wakes the engine loop with a
-    cheap utility call. The tick's device prefetch orders and cancels go to ``issuer``
-    (internal requests). One small local call per 20-200 ms; never raises."""
-    while True:
-        delay = PUMP_MAX_S
-        try:
-            status, body = await client.call("tick")
-            if status == 200:
-                if issuer is not None:
-                    issuer.handle(body)
-                if body.get("engine_work") and _State.engine_client is not None:
-                    await _State.engine_client.is_sleeping()
-                nxt = body.get("next_in_s")
-                if nxt is not None:
-                    delay = min(PUMP_MAX_S, max(PUMP_MIN_S, float(nxt)))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the engine may be starting or gone; try again later
-            log.debug("agentkv: timer pump: %s", exc)
-            delay = 1.0
-        await asyncio.sleep(delay)
+                _State.background.add(loop.create_task(timer_pump(client, issuer, engine_client)))
 
 
 METRICS_TIMEOUT_S = 1.0

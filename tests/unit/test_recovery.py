@@ -99,6 +99,29 @@ def test_the_keeper_rewrites_only_on_change_and_at_close(tmp_path: Path) -> None
     assert counted(rig) == {"store_blocks": 4, "stores": 1}
 
 
+def test_the_keeper_skips_what_the_manifest_does_not_hold(tmp_path: Path) -> None:
+    """Turns, counters and host offloads change the manager, not the manifest: no rewrite (two
+    fsyncs each); a disk copy of an offloaded branch and a new generation do (issue 26)."""
+    rig = make_rig(disk=32)
+    path = manifest_path(tmp_path)
+    identity = [(IDENTITY, BASE_GENERATION)]
+    keeper = ManifestKeeper(rig.mgr, path, lambda: identity[0], interval_s=3600)
+    assert keeper.write_if_changed()
+    rig.turn("t1", P1)
+    code, body = rig.mgr.pause("t1", "main", "build", 2.0)
+    assert code == 200 and body["decision"]["action"] == "offload_host"
+    rig.settle()
+    assert rig.mgr.counters and not keeper.write_if_changed()
+    rig.turn("t2", [3, *P1[1:]])
+    rig.mgr.pause("t2", "main", "human", 400.0)  # to disk
+    rig.settle()
+    assert keeper.write_if_changed() and not keeper.write_if_changed()
+    identity[0] = (IDENTITY, new_generation())
+    assert keeper.write_if_changed()
+    assert keeper.writes == 3
+    keeper.close()
+
+
 def test_a_worker_keeps_only_listed_files_of_its_own_identity(tmp_path: Path) -> None:
     block = 8192
     rank_fp, other_fp = b"\x01" * 16, b"\x02" * 16
