@@ -3,7 +3,8 @@
 Primitives:
   ControlOps.handle(req)   one op: ping, tick (fire due timers; says whether the engine must be
                            woken, when the next timer and the next PREFETCH timer are due, the
-                           engine's step count, and the device prefetches to issue or cancel), status, metrics, pause, resume, end, get; any other op 400
+                           engine's step count, and the device prefetches to issue or cancel),
+                           status, metrics, pause, resume, end, get; any other op 400
   REPLAYABLE_OPS           the ops a retry must not apply twice (pause, resume, end)
   REPLAYED_FIELD           set in an answer that replays an earlier one (the route turns it into
                            a header)

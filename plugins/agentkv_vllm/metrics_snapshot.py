@@ -56,12 +56,8 @@ class MetricsSnapshot:
 
     async def refresh(self) -> None:
         try:
-            status, body = await asyncio.wait_for(
-                self._client.call("metrics"), timeout=self._timeout_s
-            )
-            if status != 200:
-                raise ControlUnavailable(f"metrics op answered {status}: {body.get('detail')}")
-            self._body, self._error = body, None
+            answer = await asyncio.wait_for(self._client.call("metrics"), timeout=self._timeout_s)
+            self._body, self._error = _body(*answer), None
         except Exception as exc:  # served as unreachable by the collector, never raised here
             self._body, self._error = None, str(exc) or type(exc).__name__
         self._at = self._clock()
@@ -71,7 +67,10 @@ class MetricsSnapshot:
             if self._body is not None:
                 return self._body
             raise ControlUnavailable(self._error or "metrics unavailable")
-        status, body = self._client.call_sync("metrics", timeout_s=self._timeout_s)
-        if status != 200:
-            raise ControlUnavailable(f"metrics op answered {status}: {body.get('detail')}")
-        return body
+        return _body(*self._client.call_sync("metrics", timeout_s=self._timeout_s))
+
+
+def _body(status: int, body: dict[str, Any]) -> dict[str, Any]:
+    if status != 200:
+        raise ControlUnavailable(f"metrics op answered {status}: {body.get('detail')}")
+    return body
