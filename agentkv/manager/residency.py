@@ -281,6 +281,9 @@ class ResidencyIndex:
             self._set_copy(key, e, t, False)
         self._gc(key, e)
 
+    def has_doomed(self) -> bool:
+        return bool(self._doomed_idle)
+
     def take_doomed(self) -> list[bytes]:
         """Doomed keys that became idle since the last call: removed from the index already,
         the caller drops them from every tier."""

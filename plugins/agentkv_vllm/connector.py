@@ -112,7 +112,16 @@ class AgentKVConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Worker, each step before the forward: start the step's jobs. Must not block; a fault
-        fails the step's loads (their blocks are reported as load errors)."""
+        fails the step's loads (their blocks are reported as load errors).
+
+        A step with no job binds nothing: vLLM's attention layers call ``wait_for_layer_load``
+        and ``save_kv_layer`` only while ``has_connector_metadata()`` (kv_transfer_utils), so
+        such a step skips the connector in every layer. Safe because layerwise loads start and
+        finish within their own step: with no load in this plan, no layer has anything to wait
+        for."""
+        if isinstance(connector_metadata, AgentKVStepMetadata) and not connector_metadata.plan:
+            self._connector_metadata = None
+            return
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, AgentKVStepMetadata):
             try:

@@ -49,6 +49,7 @@ from agentkv.idempotency import ReplayCache
 from agentkv.kv_identity import LogicalKeys
 from agentkv.manager import RequestParams, TrajectoryManager
 from agentkv.manager.invalidation import Invalidation, invalidate_tiers
+from agentkv.manager.jobs import StepPlan
 from agentkv.manager.recovery import ManifestKeeper, load_records, manifest_path, restore
 from agentkv.metrics import MetricsRecorder, Snapshot
 from agentkv.online_profile import OnlineProfile
@@ -403,9 +404,12 @@ class SchedulerSide(ControlOps):
         try:
             self._sample_step(scheduler_output)
             self._save_preempted(scheduler_output)
-            self.manager.set_admission(self.admission_of(scheduler_output))
+            admission = self.admission_of(scheduler_output)
             if self.events is not None:
                 self._watch_cache_reset()
+            if self.manager.idle_step(admission):
+                return AgentKVStepMetadata(StepPlan())
+            self.manager.set_admission(admission)
             return AgentKVStepMetadata(self.manager.take_step())
         finally:
             self.cpu.add("step", start)

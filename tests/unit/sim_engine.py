@@ -226,6 +226,9 @@ class SimEngine:
         self._allocated_seen = self.pool.allocated
         self.blocked_needs, self.preempted = [], 0
         self.last_admission = admission
+        if self.mgr.idle_step(admission):  # as the adapter does: plain steps skip take_step
+            self._check_idle()
+            return StepPlan()
         self.mgr.set_admission(admission)
         errors = self.mgr.counters["internal_errors"]
         pinned_before = self.mgr.pinned_blocks()
@@ -241,6 +244,16 @@ class SimEngine:
         self.workers.expire_loads(now, self.mgr.config.job_timeout_s)
         self._absorb_load_events()
         return plan
+
+    def _check_idle(self) -> None:
+        """``idle_step`` answered True: a full step at this point must find nothing to do
+        either (no job, no pin, no counter moves), so skipping it changed nothing."""
+        counters, pinned = dict(self.mgr.counters), self.mgr.pinned_blocks()
+        plan = self.mgr.take_step()
+        self.mgr.steps -= 1  # the probe is not a step of the engine's
+        assert not plan, f"idle_step skipped a step with work: {plan}"
+        assert self.mgr.pinned_blocks() == pinned
+        assert dict(self.mgr.counters) == counters
 
     def _check_loan(self, admission: Admission, unpinned: int = 0) -> None:
         """Pins are a loan: after a step whose queue was short of blocks, either the blocks
