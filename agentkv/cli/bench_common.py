@@ -70,7 +70,9 @@ def show_report(
 
     report = run_or_fail(run, RuntimeError)
     if as_json:
-        typer.echo(json.dumps({"out": str(out), **{k: report[k] for k in json_keys}}))
+        typer.echo(
+            json.dumps({"out": str(out), **{k: report[k] for k in json_keys if k in report}})
+        )
         return
     from rich.markdown import Markdown
 

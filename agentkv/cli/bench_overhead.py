@@ -38,6 +38,14 @@ def overhead(
         "engine core (and worker) this many seconds under the same plain traffic "
         "(pyspy-<config>.speedscope.json in --out; open in speedscope.app).",
     ),
+    step_times: bool = typer.Option(
+        False,
+        "--step-times/--no-step-times",
+        help="Also time vLLM's own engine-core and worker methods in every phase (a probe the "
+        "servers load as sitecustomize) and report, per method, what agentkv adds, down to "
+        "microseconds: the part of a step outside the model forward holds still between server "
+        "starts, where end-to-end latency moves +-5%.",
+    ),
     seed: bench.Seed = 0,
     out: Path = typer.Option(
         Path("bench/results/overhead"), "--out", help="Folder for report.json, report.md, logs."
@@ -66,10 +74,20 @@ def overhead(
         preset=preset,
         seed=seed,
         profile_s=profile_s,
+        step_times=step_times,
         out=out,
         command=bench_command("overhead"),
     )
-    keys = ("ratio", "verdict", "target", "per_round_ratio", "vanilla", "agentkv", "profiles")
+    keys = (
+        "ratio",
+        "verdict",
+        "target",
+        "per_round_ratio",
+        "vanilla",
+        "agentkv",
+        "profiles",
+        "step_times",
+    )
     bench.show_report(lambda on_progress: run_phased(opts, on_progress), out, as_json, keys)
 
 

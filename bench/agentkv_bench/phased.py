@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentkv_bench import step_probe
 from agentkv_bench.progress import ProgressFn, reporter
 
 if TYPE_CHECKING:
@@ -59,6 +60,9 @@ TARGET_RATIO = 1.01  # "a request without agentkv params must cost what it costs
 MIN_ROUNDS = 4
 # Other processes using more than this many cores during a phase: its latencies measure them.
 BUSY_CORES = 0.5
+# Untimed requests after a probed phase's window: ~17 steps each, enough to flush the probe's
+# last batch (128 records) in the engine core and the worker.
+FLUSH_REQUESTS = 4
 
 
 # ---------------------------------------------------------------------------- pure: the math
@@ -240,6 +244,11 @@ def build_report(
         "agentkv": _ms(_flat(b_ph)),
         "phases": [dict(p) for p in phases],
         "profiles": dict(profiles or {}),
+        **(
+            {"step_times": step_probe.compare_step_times(phases)}
+            if any("step_times" in p for p in phases)
+            else {}
+        ),
     }
 
 
@@ -283,6 +292,8 @@ def to_markdown(report: Mapping[str, Any]) -> str:
             f"(of {report['machine'].get('cpus', '?')}).",
             "",
         ]
+    if "step_times" in report:
+        lines += [*step_probe.step_times_markdown(report["step_times"]), ""]
     for name, prof in (report.get("profiles") or {}).items():
         if prof.get("status") != "ok":
             lines.append(f"py-spy profile, {name}: {prof.get('status')}")
@@ -315,6 +326,9 @@ class PhasedOptions:
     seed: int = 0
     resamples: int = 2000
     profile_s: float = 0.0  # > 0: py-spy records each configuration's engine core this long
+    step_times: bool = (
+        False  # time vLLM's engine-core and worker methods (agentkv_bench.step_probe)
+    )
     ready_timeout_s: float = 600.0
     out: Path = Path("bench/results/overhead")
     # The same as ``bench scale``: one OMP thread for the model, a core for the rest.
@@ -398,7 +412,8 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
     profiles: dict[str, Any] = {}
     order = phase_order(opts.rounds)
     for i, (r, name) in enumerate(order):
-        spec = _phase_spec(opts, model_dir, work, name, r)
+        probe_dir = work / f"probe-{name}-{r}" if opts.step_times else None
+        spec = _phase_spec(opts, model_dir, work, name, r, probe_dir)
         say(f"round {r}: {name}: starting vLLM", i, len(order))
         with (
             running_server(spec, ready_timeout_s=opts.ready_timeout_s) as server,
@@ -407,6 +422,7 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
             base, model = server.base_url, server.model
             plain_latencies(client, base, model, req, rng, opts.warmup)
             meter = CpuMeter(server.proc.pid)
+            window_start = time.monotonic()
             m0, t0 = meter.read(), time.perf_counter()
             lat = plain_latencies(
                 client,
@@ -419,6 +435,9 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
             )
             wall = time.perf_counter() - t0
             m1 = meter.read()
+            window_end = time.monotonic()
+            if probe_dir is not None:  # untimed: the probe writes in batches; these flush it
+                plain_latencies(client, base, model, req, rng, FLUSH_REQUESTS)
             if opts.profile_s > 0 and r == 0:
                 say(f"{name}: py-spy profile of the engine core", 0, 0)
                 profiles[name] = profile_engine(
@@ -427,15 +446,17 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
                     opts.out / f"pyspy-{name}.speedscope.json",
                     functools.partial(plain_latencies, client, base, model, req, rng, 1),
                 )
-        phases.append(
-            {
-                "round": r,
-                "config": name,
-                "latencies_s": lat,
-                "wall_s": wall,
-                "other_cores_busy": CpuMeter.cores(m0, m1, wall),
-            }
-        )
+        phase: dict[str, Any] = {
+            "round": r,
+            "config": name,
+            "latencies_s": lat,
+            "wall_s": wall,
+            "other_cores_busy": CpuMeter.cores(m0, m1, wall),
+        }
+        if probe_dir is not None:
+            records = step_probe.read_records(probe_dir)
+            phase["step_times"] = step_probe.phase_step_times(records, window_start, window_end)
+        phases.append(phase)
     say("writing the report")
     report = build_report(
         command=opts.command,
@@ -455,9 +476,24 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
     return report
 
 
-def _phase_spec(opts: PhasedOptions, model_dir: str, work: Path, name: str, r: int) -> LaunchSpec:
-    """The server of one phase: vanilla (A: no connector) or agentkv (a host tier, no disk)."""
+def _phase_spec(
+    opts: PhasedOptions,
+    model_dir: str,
+    work: Path,
+    name: str,
+    r: int,
+    probe_dir: Path | None = None,
+) -> LaunchSpec:
+    """The server of one phase: vanilla (A: no connector) or agentkv (a host tier, no disk);
+    ``probe_dir``: load the step probe, its records there."""
+    import os
+
     from agentkv.launch import LaunchSpec
+
+    env = {**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")}
+    if probe_dir is not None:
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        env.update(step_probe.probe_env(probe_dir, os.environ.get("PYTHONPATH")))
 
     return LaunchSpec(
         model=model_dir,
@@ -468,7 +504,7 @@ def _phase_spec(opts: PhasedOptions, model_dir: str, work: Path, name: str, r: i
         num_blocks=opts.num_blocks,
         served_model_name=opts.preset,
         max_model_len=opts.max_model_len,
-        extra_env={**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")},
+        extra_env=env,
         log_path=opts.out / f"server-{name}-{r}.log",
         run_dir=work / f"run-{name}-{r}",
     )

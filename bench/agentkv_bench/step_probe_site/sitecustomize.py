@@ -1,0 +1,119 @@
+"""Step probe: times a fixed set of vLLM engine-core and worker methods in every process of a
+server, for ``agentkv bench overhead --step-times``.
+
+Loaded by Python at start-up as ``sitecustomize`` when the bench puts this folder first on the
+server's PYTHONPATH, and active only when ``AGENTKV_STEP_PROBE_DIR`` is set. It wraps each target
+method once its module is imported (a meta-path hook; nothing of vLLM is imported early) and
+appends (target index, start, duration) triples of doubles, CLOCK_MONOTONIC seconds, to
+``probe-<pid>.bin`` in that folder: in batches of FLUSH records, one ``write`` each, so the probe
+costs a few hundred nanoseconds per call and no file I/O inside most steps. The bench keeps the
+records inside each phase's timed window (the clock is system-wide).
+
+Why end-to-end latency is not enough: a server start moves the model's forward by +-5% on this
+machine (memory placement, neighbours), more than the cost the target asks to resolve (1%).
+The parts of a step outside the forward (scheduling, the connector hooks, the executor's
+round trips) hold still between starts, so their difference is measured to microseconds.
+Stdlib only: this runs inside vLLM's processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+from array import array
+from typing import Any
+
+# (module, class, method): index in this tuple is the record's first field.
+TARGETS: tuple[tuple[str, str, str], ...] = (
+    ("vllm.v1.engine.core", "EngineCore", "step"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "execute_model"),
+    ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "sample_tokens"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+)
+KEYS: tuple[str, ...] = tuple(f"{c}.{m}" for _, c, m in TARGETS)
+ENV = "AGENTKV_STEP_PROBE_DIR"
+FLUSH = 3 * 128  # doubles: 128 records, ~3 KiB per write
+
+
+class _Sink:
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.buf = array("d")
+        self.fd: int | None = None
+        self.pid = os.getpid()
+
+    def add(self, index: int, start: float, seconds: float) -> None:
+        self.buf.extend((float(index), start, seconds))
+        if len(self.buf) >= FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buf:
+            return
+        if self.fd is None or self.pid != os.getpid():  # a forked child writes its own file
+            self.pid = os.getpid()
+            path = os.path.join(self.folder, f"probe-{self.pid}.bin")
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(self.fd, self.buf.tobytes())
+        self.buf = array("d")
+
+
+def _wrap(sink: _Sink, index: int, fn: Any) -> Any:
+    clock = time.monotonic
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink.add(index, start, clock() - start)
+
+    timed.__wrapped__ = fn  # type: ignore[attr-defined]
+    timed.__name__ = getattr(fn, "__name__", "timed")
+    return timed
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def __init__(self, sink: _Sink) -> None:
+        self.sink = sink
+        self.modules = {mod for mod, _, _ in TARGETS}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in self.modules:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        load = spec.loader.exec_module  # type: ignore[union-attr]
+
+        def exec_module(module: Any) -> None:
+            load(module)
+            for i, (mod, cls_name, meth) in enumerate(TARGETS):
+                cls = getattr(module, cls_name, None) if mod == fullname else None
+                if cls is not None and meth in vars(cls):
+                    setattr(cls, meth, _wrap(self.sink, i, vars(cls)[meth]))
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign,union-attr]
+        return spec
+
+
+def install(folder: str) -> None:
+    sink = _Sink(folder)
+    atexit.register(sink.flush)
+    sys.meta_path.insert(0, _Hook(sink))
+
+
+if os.environ.get(ENV) and __name__ == "sitecustomize":
+    install(os.environ[ENV])

@@ -1,0 +1,141 @@
+"""``agentkv bench overhead --step-times``: the probe that times vLLM's own engine-core and worker
+methods inside a server, and what the report makes of its records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from agentkv_bench import step_probe
+from agentkv_bench.phased import PhasedOptions, _phase_spec, build_report, to_markdown
+from agentkv_bench.step_probe_site import sitecustomize as probe
+
+STEP, FWD, SCHED = "EngineCore.step", "GPUModelRunner._model_forward", "Scheduler.schedule"
+
+
+def test_the_probe_times_a_target_method_once_its_module_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "probe_demo_engine.py").write_text(
+        textwrap.dedent(
+            """
+            class EngineCore:
+                def step(self, x):
+                    return x + 1
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(probe, "TARGETS", (("probe_demo_engine", "EngineCore", "step"),))
+    records = tmp_path / "records"
+    records.mkdir()
+    before = list(sys.meta_path)
+    try:
+        probe.install(str(records))
+        import probe_demo_engine  # type: ignore[import-not-found]
+
+        engine = probe_demo_engine.EngineCore()
+        assert [engine.step(i) for i in range(300)] == list(range(1, 301))  # behaviour kept
+    finally:
+        sys.meta_path[:] = before
+        sys.modules.pop("probe_demo_engine", None)
+    got = step_probe.read_records(records)
+    # Written in batches of 128 records: nothing is written per call.
+    assert len(got) == 256
+    assert {key for key, _, _ in got} == {STEP}
+    assert all(seconds >= 0 for _, _, seconds in got)
+
+
+def test_a_server_process_loads_the_probe_into_vllm(tmp_path: Path) -> None:
+    """Guards the target list against vLLM renames: a probe that wraps nothing reports nothing."""
+    pytest.importorskip("vllm")
+    env = {**os.environ, **step_probe.probe_env(tmp_path, os.environ.get("PYTHONPATH"))}
+    code = (
+        "import importlib, json; from agentkv_bench.step_probe_site.sitecustomize import TARGETS;"
+        "print(json.dumps([hasattr(getattr(getattr(importlib.import_module(m), c), f), "
+        "'__wrapped__') for m, c, f in TARGETS]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True] * len(probe.TARGETS)
+
+
+def test_a_phase_keeps_the_calls_inside_its_window_and_derives_the_step_outside_the_forward() -> (
+    None
+):
+    records = [
+        (STEP, 9.0, 1.0),  # before the window (warm-up)
+        (STEP, 10.0, 0.004),
+        (STEP, 10.1, 0.006),
+        (STEP, 10.2, 0.005),
+        (FWD, 10.0, 0.003),
+        (FWD, 10.1, 0.004),
+        (SCHED, 10.0, 40e-6),
+        (STEP, 21.0, 1.0),  # after it (the flush requests)
+    ]
+    got = step_probe.phase_step_times(records, 10.0, 20.0)
+    assert got[STEP] == {"n": 3, "median_us": pytest.approx(5000.0)}
+    assert got[FWD]["median_us"] == pytest.approx(3500.0)
+    assert got[step_probe.OUTSIDE]["median_us"] == pytest.approx(1500.0)
+    assert got[SCHED]["n"] == 1
+
+
+def _phase(r: int, config: str, step: float, fwd: float, sched: float) -> dict[str, object]:
+    return {
+        "round": r,
+        "config": config,
+        "latencies_s": [0.1],
+        "step_times": {
+            STEP: {"n": 10, "median_us": step},
+            FWD: {"n": 10, "median_us": fwd},
+            SCHED: {"n": 10, "median_us": sched},
+            step_probe.OUTSIDE: {"n": 10, "median_us": step - fwd},
+        },
+    }
+
+
+def test_rounds_are_compared_pairwise_so_a_slow_start_cancels_out() -> None:
+    phases = [
+        _phase(0, "vanilla", 4400, 3000, 40),
+        _phase(0, "agentkv", 4450, 3000, 60),
+        # A start whose forward ran 10% slow: the step moves, its part outside the forward not.
+        _phase(1, "agentkv", 4750, 3300, 62),
+        _phase(1, "vanilla", 4400, 3000, 40),
+        _phase(2, "vanilla", 4420, 3010, 41),
+        _phase(2, "agentkv", 4480, 3010, 61),
+    ]
+    got = step_probe.compare_step_times(phases)
+    rows = got["targets"]
+    assert rows[SCHED]["diff_us"] == pytest.approx(20.0)
+    assert rows[step_probe.OUTSIDE]["diff_us"] == pytest.approx(50.0)
+    assert rows[step_probe.OUTSIDE]["diff_range_us"] == [50.0, 60.0]
+    assert rows[STEP]["diff_us"] == pytest.approx(60.0)
+    assert got["added_share_of_step"] == pytest.approx(50.0 / 4400)
+    rep = build_report(command="c", machine={}, options={}, phases=phases, resamples=50)
+    assert rep["step_times"] == got
+    md = to_markdown(rep)
+    assert "**+50 us**" in md and "| Scheduler.schedule | 40 | 61 | +20 (+20 to +22) |" in md
+
+
+def test_a_report_without_probe_records_has_no_step_times() -> None:
+    phases = [{"round": 0, "config": c, "latencies_s": [0.1]} for c in ("vanilla", "agentkv")]
+    assert "step_times" not in build_report(command="c", machine={}, options={}, phases=phases)
+    assert step_probe.step_times_markdown({"targets": {}})[0].startswith("Step times: no probe")
+
+
+def test_a_probed_phase_starts_its_server_with_the_probe(tmp_path: Path) -> None:
+    opts = PhasedOptions(out=tmp_path / "out")
+    spec = _phase_spec(opts, "/m", tmp_path, "agentkv", 0, tmp_path / "p")
+    assert spec.extra_env[probe.ENV] == str(tmp_path / "p")
+    assert spec.extra_env["PYTHONPATH"].split(os.pathsep)[0] == str(step_probe.SITE_DIR)
+    assert (step_probe.SITE_DIR / "sitecustomize.py").is_file()
+    plain = _phase_spec(opts, "/m", tmp_path, "vanilla", 0)
+    assert probe.ENV not in plain.extra_env and "PYTHONPATH" not in plain.extra_env
