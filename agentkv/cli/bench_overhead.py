@@ -46,6 +46,13 @@ def overhead(
         "microseconds: the part of a step outside the model forward holds still between server "
         "starts, where end-to-end latency moves +-5%.",
     ),
+    baseline: str = typer.Option(
+        "vanilla",
+        "--baseline",
+        help="What agentkv is compared with: vanilla (vLLM with no plugin: agentkv's whole "
+        "cost) or null-connector (vLLM with a KV connector that does nothing: agentkv's cost "
+        "beyond vLLM's own connector plumbing, which any connector pays).",
+    ),
     seed: bench.Seed = 0,
     out: Path = typer.Option(
         Path("bench/results/overhead"), "--out", help="Folder for report.json, report.md, logs."
@@ -63,7 +70,14 @@ def overhead(
     """
     if not phased:
         fail("only the phased method is offered: side by side, two CPU servers disturb each other")
-    from agentkv_bench.phased import PhasedOptions, run_phased
+    from agentkv_bench.phased import Baseline, PhasedOptions, run_phased
+
+    try:
+        base = Baseline(baseline)
+    except ValueError:
+        fail(
+            f"--baseline must be one of: {', '.join(b.value for b in Baseline)} (got {baseline!r})"
+        )
 
     opts = PhasedOptions(
         rounds=rounds,
@@ -75,6 +89,7 @@ def overhead(
         seed=seed,
         profile_s=profile_s,
         step_times=step_times,
+        baseline=base,
         out=out,
         command=bench_command("overhead"),
     )

@@ -44,6 +44,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,20 @@ if TYPE_CHECKING:
     from agentkv.launch import LaunchSpec
 
 SCHEMA = "agentkv-bench-overhead/1"
+
+
+class Baseline(str, Enum):
+    """What the agentkv phases are compared with (the A phases)."""
+
+    VANILLA = "vanilla"  # vLLM with no plugin and no connector
+    NULL_CONNECTOR = "null-connector"  # vLLM with a KV connector that does nothing
+
+
+BASELINE_TEXT = {
+    Baseline.VANILLA: "vanilla vLLM",
+    Baseline.NULL_CONNECTOR: "vLLM with a do-nothing KV connector "
+    "(agentkv_bench.null_connector: vLLM's connector plumbing, none of agentkv)",
+}
 A, B = "vanilla", "agentkv"
 TARGET_RATIO = 1.01  # "a request without agentkv params must cost what it costs in vanilla"
 # Below this many rounds a round-level bootstrap has too few distinct resamples to mean anything.
@@ -267,6 +282,15 @@ def to_markdown(report: Mapping[str, Any]) -> str:
         f"requests per phase ({o.get('prompt_tokens')}-token prompt, {o.get('output_tokens')} "
         f"tokens, no trajectory), model `{o.get('preset')}`; one server up at a time.",
         "",
+    ]
+    base = Baseline(o.get("baseline", Baseline.VANILLA.value))
+    if base is not Baseline.VANILLA:
+        lines += [
+            f"Baseline, in the columns and rows named vanilla: {BASELINE_TEXT[base]} "
+            f"(`--baseline {base.value}`).",
+            "",
+        ]
+    lines += [
         "| | vanilla | agentkv |",
         "|---|---:|---:|",
     ]
@@ -326,9 +350,9 @@ class PhasedOptions:
     seed: int = 0
     resamples: int = 2000
     profile_s: float = 0.0  # > 0: py-spy records each configuration's engine core this long
-    step_times: bool = (
-        False  # time vLLM's engine-core and worker methods (agentkv_bench.step_probe)
-    )
+    # Time vLLM's engine-core and worker methods (agentkv_bench.step_probe).
+    step_times: bool = False
+    baseline: Baseline = Baseline.VANILLA
     ready_timeout_s: float = 600.0
     out: Path = Path("bench/results/overhead")
     # The same as ``bench scale``: one OMP thread for the model, a core for the rest.
@@ -462,7 +486,7 @@ def run_phased(opts: PhasedOptions, progress: ProgressFn | None = None) -> dict[
         command=opts.command,
         machine=machine_info(),
         options={
-            k: (str(v) if isinstance(v, Path) else v)
+            k: (str(v) if isinstance(v, Path) else v.value if isinstance(v, Enum) else v)
             for k, v in asdict(opts).items()
             if k not in ("command",)
         },
@@ -491,6 +515,16 @@ def _phase_spec(
     from agentkv.launch import LaunchSpec
 
     env = {**opts.extra_env, "AGENTKV_PROFILE": str(work / "no-profile.json")}
+    extra_args: list[str] = []
+    if name == A and opts.baseline is Baseline.NULL_CONNECTOR:
+        from agentkv_bench import null_connector
+
+        transfer = {
+            "kv_connector": null_connector.NAME,
+            "kv_connector_module_path": null_connector.__name__,
+            "kv_role": "kv_both",
+        }
+        extra_args = ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     if probe_dir is not None:
         probe_dir.mkdir(parents=True, exist_ok=True)
         env.update(step_probe.probe_env(probe_dir, os.environ.get("PYTHONPATH")))
@@ -505,6 +539,7 @@ def _phase_spec(
         served_model_name=opts.preset,
         max_model_len=opts.max_model_len,
         extra_env=env,
+        extra_args=extra_args,
         log_path=opts.out / f"server-{name}-{r}.log",
         run_dir=work / f"run-{name}-{r}",
     )

@@ -139,3 +139,31 @@ def test_a_probed_phase_starts_its_server_with_the_probe(tmp_path: Path) -> None
     assert (step_probe.SITE_DIR / "sitecustomize.py").is_file()
     plain = _phase_spec(opts, "/m", tmp_path, "vanilla", 0)
     assert probe.ENV not in plain.extra_env and "PYTHONPATH" not in plain.extra_env
+
+
+def test_the_null_connector_baseline_starts_vllm_with_a_connector_that_does_nothing(
+    tmp_path: Path,
+) -> None:
+    from agentkv_bench.phased import Baseline
+
+    opts = PhasedOptions(out=tmp_path / "out", baseline=Baseline.NULL_CONNECTOR)
+    spec = _phase_spec(opts, "/m", tmp_path, "vanilla", 0)
+    assert spec.connector_config is None  # no agentkv plugin on the baseline
+    i = list(spec.extra_args).index("--kv-transfer-config")
+    cfg = json.loads(spec.extra_args[i + 1])
+    assert cfg["kv_connector"] == "NullConnector"
+    assert cfg["kv_connector_module_path"] == "agentkv_bench.null_connector"
+    assert _phase_spec(opts, "/m", tmp_path, "agentkv", 0).extra_args == []
+    assert _phase_spec(PhasedOptions(out=tmp_path), "/m", tmp_path, "vanilla", 0).extra_args == []
+    rep = build_report(
+        command="c",
+        machine={},
+        options={"baseline": Baseline.NULL_CONNECTOR.value},
+        phases=[{"round": 0, "config": c, "latencies_s": [0.1]} for c in ("vanilla", "agentkv")],
+        resamples=10,
+    )
+    assert "do-nothing KV connector" in to_markdown(rep)
+    pytest.importorskip("vllm")
+    from agentkv_bench.null_connector import NullConnector
+
+    assert NullConnector.get_num_new_matched_tokens(None, None, 5) == (0, False)  # type: ignore[arg-type]
