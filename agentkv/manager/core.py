@@ -18,7 +18,7 @@ are requests.RequestTable's methods under the manager's lock, their docstrings t
                                      the scheduler could not admit for lack of blocks
   take_step()                        fire due timers, give blocks back to a blocked queue; the
                                      step's jobs (drops, stores, loads, moves) for the workers
-  idle_step()                        both of the above in O(1) when nothing exists to act on
+  idle_step(admission)               both of the above in O(1) when nothing exists to act on
                                      (plain traffic): True, and the plan is empty
   on_report(report)                  jobs finished / failed per rank -> unpin, index, states
   has_work()                         the engine must keep stepping (jobs in flight, pins queued)
@@ -286,13 +286,14 @@ class TrajectoryManager:
                 self.clock.now(), admission.free_blocks, admission.filled_blocks
             )
 
-    def idle_step(self) -> bool:
+    def idle_step(self, admission: Admission) -> bool:
         """Engine thread, in place of ``set_admission`` + ``take_step``: when nothing exists that
         a step could act on (no trajectory, queued or in-flight job, pin op, timer, lease, held
-        branch, deferred write-back or doomed key), count the step and answer True: its plan is
-        empty. Otherwise change nothing and answer False. Plain traffic pays only this check per
-        step (issue 26). The admission picture and the pool trend skip idle steps: only
-        trajectories read them, and the first request of one makes the next step a full one."""
+        branch, deferred write-back or doomed key), count the step, keep its admission picture
+        (``status`` shows it) and answer True: its plan is empty. Otherwise change nothing and
+        answer False. Plain traffic pays only this check per step (issue 26). The pool trend
+        skips idle steps: only trajectories' write-backs read it, and the first request of a
+        trajectory makes the next step a full one."""
         with self.lock:
             if (
                 self.names.table
@@ -307,6 +308,7 @@ class TrajectoryManager:
             ):
                 return False
             self.steps += 1
+            self.admission = admission
             return True
 
     def take_step(self) -> StepPlan:

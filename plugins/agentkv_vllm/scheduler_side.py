@@ -402,14 +402,12 @@ class SchedulerSide(ControlOps):
     def build_step(self, scheduler_output: Any = None) -> AgentKVStepMetadata:
         start = time.thread_time_ns()
         try:
+            self._sample_step(scheduler_output)  # before admission_of: this step's fill
             self._save_preempted(scheduler_output)
-            if self.events is None and self.manager.idle_step():
-                # Plain traffic: nothing to admit or plan for, no trajectory exists (the online
-                # prefill rate learns from the steps while trajectories exist).
-                self._unadmitted = None
-                return AgentKVStepMetadata(StepPlan())
-            self._sample_step(scheduler_output)
-            self.manager.set_admission(self.admission_of(scheduler_output))
+            admission = self.admission_of(scheduler_output)
+            if self.events is None and self.manager.idle_step(admission):
+                return AgentKVStepMetadata(StepPlan())  # plain traffic: nothing to plan
+            self.manager.set_admission(admission)
             if self.events is not None:
                 self._watch_cache_reset()
             return AgentKVStepMetadata(self.manager.take_step())

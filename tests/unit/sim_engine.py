@@ -226,7 +226,7 @@ class SimEngine:
         self._allocated_seen = self.pool.allocated
         self.blocked_needs, self.preempted = [], 0
         self.last_admission = admission
-        if self.mgr.idle_step():  # as the adapter does: plain steps skip take_step
+        if self.mgr.idle_step(admission):  # as the adapter does: plain steps skip take_step
             self._check_idle()
             return StepPlan()
         self.mgr.set_admission(admission)

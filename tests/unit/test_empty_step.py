@@ -81,3 +81,24 @@ def test_a_step_with_a_job_is_bound_and_started_after_an_empty_one() -> None:
     conn.clear_connector_metadata()
     conn.bind_connector_metadata(AgentKVStepMetadata(StepPlan()))
     assert not conn.has_connector_metadata()  # the next empty step unbinds again
+
+
+def test_an_idle_step_plans_nothing_and_still_records_its_admission_picture() -> None:
+    """No trajectory: the manager's step is skipped (``idle_step``), but the status still shows
+    this step's admission picture, fill included (it is computed after the step's sample)."""
+    from types import SimpleNamespace as NS
+
+    from agentkv_vllm.scheduler_side import SchedulerSide
+    from agentkv_vllm.settings import ConnectorSettings
+    from tests.unit.test_engine_config import BLOCK, _vllm_config
+
+    side = SchedulerSide(*_vllm_config("cpu"), ConnectorSettings())
+    side.block_pool = NS(get_num_free_blocks=lambda: 200, get_usage=lambda: 0.1, num_gpu_blocks=257)
+    out = NS(num_scheduled_tokens={"a": 2 * BLOCK, "b": 1}, scheduled_new_reqs=[])
+    steps = side.manager.steps
+    meta = side.build_step(out)
+    assert not meta.plan
+    assert side.manager.steps == steps + 1
+    picture = side.manager.status()["pool"]["admission"]
+    assert picture["free_blocks"] == 200
+    assert picture["filled_blocks"] == (2 * BLOCK + 1) / BLOCK
