@@ -70,9 +70,7 @@ def show_report(
 
     report = run_or_fail(run, RuntimeError)
     if as_json:
-        typer.echo(
-            json.dumps({"out": str(out), **{k: report[k] for k in json_keys if k in report}})
-        )
+        typer.echo(json.dumps({"out": str(out), **{k: report[k] for k in json_keys}}))
         return
     from rich.markdown import Markdown
 

@@ -259,11 +259,10 @@ def build_report(
         "agentkv": _ms(_flat(b_ph)),
         "phases": [dict(p) for p in phases],
         "profiles": dict(profiles or {}),
-        **(
-            {"step_times": step_probe.compare_step_times(phases)}
-            if any("step_times" in p for p in phases)
-            else {}
-        ),
+        # None: the phases ran without the step probe (--step-times).
+        "step_times": step_probe.compare_step_times(phases)
+        if any("step_times" in p for p in phases)
+        else None,
     }
 
 
@@ -316,7 +315,7 @@ def to_markdown(report: Mapping[str, Any]) -> str:
             f"(of {report['machine'].get('cpus', '?')}).",
             "",
         ]
-    if "step_times" in report:
+    if report.get("step_times") is not None:
         lines += [*step_probe.step_times_markdown(report["step_times"]), ""]
     for name, prof in (report.get("profiles") or {}).items():
         if prof.get("status") != "ok":

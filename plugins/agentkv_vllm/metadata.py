@@ -30,7 +30,7 @@ from agentkv.manager.jobs import StepPlan, WorkerReport
 class AgentKVStepMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
 
-    def __reduce__(self) -> str | tuple[object, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         if not self.plan:
             return (_empty_step, ())
         return (AgentKVStepMetadata, (self.plan,))

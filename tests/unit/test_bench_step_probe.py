@@ -127,7 +127,9 @@ def test_rounds_are_compared_pairwise_so_a_slow_start_cancels_out() -> None:
 
 def test_a_report_without_probe_records_has_no_step_times() -> None:
     phases = [{"round": 0, "config": c, "latencies_s": [0.1]} for c in ("vanilla", "agentkv")]
-    assert "step_times" not in build_report(command="c", machine={}, options={}, phases=phases)
+    rep = build_report(command="c", machine={}, options={}, phases=phases)
+    assert rep["step_times"] is None
+    assert "Step times" not in to_markdown(rep)
     assert step_probe.step_times_markdown({"targets": {}})[0].startswith("Step times: no probe")
 
 
@@ -167,3 +169,21 @@ def test_the_null_connector_baseline_starts_vllm_with_a_connector_that_does_noth
     from agentkv_bench.null_connector import NullConnector
 
     assert NullConnector.get_num_new_matched_tokens(None, None, 5) == (0, False)  # type: ignore[arg-type]
+
+
+def test_a_forked_child_writes_only_its_own_records(tmp_path: Path) -> None:
+    sink = probe._Sink(str(tmp_path))
+    for i in range(10):
+        sink.add(0, float(i), 0.001)  # below a batch: still buffered at the fork
+    pid = os.fork()
+    if pid == 0:  # the child: a batch of its own, then gone without the parent's cleanup
+        for i in range(128):
+            sink.add(1, 100.0 + i, 0.002)
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    sink.flush()
+    files = {p.name: p for p in tmp_path.glob("probe-*.bin")}
+    assert set(files) == {f"probe-{os.getpid()}.bin", f"probe-{pid}.bin"}
+    mine = step_probe.read_records(tmp_path)
+    assert sorted(k for k, _, _ in mine).count(probe.KEYS[0]) == 10
+    assert sorted(k for k, _, _ in mine).count(probe.KEYS[1]) == 128  # not 138

@@ -48,7 +48,13 @@ class _Sink:
         self.folder = folder
         self.buf = array("d")
         self.fd: int | None = None
-        self.pid = os.getpid()
+        # A forked child starts empty with a file of its own (its parent's records are the
+        # parent's to write).
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self.buf = array("d")
+        self.fd = None
 
     def add(self, index: int, start: float, seconds: float) -> None:
         self.buf.extend((float(index), start, seconds))
@@ -58,9 +64,8 @@ class _Sink:
     def flush(self) -> None:
         if not self.buf:
             return
-        if self.fd is None or self.pid != os.getpid():  # a forked child writes its own file
-            self.pid = os.getpid()
-            path = os.path.join(self.folder, f"probe-{self.pid}.bin")
+        if self.fd is None:
+            path = os.path.join(self.folder, f"probe-{os.getpid()}.bin")
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.write(self.fd, self.buf.tobytes())
         self.buf = array("d")
