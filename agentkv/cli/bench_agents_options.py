@@ -83,7 +83,8 @@ Configs = Annotated[
         help="Configurations to run, comma-separated, in this order: vanilla, agentkv, "
         "retain-always and offload-always (the agentkv connector taking that one action at "
         "every pause: fixed policies), oracle (vanilla vLLM with a pool that never evicts, run "
-        "once). Default vanilla,agentkv (with --trace vanilla,agentkv,oracle). Given, or with "
+        "once), connector-only (the agentkv server driven by plain requests, no trajectory: "
+        "what the connector alone costs, a diagnostic). Default vanilla,agentkv (with --trace vanilla,agentkv,oracle). Given, or with "
         "several --num-blocks, the run is a sweep: sweep.md gives every metric per configuration "
         "and pool size and agentkv's regret against the best fixed policy.",
     ),

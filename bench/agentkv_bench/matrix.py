@@ -2,7 +2,7 @@
 
 Primitives:
   BenchConfig          the configurations a bench can run (StrEnum): vanilla, agentkv,
-                       retain-always, offload-always, oracle
+                       retain-always, offload-always, oracle, connector-only
   ConfigSpec           how one configuration runs: which client driver (plain requests or a
                        trajectory), the connector settings it adds, whether it gets the pool
                        under test or the oracle's
@@ -16,7 +16,10 @@ Primitives:
 
 retain-always and offload-always are real agentkv servers whose connector takes one action at
 every pause (``policy_override`` in ``kv_connector_extra_config``); the harness side is the same
-trajectory driver as agentkv's, so the three differ only in the pause decision.
+trajectory driver as agentkv's, so the three differ only in the pause decision. connector-only
+is the other half of a decomposition: agentkv's server with vanilla's client (no trajectory, no
+pause), so vanilla -> connector-only -> retain-always -> agentkv splits agentkv's cost into the
+connector's, the trajectory calls', and the copies'.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class BenchConfig(StrEnum):
     RETAIN_ALWAYS = "retain-always"
     OFFLOAD_ALWAYS = "offload-always"
     ORACLE = "oracle"
+    CONNECTOR_ONLY = "connector-only"
 
 
 class Driver(StrEnum):
@@ -71,6 +75,11 @@ SPECS: dict[BenchConfig, ConfigSpec] = {
     ),
     BenchConfig.ORACLE: ConfigSpec(
         BenchConfig.ORACLE, Driver.PLAIN, connector=False, oracle_pool=True
+    ),
+    # agentkv loaded, every request plain (no trajectory, no pause): what the connector alone
+    # costs on this workload, to tell it from what trajectories cost (a diagnostic, not a policy).
+    BenchConfig.CONNECTOR_ONLY: ConfigSpec(
+        BenchConfig.CONNECTOR_ONLY, Driver.PLAIN, connector=True
     ),
 }
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentkv_bench.step_probe_site.sitecustomize import ENV, KEYS
+from agentkv_bench.step_probe_site.sitecustomize import ENV, EXTRA_FILE, KEYS
 
 SITE_DIR = Path(__file__).resolve().parent / "step_probe_site"
 STEP, FORWARD = "EngineCore.step", "GPUModelRunner._model_forward"
@@ -41,6 +41,12 @@ def probe_env(folder: Path, base_pythonpath: str | None = None) -> dict[str, str
 
 
 def read_records(folder: Path) -> list[tuple[str, float, float]]:
+    """Every process's (method, start, seconds) records in ``folder``: the fixed targets' and the
+    extra ones the server was given (``AGENTKV_STEP_PROBE_EXTRA``, named in EXTRA_FILE)."""
+    keys = KEYS
+    extra = folder / EXTRA_FILE
+    if extra.exists():
+        keys = KEYS + tuple(line for line in extra.read_text().splitlines() if line)
     out: list[tuple[str, float, float]] = []
     for path in sorted(folder.glob("probe-*.bin")):
         data = array("d")
@@ -48,8 +54,8 @@ def read_records(folder: Path) -> list[tuple[str, float, float]]:
         data.frombytes(raw[: len(raw) - len(raw) % (3 * data.itemsize)])
         for i in range(0, len(data), 3):
             k = int(data[i])
-            if 0 <= k < len(KEYS):
-                out.append((KEYS[k], data[i + 1], data[i + 2]))
+            if 0 <= k < len(keys):
+                out.append((keys[k], data[i + 1], data[i + 2]))
     return out
 
 

@@ -8,6 +8,8 @@ Primitives:
   REPLAYABLE_OPS           the ops a retry must not apply twice (pause, resume, end)
   REPLAYED_FIELD           set in an answer that replays an earlier one (the route turns it into
                            a header)
+  WAKE_FIELD               in the answer of each op of WAKE_OPS: whether the route must wake
+                           vLLM's loop for the work the op left (``SchedulerSide.wake_needed``)
 
 A pause, resume or end carrying ``idempotency_key`` is applied once: a retry with the same key
 (same tenant) answers the first answer again (``agentkv.idempotency.ReplayCache``).
@@ -31,6 +33,11 @@ if TYPE_CHECKING:
 REPLAYABLE_OPS = frozenset({"pause", "resume", "end"})
 # Set in a control answer that replays an earlier answer; the route turns it into a header.
 REPLAYED_FIELD = "_idempotent_replayed"
+# Set in the answer of each op of WAKE_OPS (the route ops that may leave engine work); the
+# route pops it and wakes the engine loop only when it is true. A wake is a utility call (~0.4 ms of the engine thread, more of the API
+# server's) that a stepping engine does not need: it picks the work up at its next step.
+WAKE_FIELD = "_wake_engine"
+WAKE_OPS = frozenset({"pause", "resume", "end", "get", "status"})
 
 
 class ControlOps:
@@ -45,7 +52,16 @@ class ControlOps:
     def metrics_snapshot(self) -> Snapshot:
         raise NotImplementedError
 
+    def wake_needed(self) -> bool:
+        raise NotImplementedError
+
     def handle(self, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        status, body = self._handle(req)
+        if req.get("op") in WAKE_OPS:
+            body = {**body, WAKE_FIELD: self.wake_needed()}
+        return status, body
+
+    def _handle(self, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         op = req.get("op")
         mgr = self.manager
         tid = str(req.get("trajectory_id"))

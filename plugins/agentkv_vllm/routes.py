@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agentkv.idempotency import KEY_FIELD, KEY_HEADER, MAX_KEY_LEN, validate_key
 from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
 from agentkv_vllm.control import ControlClient, ControlUnavailable
-from agentkv_vllm.control_ops import REPLAYED_FIELD
+from agentkv_vllm.control_ops import REPLAYED_FIELD, WAKE_FIELD
 from agentkv_vllm.hooks import AgentKVHooks, HookState
 from agentkv_vllm.metrics_snapshot import MetricsSnapshot
 from agentkv_vllm.params import BranchStr
@@ -202,7 +202,8 @@ def _responses_store_enabled() -> bool:
         return False
 
 
-def _check_api_key(request: Request) -> None:
+async def _check_api_key(request: Request) -> None:
+    # async: FastAPI runs a sync dependency in a worker thread, a thread hop on every call.
     keys = _State.api_keys
     if not keys:
         return
@@ -270,8 +271,10 @@ async def _call(op: str, nudge: bool = False, **fields: Any) -> JSONResponse:
             detail += f"; it may have been applied: retry with the same {KEY_HEADER}"
         raise HTTPException(status_code=503, detail=detail) from None
     replayed = bool(body.pop(REPLAYED_FIELD, False))
-    if nudge and status < 400:
+    # An engine that does not say (an older one) is woken as before.
+    if nudge and status < 400 and body.pop(WAKE_FIELD, True):
         _nudge_soon()
+    body.pop(WAKE_FIELD, None)
     headers = {REPLAYED_HEADER: "true"} if replayed else None
     return JSONResponse(status_code=status, content=body, headers=headers)
 
@@ -293,6 +296,8 @@ async def _fan_out(clients: list[Any], op: str, **fields: Any) -> tuple[int, dic
             body[field] = sum(int(b.get(field, 0)) for _, s, b in known if s == 200)
         status = 200 if any(s == 200 for _, s, _ in known) else status
     body["dp_ranks"] = [rank for rank, _, _ in known]
+    # A wake-up is one utility call, whichever rank needs it.
+    body[WAKE_FIELD] = any(b.get(WAKE_FIELD, True) for _, b in answers)
     return status, body
 
 
@@ -449,7 +454,8 @@ async def _auto_pause(
         ",".join(tools),
         (body.get("decision") or {}).get("action"),
     )
-    _nudge_soon()
+    if body.get(WAKE_FIELD, True):
+        _nudge_soon()
 
 
 def _nudge_soon() -> None:

@@ -207,6 +207,10 @@ class SchedulerSide(ControlOps):
         # scheduler looked up last this step and has not allocated for (vLLM stops at the first
         # request it cannot allocate): not allocated by build_step, it heads a blocked queue
         self._unadmitted: tuple[str, int, Any, int] | None = None
+        # Requests the scheduler looked up and has not finished (plain ones too): while any is
+        # live, vLLM's loop keeps stepping, so a control op's engine work needs no wake-up
+        # (``wake_needed``). Written by the engine thread only; the control thread reads it.
+        self._live: set[str] = set()
         self.started_at = time.time()
         self.manifest: ManifestKeeper | None = None
         if settings.disk_dir:
@@ -300,6 +304,7 @@ class SchedulerSide(ControlOps):
         return result.params
 
     def lookup(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        self._live.add(request.request_id)
         # Every request the scheduler tries comes here first; allocation clears it (plan_load).
         self._unadmitted = (
             request.request_id,
@@ -358,6 +363,7 @@ class SchedulerSide(ControlOps):
         self.manager.fail_load(request.request_id, blocks.get_block_ids()[0], num_external)
 
     def finish(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._live.discard(request.request_id)
         self.preemptions.drop(request.request_id)
         params = self._params.pop(request.request_id, None)
         if params is None:
@@ -548,6 +554,13 @@ class SchedulerSide(ControlOps):
 
     def has_pending_work(self) -> bool:
         return self.manager.has_work()
+
+    def wake_needed(self) -> bool:
+        """Control thread, after an op: whether vLLM's loop may be blocked waiting for requests
+        while the op left work only a step applies (jobs, pin changes). Race-free when it says
+        no: the op queued its work before this read, and a loop with a live request steps
+        again, then asks ``has_pending_work`` (which sees that work) before it blocks."""
+        return not self._live and self.manager.engine_work_pending()
 
     # ------------------------------------------------------------------ control ops
 

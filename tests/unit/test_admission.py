@@ -22,6 +22,7 @@ def _side(free: int) -> Any:
     side.block_size = 16
     side._params = {}
     side._unadmitted = None
+    side._live = set()
     side._step_tokens = 0
     side._step_hit_blocks = 0
     side._blocked = None

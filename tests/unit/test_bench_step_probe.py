@@ -52,6 +52,43 @@ def test_the_probe_times_a_target_method_once_its_module_loads(
     assert all(seconds >= 0 for _, _, seconds in got)
 
 
+def test_extra_targets_are_timed_and_named_for_the_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "probe_demo_control.py").write_text(
+        textwrap.dedent(
+            """
+            class ControlOps:
+                def handle(self, req):
+                    return 200, req
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(probe, "TARGETS", (("probe_demo_nothing", "EngineCore", "step"),))
+    monkeypatch.setattr(step_probe, "KEYS", ("EngineCore.step",))
+    records = tmp_path / "records"
+    records.mkdir()
+    before = list(sys.meta_path)
+    try:
+        probe.install(str(records), "probe_demo_control:ControlOps.handle")
+        import probe_demo_control  # type: ignore[import-not-found]
+
+        ops = probe_demo_control.ControlOps()
+        assert [ops.handle(i) for i in range(128)] == [(200, i) for i in range(128)]
+    finally:
+        sys.meta_path[:] = before
+        sys.modules.pop("probe_demo_control", None)
+    got = step_probe.read_records(records)
+    assert [key for key, _, _ in got] == ["ControlOps.handle"] * 128
+
+
+@pytest.mark.parametrize("bad", ["nocolon.Class.method", "mod:Class", "mod:.method"])
+def test_a_malformed_extra_target_is_refused_by_name(bad: str) -> None:
+    with pytest.raises(ValueError, match=probe.EXTRA_ENV):
+        probe.parse_extra(bad)
+
+
 def test_a_server_process_loads_the_probe_into_vllm(tmp_path: Path) -> None:
     """Guards the target list against vLLM renames: a probe that wraps nothing reports nothing."""
     pytest.importorskip("vllm")

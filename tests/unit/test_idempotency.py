@@ -25,6 +25,23 @@ def _side(rig: Rig) -> Any:
     side = SchedulerSide.__new__(SchedulerSide)  # only the parts the control ops read
     side.manager = rig.mgr
     side.replays = ReplayCache(rig.clock.now)
+    side._live = set()
+    return _as_routes_see_it(side)
+
+
+def _as_routes_see_it(side: Any) -> Any:
+    """The answers without the wake-up flag, which the route pops (it is recomputed per call,
+    not part of a replayed answer; ``test_engine_wake`` covers it)."""
+    from agentkv_vllm.control_ops import WAKE_FIELD
+
+    handle = side.handle
+
+    def answer(req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        status, body = handle(req)
+        body.pop(WAKE_FIELD, None)
+        return status, body
+
+    side.handle = answer
     return side
 
 

@@ -28,6 +28,7 @@ from tests.unit.sim_engine import make_rig
 pytest.importorskip("vllm")
 
 from agentkv_vllm.scheduler_side import REPLAYED_FIELD, SchedulerSide
+from tests.unit.test_idempotency import _as_routes_see_it
 
 WINDOW_S = 30.0
 MAX_KEYS = 3
@@ -51,7 +52,8 @@ class IdempotencyMachine(RuleBasedStateMachine):
         side = SchedulerSide.__new__(SchedulerSide)
         side.manager = self.rig.mgr
         side.replays = ReplayCache(self.rig.clock.now, window_s=WINDOW_S, max_keys=MAX_KEYS)
-        self.side = side
+        side._live = set()
+        self.side = _as_routes_see_it(side)
         # (key, salt) -> (request, status, body, remembered at); insertion order = age
         self.model: dict[tuple[str, str | None], tuple[dict[str, Any], int, dict[str, Any], float]]
         self.model = {}

@@ -58,11 +58,14 @@ class _RankControl:
     """One DP rank's engine side of the control channel: the production ``handle``."""
 
     handle = scheduler_side.SchedulerSide.handle
+    _handle = scheduler_side.SchedulerSide._handle
     _apply = scheduler_side.SchedulerSide._apply
+    wake_needed = scheduler_side.SchedulerSide.wake_needed
 
     def __init__(self, manager: Any) -> None:
         self.manager = manager
         self.replays = ReplayCache(manager.clock.now)
+        self._live: set[str] = set()
 
 
 class _RankClient:

@@ -40,6 +40,27 @@ TARGETS: tuple[tuple[str, str, str], ...] = (
 )
 KEYS: tuple[str, ...] = tuple(f"{c}.{m}" for _, c, m in TARGETS)
 ENV = "AGENTKV_STEP_PROBE_DIR"
+# More methods to time, comma-separated ``module:Class.method`` (e.g. agentkv's control handler,
+# ``agentkv_vllm.control_ops:ControlOps.handle``); their records follow TARGETS' indices, in
+# this order, and their names go to EXTRA_FILE in the probe folder for the reader.
+EXTRA_ENV = "AGENTKV_STEP_PROBE_EXTRA"
+EXTRA_FILE = "extra-targets.txt"
+
+
+def parse_extra(text: str) -> tuple[tuple[str, str, str], ...]:
+    """``module:Class.method,...`` -> (module, class, method) triples (ValueError on a bad one)."""
+    out: list[tuple[str, str, str]] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        mod, _, rest = item.partition(":")
+        cls, _, meth = rest.partition(".")
+        if not (mod and cls and meth):
+            raise ValueError(f"{EXTRA_ENV}: {item!r} is not module:Class.method")
+        out.append((mod, cls, meth))
+    return tuple(out)
+
+
 FLUSH = 3 * 128  # doubles: 128 records, ~3 KiB per write
 
 
@@ -87,9 +108,10 @@ def _wrap(sink: _Sink, index: int, fn: Any) -> Any:
 
 
 class _Hook(importlib.abc.MetaPathFinder):
-    def __init__(self, sink: _Sink) -> None:
+    def __init__(self, sink: _Sink, targets: tuple[tuple[str, str, str], ...] = TARGETS) -> None:
         self.sink = sink
-        self.modules = {mod for mod, _, _ in TARGETS}
+        self.targets = targets
+        self.modules = {mod for mod, _, _ in targets}
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname not in self.modules:
@@ -105,7 +127,7 @@ class _Hook(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             load(module)
-            for i, (mod, cls_name, meth) in enumerate(TARGETS):
+            for i, (mod, cls_name, meth) in enumerate(self.targets):
                 cls = getattr(module, cls_name, None) if mod == fullname else None
                 if cls is not None and meth in vars(cls):
                     setattr(cls, meth, _wrap(self.sink, i, vars(cls)[meth]))
@@ -114,11 +136,18 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install(folder: str) -> None:
+def install(folder: str, extra: str = "") -> None:
+    targets = TARGETS + parse_extra(extra)
+    if len(targets) > len(TARGETS):
+        # Every process of the server writes the same names: a whole-file replace is enough.
+        tmp = os.path.join(folder, f".{EXTRA_FILE}.{os.getpid()}")
+        with open(tmp, "w") as fh:
+            fh.writelines(f"{c}.{m}\n" for _, c, m in targets[len(TARGETS) :])
+        os.replace(tmp, os.path.join(folder, EXTRA_FILE))
     sink = _Sink(folder)
     atexit.register(sink.flush)
-    sys.meta_path.insert(0, _Hook(sink))
+    sys.meta_path.insert(0, _Hook(sink, targets))
 
 
 if os.environ.get(ENV) and __name__ == "sitecustomize":
-    install(os.environ[ENV])
+    install(os.environ[ENV], os.environ.get(EXTRA_ENV, ""))
