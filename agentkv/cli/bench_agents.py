@@ -39,6 +39,7 @@ def agents(
     host_capacity_gib: options.HostCapacityGib = 2.0,
     disk: options.Disk = False,
     prefetch: options.Prefetch = True,
+    pause_via: options.PauseViaOpt = "routes",
     out: options.Out = None,
     quick: options.Quick = False,
     skip_overhead: options.SkipOverhead = False,
@@ -82,8 +83,11 @@ def agents(
             command=bench_command("agents"),
             disk=disk,
             prefetch=prefetch,
+            pause_via=pause_via,
         )
         return
+    if pause_via != "routes":
+        fail("--pause-via applies to --trace replays only")
     _synthetic(
         preset=preset,
         trajectories=trajectories,
@@ -268,11 +272,20 @@ def _trace(
     disk: bool = False,
     prefetch: bool = True,
     repeats: int = 1,
+    pause_via: str = "routes",
 ) -> None:
     from rich.console import Console
 
     from agentkv.errors import AgentKVError
+    from agentkv_bench.trace_replay import PauseVia
     from agentkv_bench.trace_runner import TraceBenchOptions, plan, run_trace_bench
+
+    try:
+        via = PauseVia(pause_via)
+    except ValueError:
+        fail(
+            f"--pause-via must be one of {', '.join(v.value for v in PauseVia)}, got {pause_via!r}"
+        )
 
     config_list, pools = _matrix(configs, num_blocks)
     opts = TraceBenchOptions(
@@ -288,6 +301,7 @@ def _trace(
         command=command,
         disk=disk,
         prefetch=prefetch,
+        pause_via=via,
     )
     if config_list is not None:
         opts.configs = tuple(c.value for c in config_list)

@@ -126,6 +126,17 @@ Prefetch = Annotated[
         "oracle's device hits on the same turns (add oracle to --configs).",
     ),
 ]
+PauseViaOpt = Annotated[
+    str,
+    typer.Option(
+        "--pause-via",
+        help="With --trace: how the trajectory driver pauses a session for a tool wait. routes "
+        "(default): POST .../pause after the reply and POST .../resume after the wait, the "
+        "harness SDK's calls. request: each round's request carries "
+        "kv_transfer_params.agentkv.pause_after and the next request resumes, no control call "
+        "per wait (an agent that knows its next step is a tool).",
+    ),
+]
 Out = Annotated[
     Path | None,
     typer.Option(

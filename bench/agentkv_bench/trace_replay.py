@@ -30,6 +30,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import httpx
@@ -42,6 +43,15 @@ from agentkv_bench.trace_prompts import RoundPrompt
 
 MODES: tuple[str, ...] = tuple(c.value for c in BenchConfig)
 TOOL = "trace-tool"
+
+
+class PauseVia(StrEnum):
+    """How the trajectory driver pauses a session for a round's wait."""
+
+    ROUTES = "routes"  # POST .../pause after the reply, POST .../resume after the wait
+    REQUEST = "request"  # the round's request carries pause_after; the next request resumes
+
+
 TIMEOUT = httpx.Timeout(1800.0, connect=30.0)
 
 
@@ -108,6 +118,7 @@ async def replay_session(
     on_round: Progress | None = None,
     paused: dict[str, int] | None = None,
     locate: Locate | None = None,
+    pause_via: PauseVia = PauseVia.ROUTES,
 ) -> SessionRecord:
     """Run one session's rounds in order, each after the previous reply and its wait.
 
@@ -116,6 +127,8 @@ async def replay_session(
     (``x-session-id`` on completions, ``agent_hint.session_id`` and ``model`` in completion and
     pause/resume bodies, which vllm-router routes by); pause and resume go through the router,
     the final GET and DELETE (no body to route by) to the replica ``locate`` names.
+    ``pause_via`` REQUEST: every round but the last asks for its pause in its own request
+    (``pause_after``) and the next round's request resumes it: no control call per wait.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -125,7 +138,7 @@ async def replay_session(
     # differ only in what the server decides at the pause.
     agentkv = SPECS[BenchConfig(mode)].trajectory
     path = f"/agentkv/v1/trajectories/{trajectory_id}"
-    params = {"trajectory_id": trajectory_id} if agentkv else None
+    params: dict[str, Any] | None = {"trajectory_id": trajectory_id} if agentkv else None
     headers = {"x-session-id": trajectory_id} if locate is not None else None
     hint: dict[str, Any] = (
         {"model": model, "agent_hint": {"session_id": trajectory_id}} if locate else {}
@@ -140,15 +153,19 @@ async def replay_session(
             decision: dict[str, Any] = {}
             control_s: float | None = None
             wait = session.rounds[i - 1].wait_after_s if i else 0.0
+            calls = agentkv and pause_via is PauseVia.ROUTES
             if i:
                 waiting = (trajectory_id, len(prompts[i - 1].context))
                 decision, control_s = await _wait_between(
-                    client, routes if agentkv else None, hint, wait, waiting, paused
+                    client, routes if calls else None, hint, wait, waiting, paused
                 )
+            round_params = params
+            if params is not None and not calls and i + 1 < len(session.rounds):
+                round_params = {**params, "pause_after": {"tool": TOOL}}
             sent = time.monotonic() - t_run
             sent_any = True
             s = await complete_ids(
-                client, base_url, model, rp.prompt, rnd.output_len, params, headers, hint
+                client, base_url, model, rp.prompt, rnd.output_len, round_params, headers, hint
             )
             r = RoundRecord(
                 session_id=session.session_id,
@@ -257,6 +274,7 @@ async def replay(
     paused: dict[str, int] | None = None,
     t_run: float | None = None,
     locate: Locate | None = None,
+    pause_via: PauseVia = PauseVia.ROUTES,
 ) -> list[SessionRecord]:
     """Every session of ``workload`` at once, each from its arrival time."""
     t0 = time.monotonic() if t_run is None else t_run
@@ -275,6 +293,7 @@ async def replay(
                     on_round,
                     paused,
                     locate,
+                    pause_via,
                 )
                 for i, s in enumerate(workload.sessions)
             )

@@ -55,7 +55,14 @@ from agentkv_bench.stall_report import (
     tier_rates,
 )
 from agentkv_bench.trace_prompts import RoundPrompt, build_prompts, oracle_blocks
-from agentkv_bench.trace_replay import MODES, TIMEOUT, RoundRecord, SessionRecord, replay
+from agentkv_bench.trace_replay import (
+    MODES,
+    TIMEOUT,
+    PauseVia,
+    RoundRecord,
+    SessionRecord,
+    replay,
+)
 from agentkv_bench.trace_report import (
     TraceSummary,
     build_report,
@@ -87,6 +94,8 @@ class TraceBenchOptions:
     command: str = "agentkv bench agents --trace"
     disk: bool = False  # every agentkv offload to the disk tier
     prefetch: bool = True  # device prefetch in the agentkv configurations
+    pause_via: PauseVia = PauseVia.ROUTES  # the trajectory driver's pause: control calls or
+    # the request's pause_after
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,7 @@ async def _drive(
                 on_round,
                 paused,
                 t_run,
+                pause_via=opts.pause_via,
             )
         makespan = time.monotonic() - t_run
         after = parse_prom((await client.get(server.base_url + "/metrics")).text)
@@ -271,6 +281,12 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
         )
         summaries[name] = summarize(name, run.sessions, run.samples, run.makespan_s, block_tokens)
         summaries[name].writeback_blocks = writebacks(run.status)
+        if not summaries[name].decisions and run.status.get("decisions"):
+            # Paused by their requests (--pause-via request): no round saw its decision; the
+            # engine's count of them stands in.
+            summaries[name].decisions = {
+                str(k): int(v) for k, v in run.status["decisions"].items() if v
+            }
         configs[name] = _config_section(name, run, sizing, rounds, rows[name])
     stall = stall_section(
         rows, rates, rate, rate_source, memcpy, reload_phase_section(agentkv_run.prom)
@@ -297,6 +313,7 @@ def run_trace_bench(opts: TraceBenchOptions, progress: ProgressFn | None = None)
             "time_scale": opts.time_scale,
             "seed": opts.seed,
             "sessions_kept": opts.sessions,
+            "pause_via": opts.pause_via.value,
         },
         configs=configs,
         summaries=summaries,

@@ -1,7 +1,9 @@
 """The per-request contract: ``kv_transfer_params = {"agentkv": {...}}``.
 
 Primitives:
-  AgentKVParams      validated params (trajectory_id, branch, zones)
+  AgentKVParams      validated params (trajectory_id, branch, zones, pause_after)
+  PauseSpec          a pause's fields (tool or tools, expected_wait_s, max_lease_s): the pause
+                     route's body and a request's ``pause_after``
   TrajectoryIdStr, BranchStr   pydantic string types in the id grammar of ``agentkv.ids``
   parse_request_params(raw) -> ParseResult: params or None plus a warning; never raises
 
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
@@ -48,6 +50,54 @@ class Zone(BaseModel):
     end_message: int | None = Field(default=None, ge=0)
 
 
+ToolName = Annotated[str, Field(min_length=1, max_length=128)]
+MAX_WAIT_S = 30 * 86400
+
+
+class PauseSpec(BaseModel):
+    """What a pause says: the pause route's body (``routes.PauseBody``) and a request's
+    ``pause_after``, one definition."""
+
+    model_config = ConfigDict(extra="forbid")
+    tool: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="Tool name; waits are learned per tool. Required unless `tools` is given.",
+    )
+    tools: list[ToolName] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="Parallel tool calls: the pause is predicted (and learned) as the tool with "
+        "the longest predicted wait.",
+    )
+    expected_wait_s: float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_WAIT_S,
+        allow_inf_nan=False,
+        description="The harness's own estimate of the wait.",
+    )
+    max_lease_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_WAIT_S,
+        allow_inf_nan=False,
+        description="Cap on a retain decision's lease (e.g. the client's KV retention TTL).",
+    )
+
+    @model_validator(mode="after")
+    def _one_tool_at_least(self) -> PauseSpec:
+        if self.tool is None and not self.tools:
+            raise ValueError("give `tool` or `tools`")
+        return self
+
+    @property
+    def tool_names(self) -> list[str]:
+        return list(self.tools) if self.tools else [str(self.tool)]
+
+
 class AgentKVParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
     trajectory_id: TrajectoryIdStr
@@ -57,6 +107,11 @@ class AgentKVParams(BaseModel):
     # Set only by the plugin's own device-prefetch requests (a random ticket the manager
     # issued); an unknown ticket is served as a vanilla request.
     prefetch: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    # The pause that follows this request (the agent knows its next step is a tool): the engine
+    # pauses the branch when the request finishes, and the branch's next request resumes it, so
+    # a tool wait costs no control call at all (two HTTP calls, the API server's route work and
+    # an engine wake-up each, otherwise).
+    pause_after: PauseSpec | None = None
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,11 @@ import logging
 import os
 import secrets
 from argparse import Namespace
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agentkv.idempotency import KEY_FIELD, KEY_HEADER, MAX_KEY_LEN, validate_key
 from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
@@ -54,7 +54,7 @@ from agentkv_vllm.control import ControlClient, ControlUnavailable
 from agentkv_vllm.control_ops import REPLAYED_FIELD, WAKE_FIELD
 from agentkv_vllm.hooks import AgentKVHooks, HookState
 from agentkv_vllm.metrics_snapshot import MetricsSnapshot
-from agentkv_vllm.params import BranchStr
+from agentkv_vllm.params import BranchStr, PauseSpec
 from agentkv_vllm.prefetch_issuer import PrefetchIssuer
 from agentkv_vllm.pump import timer_pump
 from agentkv_vllm.settings import ConnectorSettings
@@ -101,45 +101,9 @@ class Keyed(RoutingHints):
         return None if value is None else validate_key(value)
 
 
-ToolName = Annotated[str, Field(min_length=1, max_length=128)]
-
-
-class PauseBody(Keyed):
+class PauseBody(Keyed, PauseSpec):
     model_config = ConfigDict(extra="forbid")
-    tool: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=128,
-        description="Tool name; waits are learned per tool. Required unless `tools` is given.",
-    )
-    tools: list[ToolName] | None = Field(
-        default=None,
-        min_length=1,
-        max_length=64,
-        description="Parallel tool calls: the pause is predicted (and learned) as the tool with "
-        "the longest predicted wait.",
-    )
-    expected_wait_s: float | None = Field(
-        default=None,
-        ge=0,
-        le=30 * 86400,
-        allow_inf_nan=False,
-        description="The harness's own estimate of the wait.",
-    )
-    max_lease_s: float | None = Field(
-        default=None,
-        gt=0,
-        le=30 * 86400,
-        allow_inf_nan=False,
-        description="Cap on a retain decision's lease (e.g. the client's KV retention TTL).",
-    )
     branch: BranchStr = "main"
-
-    @model_validator(mode="after")
-    def _one_tool_at_least(self) -> PauseBody:
-        if self.tool is None and not self.tools:
-            raise ValueError("give `tool` or `tools`")
-        return self
 
 
 class ResumeBody(Keyed):

@@ -380,17 +380,37 @@ class SchedulerSide(ControlOps):
             computed = max(
                 0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
             )
+            aborted = request.status == RequestStatus.FINISHED_ABORTED
             stats = self.manager.on_finish(
                 request.request_id,
                 block_ids,
                 computed_tokens=computed,
                 token_ids=request.all_token_ids,
                 block_hashes=request.block_hashes,
-                aborted=request.status == RequestStatus.FINISHED_ABORTED,
+                aborted=aborted,
             )
+            if stats is not None and params.pause_after is not None and not aborted:
+                stats = {**stats, "pause": self._pause_after(request, params)}
             return False, ({"agentkv": stats} if stats is not None else None)
         finally:
             self.cpu.add("request", start)
+
+    def _pause_after(self, request: Any, params: AgentKVParams) -> dict[str, Any]:
+        """The request's ``pause_after``, applied as the pause route would, now that its turn
+        is recorded (the decision sees this turn's context). The answer goes back in the
+        response's ``kv_transfer_params.agentkv.pause``: the decision, or the error."""
+        spec = params.pause_after
+        assert spec is not None
+        code, reply = self.manager.pause(
+            params.trajectory_id,
+            params.branch,
+            spec.tool_names,
+            spec.expected_wait_s,
+            max_lease_s=spec.max_lease_s,
+            tenant=getattr(request, "cache_salt", None),
+        )
+        self.counters["request_pauses" if code == 200 else "request_pause_failures"] += 1
+        return reply if code == 200 else {"status": code, **reply}
 
     def snapshot_for_preemption(self) -> None:
         start = time.thread_time_ns()

@@ -249,3 +249,47 @@ def test_openai_client_wrapper_two_turns_and_a_tool_wait(server: Server) -> None
     assert server.trajectory_code(tid) == 404  # close() deleted it
     with httpx.Client() as c:  # the wrapped client itself is still the caller's and usable
         assert c.get(server.base_url + "/health").status_code == 200
+
+
+def test_a_request_that_names_its_pause_is_paused_at_finish_and_resumed_by_the_next(
+    server: Server,
+) -> None:
+    """``pause_after`` in the request: no control call at all (issue 26: the pause and resume
+    calls were the whole roomy-pool gap). The branch is paused with that tool when the
+    request finishes, the reply carries the decision, the next request of the branch resumes
+    it (the engine sees the wait) and reuses the context."""
+    tid, tool = f"pause-after-{_uid()}", f"env_step_{_uid()}"
+    msgs = _ctx(17501)
+    params = {"agentkv": {"trajectory_id": tid, "pause_after": {"tool": tool}}}
+    before = server.counters().get("request_pauses", 0)
+    reply = server.chat(msgs, max_tokens=8, extra_params=params)
+    pause = reply["kv_transfer_params"]["agentkv"]["pause"]
+    assert pause["applied"] and pause["decision"]["action"], pause
+    branch = server.trajectory(tid)["branches"]["main"]
+    assert branch["tool"] == tool and branch["state"] != "active", branch
+    assert branch["decision"]["action"] == pause["decision"]["action"]
+    assert server.counters().get("request_pauses", 0) == before + 1
+
+    nxt = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
+    expected = full_blocks(lcp(server.tokenize(msgs), server.tokenize(nxt)))
+    time.sleep(SLEEP_S)
+    reply = server.chat(nxt, trajectory=tid, max_tokens=8)
+    assert "pause" not in reply["kv_transfer_params"]["agentkv"]  # this one named none
+    assert _hits(reply) == expected > 0, reply.get("kv_transfer_params")
+    assert server.status()["predictor"].get(tool) == 1  # the resume was observed: one wait
+    server.end(tid)
+
+
+def test_a_malformed_pause_after_serves_the_request_as_vanilla_and_says_why(
+    server: Server,
+) -> None:
+    tid = f"pause-after-bad-{_uid()}"
+    params = {"agentkv": {"trajectory_id": tid, "pause_after": {"expected_wait_s": -1}}}
+    r = server.client.post(
+        "/v1/chat/completions",
+        json=server.chat_body(_ctx(17502, 40), max_tokens=2, extra_params=params),
+    )
+    assert r.status_code == 200
+    error = r.json()["kv_transfer_params"]["agentkv"]["error"]
+    assert "pause_after" in error and r.headers["x-agentkv-error"]
+    assert server.trajectory_code(tid) == 404  # served as vanilla: no trajectory made

@@ -14,7 +14,7 @@ import pytest
 
 from agentkv.traces import TraceRound, TraceSession, TraceWorkload
 from agentkv_bench.trace_prompts import build_prompts
-from agentkv_bench.trace_replay import replay
+from agentkv_bench.trace_replay import PauseVia, replay
 
 SESSION = TraceSession("s-1", 0.0, (TraceRound(0, 300, 3, 0.01), TraceRound(303, 40, 2, 0.0)))
 WORKLOAD = TraceWorkload((SESSION,), "t")
@@ -73,14 +73,16 @@ class FakeServer:
         return httpx.Response(404, json={"detail": "no route"})
 
 
-def _run(mode: str) -> tuple[FakeServer, list[Any]]:
+def _run(mode: str, pause_via: PauseVia = PauseVia.ROUTES) -> tuple[FakeServer, list[Any]]:
     server = FakeServer()
     prompts = build_prompts(WORKLOAD)
 
     async def go() -> list[Any]:
         transport = httpx.MockTransport(server.handler)
         async with httpx.AsyncClient(transport=transport) as client:
-            return await replay(WORKLOAD, prompts, mode, client, "http://s", "m", "7")
+            return await replay(
+                WORKLOAD, prompts, mode, client, "http://s", "m", "7", pause_via=pause_via
+            )
 
     return server, asyncio.run(go())
 
@@ -119,6 +121,29 @@ def test_agentkv_pauses_waits_resumes_then_reads_stats_and_deletes() -> None:
     assert r1.planned_prefix == 303
     assert r1.sent_at_s - r0.sent_at_s >= r0.latency_s + 0.01  # closed loop: reply, then wait
     assert rec.jct_s >= r1.sent_at_s - r0.sent_at_s
+
+
+def test_paused_by_request_the_driver_makes_no_control_call_per_wait() -> None:
+    """--pause-via request: the round before a wait names its pause (pause_after), the next
+    round's request resumes; only the end-of-session GET and DELETE remain."""
+    server, sessions = _run("agentkv", PauseVia.REQUEST)
+    tid = "trace-7-0"
+    route = f"/agentkv/v1/trajectories/{tid}"
+    assert [(m, p) for m, p, _ in server.calls] == [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", route),
+        ("DELETE", route),
+    ]
+    first, second = server.calls[0][2], server.calls[1][2]
+    assert first["kv_transfer_params"] == {
+        "agentkv": {"trajectory_id": tid, "pause_after": {"tool": "trace-tool"}}
+    }
+    # The last round has no wait after it: nothing to pause for.
+    assert second["kv_transfer_params"] == {"agentkv": {"trajectory_id": tid}}
+    (rec,) = sessions
+    assert rec.rounds[1].control_s is None  # no call on the agent's path
+    assert rec.rounds[1].sent_at_s - rec.rounds[0].sent_at_s >= rec.rounds[0].latency_s + 0.01
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "oracle"])

@@ -74,3 +74,42 @@ def test_a_prefetch_ticket_is_32_hex_digits_or_the_request_is_vanilla() -> None:
     assert ok.params is not None and ok.params.prefetch == "0f" * 16
     bad = parse_request_params({"agentkv": {"trajectory_id": "t1", "prefetch": "x"}})
     assert bad.params is None and bad.warning is not None and "prefetch" in bad.warning
+
+
+def test_a_request_can_name_the_pause_that_follows_it() -> None:
+    r = parse_request_params(
+        {
+            "agentkv": {
+                "trajectory_id": "t",
+                "pause_after": {"tools": ["pytest", "grep"], "expected_wait_s": 3},
+            }
+        }
+    )
+    assert r.params is not None and r.params.pause_after is not None
+    assert r.params.pause_after.tool_names == ["pytest", "grep"]
+    assert parse_request_params({"agentkv": {"trajectory_id": "t"}}).params.pause_after is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("pause_after", "field"),
+    [
+        ({}, "pause_after"),  # neither tool nor tools
+        ({"tool": ""}, "pause_after.tool"),
+        ({"tool": "t", "expected_wait_s": -1}, "pause_after.expected_wait_s"),
+        ({"tool": "t", "max_lease_s": 0}, "pause_after.max_lease_s"),
+        ({"tool": "t", "wait": 1}, "pause_after.wait"),  # a typo is not silently dropped
+    ],
+)
+def test_a_malformed_pause_after_is_vanilla_and_the_warning_names_it(
+    pause_after: dict[str, object], field: str
+) -> None:
+    r = parse_request_params({"agentkv": {"trajectory_id": "t", "pause_after": pause_after}})
+    assert r.params is None
+    assert r.warning is not None and f"agentkv.{field}" in r.warning
+
+
+def test_the_pause_route_and_pause_after_share_one_definition() -> None:
+    from agentkv_vllm.params import PauseSpec
+    from agentkv_vllm.routes import PauseBody
+
+    assert issubclass(PauseBody, PauseSpec)
