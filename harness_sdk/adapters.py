@@ -89,7 +89,10 @@ class Adapter:
         max_tokens: int | None,
         temperature: float | None,
         extra: dict[str, Any] | None,
+        pause_after: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """The request body. ``pause_after`` (the pause that follows this turn: tool,
+        expected_wait_s) is sent only by an adapter whose server applies it (agentkv's)."""
         raise NotImplementedError
 
     def parse_response(self, body: dict[str, Any]) -> ParsedTurn:
@@ -115,6 +118,7 @@ class OpenAIAdapter(Adapter):
         max_tokens: int | None,
         temperature: float | None,
         extra: dict[str, Any] | None,
+        pause_after: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "messages": rendered.messages}
         start, end = rendered.boundaries["tools"]
@@ -172,6 +176,7 @@ class AgentKVAdapter(OpenAIAdapter):
         max_tokens: int | None,
         temperature: float | None,
         extra: dict[str, Any] | None,
+        pause_after: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         extra = dict(extra or {})
         kv_extra = extra.pop("kv_transfer_params", None) or {}
@@ -190,6 +195,7 @@ class AgentKVAdapter(OpenAIAdapter):
                 "trajectory_id": trajectory_id,
                 "branch": branch,
                 "zones": rendered.zones_param(),
+                **({"pause_after": dict(pause_after)} if pause_after else {}),
             },
         }
         # vllm-router keys session affinity per source: the same hint on chat and control calls
@@ -258,6 +264,7 @@ class AnthropicAdapter(Adapter):
         max_tokens: int | None,
         temperature: float | None,
         extra: dict[str, Any] | None,
+        pause_after: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         marks: list[dict[str, Any]] = []  # blocks that end a zone, in prompt order
         tools = [self._tool(t) for t in rendered.tools]

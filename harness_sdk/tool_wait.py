@@ -4,6 +4,9 @@ while the tool runs and resumes it after (even on error), in a tool span.
 Primitives:
   ToolWait(host, name, expected_s)   the context manager; ``decision`` (the server's pause
                                      decision, None when skipped), ``duration_s``, ``error``
+  DeclaredPause                      a turn's ``then_tool``: the engine paused the branch when
+                                     the turn finished, so the tool wait of that tool makes no
+                                     control call (the next turn resumes the branch)
   ToolHost                           what a ToolWait needs from its owner: a Trajectory, or a
                                      wrapped OpenAI/Anthropic client (``harness_sdk.openai``)
   run_tool_wait(loop, wait)          the same from blocking code, on a private event loop
@@ -18,6 +21,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -26,6 +30,23 @@ from harness_sdk.session import _Shared
 from harness_sdk.telemetry import ATTR_PAUSE_ACTION, ATTR_PAUSE_APPLIED
 
 log = logging.getLogger("harness_sdk")
+
+
+@dataclass(frozen=True)
+class DeclaredPause:
+    """The pause a turn asked for (``complete(then_tool=...)``): ``reply`` is the engine's
+    answer the turn's response carried (``kv_transfer_params.agentkv.pause``; None when the
+    turn was streamed)."""
+
+    tool: str
+    reply: dict[str, Any] | None
+
+
+def _check_tool(name: str, expected_s: float | None) -> None:
+    if not name or len(name) > 128:
+        raise ConfigError("tool name must be 1-128 characters")
+    if expected_s is not None and expected_s < 0:
+        raise ConfigError("expected_s must be >= 0")
 
 
 class ToolHost(Protocol):
@@ -49,10 +70,7 @@ class ToolWait:
     """
 
     def __init__(self, traj: ToolHost, name: str, expected_s: float | None) -> None:
-        if not name or len(name) > 128:
-            raise ConfigError("tool name must be 1-128 characters")
-        if expected_s is not None and expected_s < 0:
-            raise ConfigError("expected_s must be >= 0")
+        _check_tool(name, expected_s)
         self.traj = traj
         self.name = name
         self.expected_s = expected_s
@@ -62,6 +80,7 @@ class ToolWait:
         self.error: BaseException | None = None
         self._stack = contextlib.ExitStack()
         self._t0 = 0.0
+        self.declared = False  # paused by the turn's request: no pause or resume call
 
     @property
     def decision(self) -> dict[str, Any] | None:
@@ -84,6 +103,17 @@ class ToolWait:
             )
         )
         self._span = span
+        declared: DeclaredPause | None = getattr(self.traj, "_declared", None)
+        if declared is not None:
+            # One tool wait uses a turn's declared pause: any other resumes the branch itself.
+            self.traj._declared = None  # type: ignore[attr-defined]
+        if declared is not None and declared.tool == self.name:
+            # The engine paused the branch when the turn finished; the next turn resumes it.
+            self.declared = True
+            self.pause_response = declared.reply
+            self._note_decision(span)
+            self._t0 = time.monotonic()
+            return self
         try:
             self.pause_response = await shared.control(
                 "POST",
@@ -94,13 +124,16 @@ class ToolWait:
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
         shared.check_pause_reply(self.traj.branch, self.pause_response)
+        self._note_decision(span)
+        self._t0 = time.monotonic()
+        return self
+
+    def _note_decision(self, span: Any) -> None:
         if self.decision is not None:
             span.set_attribute(ATTR_PAUSE_ACTION, str(self.decision.get("action")))
             span.set_attribute(
                 ATTR_PAUSE_APPLIED, bool(self.pause_response and self.pause_response.get("applied"))
             )
-        self._t0 = time.monotonic()
-        return self
 
     async def __aexit__(
         self,
@@ -112,7 +145,7 @@ class ToolWait:
         self.error = exc
         shared = self.traj._shared
         try:
-            if self.pause_response is not None and not shared.closed:
+            if self.pause_response is not None and not shared.closed and not self.declared:
                 self.resume_response = await shared.control(
                     "POST",
                     f"/trajectories/{shared.trajectory_id}/resume",

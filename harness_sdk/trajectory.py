@@ -40,7 +40,7 @@ from harness_sdk.adapters import Adapter, AgentKVAdapter
 from harness_sdk.errors import ConfigError, LayoutError, TrajectoryClosedError
 from harness_sdk.session import _check_id, _normalize_base, _Shared
 from harness_sdk.telemetry import Telemetry
-from harness_sdk.tool_wait import ToolHost, ToolWait, run_tool_wait
+from harness_sdk.tool_wait import DeclaredPause, ToolHost, ToolWait, _check_tool, run_tool_wait
 from harness_sdk.turn import TurnResult, check_turn, record_turn
 from harness_sdk.zones import Context, RenderedContext
 
@@ -99,6 +99,7 @@ class Trajectory:
         self._fork_seq = 0
         self._last: RenderedContext | None = None
         self._last_reply: dict[str, Any] | None = None
+        self._declared: DeclaredPause | None = None
 
     # --- properties --------------------------------------------------------------------------
     @property
@@ -153,17 +154,28 @@ class Trajectory:
         temperature: float | None = None,
         extra_body: dict[str, Any] | None = None,
         stream: bool = False,
+        then_tool: str | None = None,
+        then_expected_s: float | None = None,
     ) -> TurnResult:
         """Send one turn (``user`` is added to the observation first) and commit the reply.
 
         ``stream=True`` sends an SSE request with ``stream_options.include_usage`` and sets
         ``TurnResult.ttft_s``. vLLM returns the agentkv per-turn stats only in non-streamed
         responses, so a streamed turn has ``engine`` None (``server_state()`` still has them).
+
+        ``then_tool`` (an agent that knows its next step is that tool): the request asks the
+        engine to pause the branch when the turn finishes (``pause_after``), and the next
+        ``tool(then_tool)`` on this branch makes no pause and no resume call (the next turn
+        resumes it): a tool wait with no control call. Its ``decision`` is the one the reply
+        carried (None for a streamed turn).
         """
         self._check_open()
+        if then_tool is not None:
+            _check_tool(then_tool, then_expected_s)
         if user is not None:
             self.observe(user)
         shared = self._shared
+        self._declared = None  # a declared pause no tool wait used ends with this turn
         rendered = self.context.render()
         if not rendered.messages:
             raise LayoutError("nothing to send: the context is empty")
@@ -179,6 +191,9 @@ class Trajectory:
             max_tokens=mt,
             temperature=temp,
             extra=extra_body,
+            pause_after={"tool": then_tool, "expected_wait_s": then_expected_s}
+            if then_tool is not None and shared.adapter.supports_control
+            else None,
         )
         with shared.telemetry.turn_span(
             model=shared.model,
@@ -214,6 +229,9 @@ class Trajectory:
         self.context.commit_turn(parsed.message)
         self._turn = turn
         self.results.append(result)
+        if then_tool is not None and shared.adapter.supports_control:
+            answer = (parsed.engine or {}).get("pause")
+            self._declared = DeclaredPause(then_tool, answer if isinstance(answer, dict) else None)
         return result
 
     def tool(self, name: str, expected_s: float | None = None) -> ToolWait:
@@ -246,6 +264,7 @@ class Trajectory:
                     "_fork_seq": 0,
                     "_last": self._last,
                     "_last_reply": self._last_reply,
+                    "_declared": None,
                 }
             )
             _check_id(child.branch, "branch")  # the grammar's length limit

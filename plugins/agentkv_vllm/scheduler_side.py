@@ -612,6 +612,9 @@ class SchedulerSide(ControlOps):
                 "tp_size": self.tp_size,
                 "kv_identity": self.keys.identity_digest.hex(),
                 "kv_generation": self.keys.generation.hex(),
+                # Requests looked up and not finished: while any is, control ops do not wake
+                # the engine loop (``wake_needed``).
+                "live_requests": len(self._live),
             }
             body["connector_cpu"] = self.cpu.view()
             body["pool"]["last_unblocked"] = self.last_unblocked

@@ -108,6 +108,28 @@ async def test_three_turns_with_tool_wait_hit_the_cache(server: Any) -> None:
     assert len([s for s in exporter.get_finished_spans() if s.name == "tool_wait run_tests"]) == 2
 
 
+async def test_declared_tool_waits_pause_with_the_turn_and_still_hit_the_cache(
+    server: Any,
+) -> None:
+    """``then_tool``: the engine pauses the branch as each turn finishes (the reply carries the
+    decision), the tool wait makes no control call, the next turn resumes and hits."""
+    async with new_traj(server, 7) as traj:
+        tool = f"run_tests_{uuid.uuid4().hex[:6]}"
+        results = [await traj.complete("The test fails.", then_tool=tool, then_expected_s=1.0)]
+        for turn in (2, 3):
+            state = (await traj.server_state() or {})["branches"]["main"]
+            assert state["tool"] == tool and state["state"] != "active", state
+            async with traj.tool(tool) as call:
+                await asyncio.sleep(0.5)
+                call.observe(f"run {turn}: 1 failed")
+            assert call.declared and call.resume_response is None
+            assert call.decision is not None and call.decision["action"], call.pause_response
+            last = turn == 3
+            results.append(await traj.complete(f"Turn {turn}.", then_tool=None if last else tool))
+    for prev, r in itertools.pairwise(results):
+        assert hits_previous_context(r, prev), (prev, r)
+
+
 async def test_changed_stable_zone_is_reported(server: Any) -> None:
     async with new_traj(server, 2) as traj:
         await traj.complete("First question.")

@@ -160,9 +160,16 @@ def test_late_retain_repins_blocks_still_in_vllms_cache(server: Server) -> None:
     out = server.pause(tid, "late-grep", 0.001)
     assert out["decision"]["action"] == "retain", out
     assert out["applied"] is True and out["state"] == "retained", out
-    branch = _branch(server, tid)
+    # The pins go on at the engine's next step (engine thread only), which the route's wake-up
+    # (or the timer pump's) starts on this idle engine: the answer can come first.
+    branch = _wait_branch(
+        server,
+        tid,
+        lambda b: b["pinned_blocks"] == b["blocks"] > 0,
+        "the retain's repin (applied at the next engine step)",
+        timeout=5,
+    )
     assert branch["state"] == "retained"
-    assert branch["pinned_blocks"] == branch["blocks"] > 0, branch
     # (vLLM's reset_prefix_cache would fail now: pinned blocks are in use.)
     resumed = _next(msgs, 4201)
     expected = full_blocks(lcp(server.tokenize(msgs), server.tokenize(resumed)))

@@ -135,6 +135,12 @@ class FakeServer:
                     "divergence_zone": None if turn == 1 else "observation",
                 }
             }
+            if "pause_after" in p:  # the engine paused the branch as the turn finished
+                out["kv_transfer_params"]["agentkv"]["pause"] = {
+                    "applied": True,
+                    "state": "cached",
+                    "decision": {"action": "offload_host", "tool": p["pause_after"]["tool"]},
+                }
         return httpx.Response(200, json=out)
 
     def paths(self, method: str | None = None) -> list[str]:
@@ -266,6 +272,35 @@ async def test_tool_wait_pauses_measures_and_resumes(otel: Any) -> None:
     assert span.attributes["agentkv.tool.duration_s"] >= 0.05
     waits = metric_points(otel[3], "agentkv.sdk.tool_wait.duration")
     assert waits[0].count == 1 and waits[0].attributes["agentkv.tool.name"] == "pytest"
+    await traj.close()
+
+
+async def test_a_turn_that_names_its_tool_makes_that_tool_wait_free(otel: Any) -> None:
+    """``complete(then_tool=...)``: the request carries pause_after, the tool wait that follows
+    makes no pause and no resume call (the engine paused at finish; the next turn resumes),
+    and its decision is the one the reply carried."""
+    server = FakeServer()
+    traj = make(server, otel)
+    await traj.complete("hi", then_tool="pytest", then_expected_s=45)
+    agentkv = server.chats()[-1]["kv_transfer_params"]["agentkv"]
+    assert agentkv["pause_after"] == {"tool": "pytest", "expected_wait_s": 45}
+    async with traj.tool("pytest") as call:
+        call.observe("3 passed")
+    assert call.declared
+    assert call.decision == {"action": "offload_host", "tool": "pytest"}
+    assert not [p for p in server.paths() if p.endswith(("/pause", "/resume"))]
+    await traj.complete()
+    assert "pause_after" not in server.chats()[-1]["kv_transfer_params"]["agentkv"]
+    # A tool wait of another tool, or a second one, pauses by the route as before.
+    await traj.complete(then_tool="pytest")
+    async with traj.tool("grep"):
+        pass
+    async with traj.tool("pytest"):
+        pass
+    assert server.paths().count("/agentkv/v1/trajectories/t-1/pause") == 2
+    assert server.paths().count("/agentkv/v1/trajectories/t-1/resume") == 2
+    with pytest.raises(ConfigError):
+        await traj.complete(then_tool="")
     await traj.close()
 
 
