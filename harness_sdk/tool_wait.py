@@ -7,6 +7,7 @@ Primitives:
   DeclaredPause                      a turn's ``then_tool``: the engine paused the branch when
                                      the turn finished, so the tool wait of that tool makes no
                                      control call (the next turn resumes the branch)
+  check_tool_args(name, expected_s)  ConfigError on a bad tool name or expected wait
   ToolHost                           what a ToolWait needs from its owner: a Trajectory, or a
                                      wrapped OpenAI/Anthropic client (``harness_sdk.openai``)
   run_tool_wait(loop, wait)          the same from blocking code, on a private event loop
@@ -42,7 +43,7 @@ class DeclaredPause:
     reply: dict[str, Any] | None
 
 
-def _check_tool(name: str, expected_s: float | None) -> None:
+def check_tool_args(name: str, expected_s: float | None) -> None:
     if not name or len(name) > 128:
         raise ConfigError("tool name must be 1-128 characters")
     if expected_s is not None and expected_s < 0:
@@ -70,7 +71,7 @@ class ToolWait:
     """
 
     def __init__(self, traj: ToolHost, name: str, expected_s: float | None) -> None:
-        _check_tool(name, expected_s)
+        check_tool_args(name, expected_s)
         self.traj = traj
         self.name = name
         self.expected_s = expected_s

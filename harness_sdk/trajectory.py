@@ -40,7 +40,7 @@ from harness_sdk.adapters import Adapter, AgentKVAdapter
 from harness_sdk.errors import ConfigError, LayoutError, TrajectoryClosedError
 from harness_sdk.session import _check_id, _normalize_base, _Shared
 from harness_sdk.telemetry import Telemetry
-from harness_sdk.tool_wait import DeclaredPause, ToolHost, ToolWait, _check_tool, run_tool_wait
+from harness_sdk.tool_wait import DeclaredPause, ToolHost, ToolWait, check_tool_args, run_tool_wait
 from harness_sdk.turn import TurnResult, check_turn, record_turn
 from harness_sdk.zones import Context, RenderedContext
 
@@ -171,7 +171,7 @@ class Trajectory:
         """
         self._check_open()
         if then_tool is not None:
-            _check_tool(then_tool, then_expected_s)
+            check_tool_args(then_tool, then_expected_s)
         if user is not None:
             self.observe(user)
         shared = self._shared

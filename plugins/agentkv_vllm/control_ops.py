@@ -34,8 +34,9 @@ REPLAYABLE_OPS = frozenset({"pause", "resume", "end"})
 # Set in a control answer that replays an earlier answer; the route turns it into a header.
 REPLAYED_FIELD = "_idempotent_replayed"
 # Set in the answer of each op of WAKE_OPS (the route ops that may leave engine work); the
-# route pops it and wakes the engine loop only when it is true. A wake is a utility call (~0.4 ms of the engine thread, more of the API
-# server's) that a stepping engine does not need: it picks the work up at its next step.
+# route pops it and wakes the engine loop only when it is true. A wake is a utility call (~0.4
+# ms of the engine thread, more of the API server's) that a stepping engine does not need: it
+# picks the work up at its next step.
 WAKE_FIELD = "_wake_engine"
 WAKE_OPS = frozenset({"pause", "resume", "end", "get", "status"})
 
