@@ -83,6 +83,26 @@ def test_extra_targets_are_timed_and_named_for_the_reader(
     assert [key for key, _, _ in got] == ["ControlOps.handle"] * 128
 
 
+def test_garbage_collections_are_recorded_by_generation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    monkeypatch.setattr(probe, "TARGETS", (("probe_demo_nothing", "EngineCore", "step"),))
+    monkeypatch.setattr(step_probe, "KEYS", ("EngineCore.step",))
+    before, callbacks = list(sys.meta_path), list(gc.callbacks)
+    try:
+        probe.install(str(tmp_path), collections=True)
+        for _ in range(128):
+            gc.collect(2)
+    finally:
+        sys.meta_path[:] = before
+        gc.callbacks[:] = callbacks
+    got = step_probe.read_records(tmp_path)
+    assert len(got) == 128 and {key for key, _, _ in got} == {"gc.gen2"}
+    assert all(seconds >= 0 for _, _, seconds in got)
+
+
 @pytest.mark.parametrize("bad", ["nocolon.Class.method", "mod:Class", "mod:.method"])
 def test_a_malformed_extra_target_is_refused_by_name(bad: str) -> None:
     with pytest.raises(ValueError, match=probe.EXTRA_ENV):

@@ -45,6 +45,10 @@ ENV = "AGENTKV_STEP_PROBE_DIR"
 # this order, and their names go to EXTRA_FILE in the probe folder for the reader.
 EXTRA_ENV = "AGENTKV_STEP_PROBE_EXTRA"
 EXTRA_FILE = "extra-targets.txt"
+# Set: every garbage collection is recorded too, as ``gc.gen0`` .. ``gc.gen2`` (after the
+# extra targets).
+GC_ENV = "AGENTKV_STEP_PROBE_GC"
+GC_KEYS = ["gc.gen0", "gc.gen1", "gc.gen2"]
 
 
 def parse_extra(text: str) -> tuple[tuple[str, str, str], ...]:
@@ -136,18 +140,41 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install(folder: str, extra: str = "") -> None:
+def _watch_gc(sink: _Sink, first: int) -> None:
+    """Each garbage collection as a record ``gc.gen<N>`` (index ``first + N``): a collection
+    stops the process's every thread, so a full one in a process holding vLLM's object graph
+    is a step's worth of stall."""
+    import gc
+
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[:] = [time.monotonic()]
+        elif started:
+            t0 = started.pop()
+            sink.add(first + int(info.get("generation", 0)), t0, time.monotonic() - t0)
+
+    gc.callbacks.append(on_gc)
+
+
+def install(folder: str, extra: str = "", collections: bool = False) -> None:
     targets = TARGETS + parse_extra(extra)
-    if len(targets) > len(TARGETS):
+    names = [f"{c}.{m}" for _, c, m in targets[len(TARGETS) :]]
+    if collections:
+        names += GC_KEYS
+    if names:
         # Every process of the server writes the same names: a whole-file replace is enough.
         tmp = os.path.join(folder, f".{EXTRA_FILE}.{os.getpid()}")
         with open(tmp, "w") as fh:
-            fh.writelines(f"{c}.{m}\n" for _, c, m in targets[len(TARGETS) :])
+            fh.writelines(f"{n}\n" for n in names)
         os.replace(tmp, os.path.join(folder, EXTRA_FILE))
     sink = _Sink(folder)
     atexit.register(sink.flush)
     sys.meta_path.insert(0, _Hook(sink, targets))
+    if collections:
+        _watch_gc(sink, len(targets))
 
 
 if os.environ.get(ENV) and __name__ == "sitecustomize":
-    install(os.environ[ENV], os.environ.get(EXTRA_ENV, ""))
+    install(os.environ[ENV], os.environ.get(EXTRA_ENV, ""), bool(os.environ.get(GC_ENV)))
