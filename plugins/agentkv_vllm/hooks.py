@@ -139,6 +139,7 @@ class _Identified:
     identity: Identity | bytes | None = None
     new_raw: bytes | None = None
     error: str | None = None
+    pauses_itself: bool = False  # its params carry pause_after: the engine pauses it at finish
 
 
 # ---------------------------------------------------------------------------------- middleware
@@ -210,6 +211,7 @@ class AgentKVHooks:
             if messages[-1].get("type") == "http.request":
                 raw = b"".join(m.get("body", b"") for m in messages)
                 found = self._identify(scope, raw, api)
+                found.pauses_itself = b'"pause_after"' in raw and _names_its_pause(raw)
                 if found.new_raw is not None:
                     scope = _with_length(scope, len(found.new_raw))
                     messages = [{"type": "http.request", "body": found.new_raw, "more_body": False}]
@@ -281,6 +283,7 @@ class _ResponseWatcher:
         self._holding = False
         self._scanner = SSEToolScanner(api)
         self._fired = False
+        self._pauses_itself = found.pauses_itself
 
     async def send(self, message: Message) -> None:
         try:
@@ -371,6 +374,11 @@ class _ResponseWatcher:
             self.state.chains.record(response_id, ident.trajectory_id, ident.branch)
         if not names or not self.state.auto_pause or self.state.pause is None:
             return
+        if self._pauses_itself:
+            # The engine already paused the branch at the request's finish (before these last
+            # bytes): a second pause would decide the same wait twice.
+            self.state.counters["auto_pause_skipped_pause_after"] += 1
+            return
         if self.api not in PAUSE_APIS:
             return
         tools = list(dict.fromkeys(n[:MAX_TOOL_NAME] for n in names))[:MAX_TOOLS]
@@ -397,6 +405,17 @@ class _ResponseWatcher:
                 ",".join(tools),
                 exc,
             )
+
+
+def _names_its_pause(raw: bytes) -> bool:
+    """Whether the request's agentkv params carry ``pause_after`` (parsed only when the bytes
+    contain the name)."""
+    try:
+        body = json.loads(raw)
+        agentkv = body["kv_transfer_params"]["agentkv"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(agentkv, dict) and agentkv.get("pause_after") is not None
 
 
 def _response_id(raw: bytes) -> str | None:

@@ -438,6 +438,26 @@ async def test_explicit_params_branch_is_paused() -> None:
     assert h.pauses() == [("pause", "t2", "main.1", "run_tests", None)]
 
 
+@pytest.mark.parametrize("sse", [False, True])
+async def test_a_request_that_names_its_pause_is_not_auto_paused_again(sse: bool) -> None:
+    """The engine paused the branch at the request's finish (pause_after), before the reply's
+    last bytes: the hook's auto-pause would decide the same wait a second time."""
+    app = FakeApp(sse_events("run_tests"), sse=True) if sse else FakeApp([chat_json("run_tests")])
+    h = Harness(app)
+    agentkv = {"trajectory_id": "t2", "pause_after": {"tool": "run_tests"}}
+    await h.request({"model": "m", "stream": sse, "kv_transfer_params": {"agentkv": agentkv}})
+    assert h.pauses() == []
+    assert h.state.counters["auto_pause_skipped_pause_after"] == 1
+    # The name elsewhere in the body is not a declared pause.
+    h = Harness(FakeApp([chat_json("run_tests")]))
+    body = {
+        "metadata": {"pause_after": "x"},
+        "kv_transfer_params": {"agentkv": {"trajectory_id": "t2"}},
+    }
+    await h.request(body)
+    assert h.pauses() == [("pause", "t2", "main", "run_tests", None)]
+
+
 async def test_sse_tool_call_pauses_before_done() -> None:
     h = Harness(FakeApp(sse_events("run_tests"), sse=True))
     await h.request({"model": "m", "stream": True}, {"x-session-id": "t3"})
