@@ -139,7 +139,7 @@ class _Identified:
     identity: Identity | bytes | None = None
     new_raw: bytes | None = None
     error: str | None = None
-    pauses_itself: bool = False  # its params carry pause_after: the engine pauses it at finish
+    body: bytes = b""  # the request body: read again only if the reply would auto-pause
 
 
 # ---------------------------------------------------------------------------------- middleware
@@ -211,7 +211,7 @@ class AgentKVHooks:
             if messages[-1].get("type") == "http.request":
                 raw = b"".join(m.get("body", b"") for m in messages)
                 found = self._identify(scope, raw, api)
-                found.pauses_itself = b'"pause_after"' in raw and _names_its_pause(raw)
+                found.body = raw
                 if found.new_raw is not None:
                     scope = _with_length(scope, len(found.new_raw))
                     messages = [{"type": "http.request", "body": found.new_raw, "more_body": False}]
@@ -283,7 +283,7 @@ class _ResponseWatcher:
         self._holding = False
         self._scanner = SSEToolScanner(api)
         self._fired = False
-        self._pauses_itself = found.pauses_itself
+        self._body = found.body
 
     async def send(self, message: Message) -> None:
         try:
@@ -374,7 +374,7 @@ class _ResponseWatcher:
             self.state.chains.record(response_id, ident.trajectory_id, ident.branch)
         if not names or not self.state.auto_pause or self.state.pause is None:
             return
-        if self._pauses_itself:
+        if b'"pause_after"' in self._body and _names_its_pause(self._body):
             # The engine already paused the branch at the request's finish (before these last
             # bytes): a second pause would decide the same wait twice.
             self.state.counters["auto_pause_skipped_pause_after"] += 1
