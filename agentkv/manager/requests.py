@@ -497,7 +497,7 @@ class RequestTable:
         if pending is not None:
             self.m.transitions.apply(traj, branch, Action(pending[0]), pending[1], now, pending[2])
         elif self.m.config.grace_s <= 0:
-            self.m.transitions.apply(traj, branch, Action(self.m.config.default_action), 0.0, now)
+            self.m.transitions.default_action(traj, branch, now)
         else:
             self.m.timers.add(
                 branch.grace_until, TimerKind.GRACE, (traj, branch), branch.timer_token

@@ -6,6 +6,8 @@ Primitives:
   Transitions.apply           a decision for a branch whose blocks are pinned (HELD, RETAINED)
   Transitions.apply_decision  a decision in whatever state the branch is (a late pause too)
   Transitions.fire            a branch timer came up: GRACE, LEASE or PREFETCH
+  Transitions.default_action  a grace ended with no pause: ``default_action`` (a host copy
+                              deferred under ``writeback: forecast``)
   Transitions.demote          the engine's own move (lease expired, pool pressure)
   Transitions.defer           a deferred host write-back: unpin into vLLM's cache (CACHED)
   Transitions.write_back      a CACHED branch's copy, once eviction is forecast: its still-cached
@@ -34,7 +36,7 @@ from agentkv.manager.jobs import BlockTransfer, DropOp, MoveJob, MoveKind, Store
 from agentkv.manager.jobtable import Job, JobKind
 from agentkv.manager.state import Branch, BranchState, DemotedBy, Trajectory
 from agentkv.manager.timers import TimerKind
-from agentkv.policy import DEMOTION_ACTION, Action
+from agentkv.policy import DEMOTION_ACTION, Action, Writeback
 from agentkv.tier import Tier
 
 if TYPE_CHECKING:
@@ -198,6 +200,17 @@ class Transitions:
         self.m.counters["writebacks_deferred_copied"] += 1
         self.offload(traj, branch, tier, urgent=self.m.admission.blocked)
 
+    def default_action(self, traj: Trajectory, branch: Branch, now: float) -> None:
+        """A HELD branch whose grace ended with no pause: ``default_action``. Under
+        ``writeback: forecast`` its host copy is deferred like a pause's (no wait is predicted,
+        so it is made once eviction is forecast within the horizon): a finished turn nobody
+        paused is the common case of a harness that never pauses, and in a roomy pool its copy
+        was never read. A fixed policy (``policy_override``) and ``eager`` copy at once."""
+        cfg = self.m.config
+        action = Action(cfg.default_action)
+        deferred = cfg.writeback is Writeback.FORECAST and cfg.policy_override is None
+        self.apply(traj, branch, action, 0.0, now, deferred=deferred)
+
     def demote(
         self, traj: Trajectory, branch: Branch, reason: DemotedBy, now: float, urgent: bool = False
     ) -> None:
@@ -216,7 +229,7 @@ class Transitions:
             self.m.counters["grace_expired"] += 1
             self.m.metrics.add(m.DEMOTIONS, reason=DemotedBy.GRACE_EXPIRED)
             branch.demoted_by = DemotedBy.GRACE_EXPIRED
-            self.apply(traj, branch, Action(self.m.config.default_action), 0.0, now)
+            self.default_action(traj, branch, now)
         elif kind is TimerKind.LEASE and branch.state is BranchState.RETAINED:
             self.m.counters["lease_expired_demotions"] += 1
             self.demote(traj, branch, DemotedBy.LEASE_EXPIRED, now)

@@ -12,8 +12,10 @@ Primitives:
                                           - the pause, arriving within the grace, applies then;
                                           - else the grace ends with the connector's default
                                             action (``ManagerConfig.default_action``,
-                                            offload_host: an immediate copy, decision
-                                            ``grace_expired``), and a pause arriving later
+                                            offload_host, decision ``grace_expired``): a copy
+                                            deferred to the eviction forecast under
+                                            ``writeback: forecast`` with the agentkv policy,
+                                            else at once), and a pause arriving later
                                             still applies (a late pause: a retain re-pins what
                                             vLLM still caches, a copy already made is not
                                             repeated);
@@ -31,6 +33,7 @@ its only user.
 from __future__ import annotations
 
 import itertools
+import math
 from functools import partial
 from typing import Any
 
@@ -63,6 +66,11 @@ class GraceMixin:
         raise NotImplementedError
 
     def _check_high_water(self) -> None:
+        raise NotImplementedError
+
+    _wb_on: bool
+
+    def _defer_writeback(self, tid: str, wait_p90_s: float) -> None:
         raise NotImplementedError
 
     def _grace_init(self, grace_s: float) -> None:
@@ -123,6 +131,11 @@ class GraceMixin:
         self.decisions["grace_expired"] = self.decisions.get("grace_expired", 0) + 1
         self.demotions += 1
         if DEFAULT_ACTION is Action.OFFLOAD_HOST and self.host is not None:
+            if self._wb_on:
+                # The manager's rule (Transitions.default_action): no wait is predicted, so
+                # the copy is made once the pool forecasts the blocks' eviction.
+                self._defer_writeback(tid, math.nan)
+                return
             now = self.env.now
             if self.host.store(tid, blocks, now) is not None and self.remote is not None:
                 self.remote.store(tid, blocks, now)

@@ -1,6 +1,6 @@
 """Issue 26 on a tiny pool (40 blocks of 128 tokens), the production write-back rule:
 pins are a loan the queue calls in (a waiting request is admitted within one step of the
-retained trajectory's demotion), a roomy pause copies nothing, a preempted trajectory request is
+retained trajectory's demotion), a roomy pause copies nothing (nor a turn nobody paused), a preempted trajectory request is
 saved to host and its reschedule loads it instead of recomputing."""
 
 from __future__ import annotations
@@ -98,6 +98,26 @@ def test_a_roomy_pause_unpins_without_a_copy_and_resumes_from_the_device(tiny: S
     assert counters["writebacks_deferred"] >= 1
     tiny.end("roomy")
     assert tiny.counters()["writebacks_unread"] == counters["writebacks_unread"]
+
+
+def test_a_turn_nobody_pauses_stays_in_vllms_cache_after_its_grace(tiny: Server) -> None:
+    """No pause within the grace (a final answer; a harness that never pauses): the default
+    offload_host waits for the eviction forecast like a deferred pause, so a roomy pool makes
+    no copy and the next turn hits the device."""
+    tiny.clean()
+    msgs = _messages(tiny, 3200, 8)
+    before = tiny.counters()
+    tiny.chat(msgs, trajectory="unpaused", max_tokens=32)
+    branch = tiny.wait_state("unpaused", {"cached"})  # grace 0.3 s, then the default action
+    assert branch["demoted_by"] == "grace_expired" and branch["pinned_blocks"] == 0, branch
+    resumed = tiny.chat([*msgs, {"role": "user", "content": "thanks"}], trajectory="unpaused")
+    stats = resumed["kv_transfer_params"]["agentkv"]
+    assert stats["device_hit_tokens"] >= 7 * BLOCK and stats["tier_hit_tokens"] == 0, stats
+    after = tiny.counters()
+    assert after["stores"] == before["stores"]  # no copy was made
+    assert after["grace_expired"] - before["grace_expired"] == 1
+    assert after["writebacks_deferred"] - before["writebacks_deferred"] == 1
+    tiny.end("unpaused")
 
 
 def _complete(server: Server, ids: list[int], tid: str, max_tokens: int) -> dict[str, Any]:

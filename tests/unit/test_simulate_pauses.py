@@ -131,6 +131,26 @@ def test_without_a_pause_the_grace_ends_in_the_default_action() -> None:
     assert s.cached_tokens == _A_BLOCKS * BT  # the copy left the blocks cached: a device hit
 
 
+def test_under_the_forecast_a_grace_without_a_pause_defers_its_copy_as_the_plugin_does() -> None:
+    """The manager's Transitions.default_action: a grace that ends with no pause leaves the
+    blocks in vLLM's cache; the copy waits for the eviction forecast (none here), and the
+    resume finds them on the device."""
+    turns = (_A[0], SimTurn(2016, 100, 16, 1.0, "t", 30.0))
+    cfg = FleetConfig(
+        policy="agentkv", num_blocks=96, writeback=Writeback.FORECAST, pause_after_s=None
+    )
+    s = simulate(SimWorkload((SimTrajectory("a", 0.0, turns),)), cfg).summary
+    assert s.decisions == {"grace_expired": 1} and s.writebacks == {"deferred": 1}
+    assert s.tier_bytes_written == 0 and s.cached_tokens == _A_BLOCKS * BT
+    # A burst after the grace (b's 86 blocks, as in the forecast test above): copied in time.
+    wl = SimWorkload(
+        (SimTrajectory("a", 0.0, _A), SimTrajectory("b", 20.0, (SimTurn(0, 11000, 8),)))
+    )
+    burst = simulate(wl, cfg).summary
+    assert burst.writebacks == {"deferred": 1, "copied": 1}
+    assert burst.tier_bytes_written == 15 * BB and burst.tier_hit_tokens == 6 * BT
+
+
 def test_a_pause_within_the_grace_decides_and_a_late_one_still_applies() -> None:
     within = _grace(5.0, 0.3)
     assert within.decisions == {"offload_host": 1} and within.demotions == 0

@@ -378,3 +378,75 @@ def test_a_later_disk_decision_writes_a_cached_branch_to_disk() -> None:
         "writebacks_deferred": 1,
         "writebacks_deferred_copied": 1,
     }
+
+
+def _grace_expired(rig: Rig) -> None:
+    """t1's turn finishes and no pause comes: the grace (0.5 s) ends at the next step."""
+    rig.turn("t1", P1)
+    rig.eng.step()
+    assert _branch(rig).state is BranchState.HELD
+    rig.clock.advance(rig.mgr.config.grace_s + 0.01)
+    rig.settle()
+
+
+def test_a_grace_that_ends_without_a_pause_leaves_the_blocks_in_vllms_cache() -> None:
+    """No pause came (a final answer, a harness that never pauses): in a roomy pool the default
+    offload_host is a copy nobody reads, so it waits for the forecast like a deferred pause."""
+    rig = _rig()
+    _grace_expired(rig)
+    b = _branch(rig)
+    assert b.state is BranchState.CACHED and b.pinned == [] and rig.mgr.pinned_blocks() == 0
+    assert b.demoted_by is DemotedBy.GRACE_EXPIRED
+    assert rig.host_keys() == set()
+    nxt = rig.turn("t1", [*P1, 4, 4, 4])
+    assert nxt.device_hit == 16 and rig.mgr.counters["loads"] == 0
+    assert rig.eng.violations == []
+    assert counted(rig) == {"grace_expired": 1, "writebacks_deferred": 1}
+
+
+def test_a_grace_of_zero_defers_the_default_copy_too() -> None:
+    rig = make_rig(writeback=Writeback.FORECAST, grace=0.0)
+    rig.turn("t1", P1)
+    rig.settle()
+    assert _branch(rig).state is BranchState.CACHED and rig.host_keys() == set()
+    assert rig.mgr.counters["writebacks_deferred"] == 1 and rig.mgr.counters["stores"] == 0
+
+
+def test_a_grace_expired_branch_is_copied_once_eviction_is_forecast() -> None:
+    """No wait was predicted, so nothing says the resume comes first: the copy goes at the
+    first tick that forecasts the eviction within the horizon, before vLLM overwrites it."""
+    rig = _rig()
+    _grace_expired(rig)
+    assert _branch(rig).state is BranchState.CACHED
+    stored: list[list[int]] = []
+    for _ in range(12):  # 3 blocks a step (30/s) into ~36 free blocks, freed again
+        rig.clock.advance(0.1)
+        assert rig.eng.spike(3)
+        rig.eng.release_spike()
+        stored.append([len(job.blocks) for job in rig.eng.step().stores])
+    assert [4] in stored
+    rig.settle()
+    assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
+    assert rig.eng.violations == []
+    assert counted(rig) == {
+        "grace_expired": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "writebacks_deferred": 1,
+        "writebacks_deferred_copied": 1,
+    }
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"writeback": Writeback.EAGER},
+        {"writeback": Writeback.FORECAST, "policy_override": "offload_host"},
+    ],
+    ids=["eager", "fixed-policy"],
+)
+def test_eager_or_a_fixed_policy_copies_at_grace_expiry(config: dict[str, object]) -> None:
+    rig = make_rig(**config)
+    _grace_expired(rig)
+    assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
+    assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
