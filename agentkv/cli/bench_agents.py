@@ -20,6 +20,7 @@ from agentkv.cli.bench_common import bench_command, print_paths, run_or_fail
 from agentkv.cli.common import fail
 
 if TYPE_CHECKING:
+    from agentkv_bench.drivers import PauseVia
     from agentkv_bench.matrix import BenchConfig
 
 
@@ -86,8 +87,6 @@ def agents(
             pause_via=pause_via,
         )
         return
-    if pause_via != "routes":
-        fail("--pause-via applies to --trace replays only")
     _synthetic(
         preset=preset,
         trajectories=trajectories,
@@ -106,7 +105,18 @@ def agents(
         as_json=as_json,
         disk=disk,
         prefetch=prefetch,
+        pause_via=pause_via,
     )
+
+
+def _pause_via(value: str) -> PauseVia:
+    """--pause-via as the drivers' enum, or a clear error naming the choices."""
+    from agentkv_bench.drivers import PauseVia
+
+    try:
+        return PauseVia(value)
+    except ValueError:
+        fail(f"--pause-via must be one of {', '.join(v.value for v in PauseVia)}, got {value!r}")
 
 
 def _reject_generator_flags(
@@ -146,6 +156,7 @@ def _synthetic(
     disk: bool = False,
     prefetch: bool = True,
     repeats: int = 1,
+    pause_via: str = "routes",
 ) -> None:
     """The generated workload: one run of every configuration, or a sweep (pool sizes, an
     explicit --configs list, or --repeats)."""
@@ -177,6 +188,7 @@ def _synthetic(
         out=out,
         disk=disk,
         prefetch=prefetch,
+        pause_via=_pause_via(pause_via),
         overhead=None if skip_overhead or (quick and not overhead) else OverheadSpec(),
         command=bench_command("agents"),
     )
@@ -277,16 +289,9 @@ def _trace(
     from rich.console import Console
 
     from agentkv.errors import AgentKVError
-    from agentkv_bench.trace_replay import PauseVia
     from agentkv_bench.trace_runner import TraceBenchOptions, plan, run_trace_bench
 
-    try:
-        via = PauseVia(pause_via)
-    except ValueError:
-        fail(
-            f"--pause-via must be one of {', '.join(v.value for v in PauseVia)}, got {pause_via!r}"
-        )
-
+    via = _pause_via(pause_via)
     config_list, pools = _matrix(configs, num_blocks)
     opts = TraceBenchOptions(
         trace=trace,

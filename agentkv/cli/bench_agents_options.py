@@ -130,11 +130,12 @@ PauseViaOpt = Annotated[
     str,
     typer.Option(
         "--pause-via",
-        help="With --trace: how the trajectory driver pauses a session for a tool wait. routes "
-        "(default): POST .../pause after the reply and POST .../resume after the wait, the "
-        "harness SDK's calls. request: each round's request carries "
-        "kv_transfer_params.agentkv.pause_after and the next request resumes, no control call "
-        "per wait (an agent that knows its next step is a tool).",
+        help="How the trajectory driver pauses a session for a tool wait. routes (default): "
+        "POST .../pause after the reply and POST .../resume after the wait, the harness SDK's "
+        "tool() calls. request: the request before each wait carries "
+        "kv_transfer_params.agentkv.pause_after (the SDK's complete(then_tool=...)) and the "
+        "next request resumes, no control call per wait (an agent that knows its next step is "
+        "a tool). The generated workload's fork turns keep the routes for the wait after them.",
     ),
 ]
 Out = Annotated[

@@ -5,7 +5,9 @@ Primitives:
   TrajectoryRecord  one trajectory's job completion time and its turns
   Session           what a driver must do: observe, complete (streamed), pause/resume, fork, close
   VanillaSession    plain OpenAI-compatible requests over httpx (no agentkv parameters)
-  AgentKVSession    harness_sdk.Trajectory (kv_transfer_params, pause/resume routes)
+  AgentKVSession    harness_sdk.Trajectory (kv_transfer_params, pause/resume routes; with
+                    PauseVia.REQUEST a turn followed by a tool wait names it: then_tool)
+  PauseVia          how a trajectory driver pauses for a tool wait (routes | request)
   run_workload()    every trajectory concurrently, each after its start offset; -> records
 
 How TTFT is measured (identically in both): the turn is a streamed chat completion with
@@ -23,6 +25,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 import httpx
@@ -35,6 +38,13 @@ from harness_sdk.trajectory import ToolWait
 from harness_sdk.zones import Context
 
 TIMEOUT = httpx.Timeout(1800.0, connect=30.0)
+
+
+class PauseVia(StrEnum):
+    """How a trajectory driver pauses a session for a tool wait."""
+
+    ROUTES = "routes"  # POST .../pause after the reply, POST .../resume after the wait
+    REQUEST = "request"  # the turn's request carries pause_after; the next request resumes
 
 
 @dataclass
@@ -52,7 +62,10 @@ class Session(Protocol):
 
     def observe(self, text: str) -> None: ...
 
-    async def complete(self, turn: TurnPlan) -> Streamed: ...
+    async def complete(self, turn: TurnPlan, then: TurnPlan | None = None) -> Streamed:
+        """Send ``turn``; ``then`` is the turn that follows it on this branch (None: the
+        last, or a fork), whose tool wait a session may declare in this request."""
+        ...
 
     async def pause(self, tool: str, expected_s: float | None) -> None: ...
 
@@ -89,7 +102,7 @@ class VanillaSession:
     def observe(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
 
-    async def complete(self, turn: TurnPlan) -> Streamed:
+    async def complete(self, turn: TurnPlan, then: TurnPlan | None = None) -> Streamed:
         body = {
             "model": self.model,
             "messages": self.messages,
@@ -138,9 +151,10 @@ class VanillaSession:
 class AgentKVSession:
     """harness_sdk.Trajectory, with the plan's scripted action committed as the reply."""
 
-    def __init__(self, traj: Trajectory) -> None:
+    def __init__(self, traj: Trajectory, pause_via: PauseVia = PauseVia.ROUTES) -> None:
         self.traj = traj
         self.branch: str = traj.branch
+        self.pause_via = pause_via
         self._wait: ToolWait | None = None
 
     @classmethod
@@ -152,6 +166,7 @@ class AgentKVSession:
         system_prompt: str,
         trajectory_id: str,
         api_key: str | None = None,
+        pause_via: PauseVia = PauseVia.ROUTES,
     ) -> AgentKVSession:
         traj = Trajectory(
             base_url,
@@ -163,17 +178,25 @@ class AgentKVSession:
             timeout=TIMEOUT.read or 1800.0,
         )
         traj.context = ScriptedContext(system_prompt)
-        return cls(traj)
+        return cls(traj, pause_via)
 
     def observe(self, text: str) -> None:
         self.traj.observe(text)
 
-    async def complete(self, turn: TurnPlan) -> Streamed:
+    async def complete(self, turn: TurnPlan, then: TurnPlan | None = None) -> Streamed:
         ctx = self.traj.context
         if isinstance(ctx, ScriptedContext):
             ctx.next_action = turn.action
+        # PauseVia.REQUEST: the next turn's tool wait rides on this request (then_tool), and
+        # the SDK's tool() for it makes no pause or resume call.
+        declare = self.pause_via is PauseVia.REQUEST and then is not None and then.tool
         r = await self.traj.complete(
-            max_tokens=turn.max_tokens, temperature=0, extra_body={"ignore_eos": True}, stream=True
+            max_tokens=turn.max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            then_tool=then.tool if declare and then is not None else None,
+            then_expected_s=then.expected_wait_s if declare and then is not None else None,
         )
         return Streamed(
             r.ttft_s if r.ttft_s is not None else r.latency_s,
@@ -196,7 +219,7 @@ class AgentKVSession:
         return str(decision.get("action")) if decision else None
 
     def fork(self, n: int) -> list[Session]:
-        return [AgentKVSession(c) for c in self.traj.fork(n)]
+        return [AgentKVSession(c, self.pause_via) for c in self.traj.fork(n)]
 
     def join(self, winner: Session) -> None:
         assert isinstance(winner, AgentKVSession)
@@ -236,11 +259,12 @@ async def _run_turn(
     decision: str | None,
     t_run: float,
     extra_observation: str | None = None,
+    then: TurnPlan | None = None,
 ) -> TurnRecord:
     if extra_observation is not None:
         session.observe(extra_observation)
     sent = time.monotonic() - t_run
-    s = await session.complete(turn)
+    s = await session.complete(turn, then)
     return TurnRecord(
         trajectory_id=tid,
         branch=session.branch,
@@ -271,7 +295,7 @@ async def run_trajectory(
     started = time.monotonic()
     rec = TrajectoryRecord(plan.trajectory_id, started - t_run, 0.0)
     try:
-        for turn in plan.turns:
+        for i, turn in enumerate(plan.turns):
             decision = None
             if turn.tool is not None:
                 await session.pause(turn.tool, turn.expected_wait_s)
@@ -296,7 +320,14 @@ async def run_trajectory(
                 )
                 session.join(children[0])
             else:
-                done = [await _run_turn(session, turn, plan.trajectory_id, kind, decision, t_run)]
+                # A fork's branches never declare the wait after it: the SDK's declared pause
+                # is per branch, and the branches join before that wait.
+                then = plan.turns[i + 1] if i + 1 < len(plan.turns) else None
+                done = [
+                    await _run_turn(
+                        session, turn, plan.trajectory_id, kind, decision, t_run, then=then
+                    )
+                ]
             rec.turns.extend(done)
             if on_turn is not None:
                 for d in done:

@@ -32,6 +32,7 @@ from agentkv_bench import connector_cpu
 from agentkv_bench.drivers import (
     TIMEOUT,
     AgentKVSession,
+    PauseVia,
     Session,
     TrajectoryRecord,
     TurnRecord,
@@ -78,6 +79,9 @@ class BenchOptions:
     # on (--prefetch, the default) or off.
     disk: bool = False
     prefetch: bool = True
+    # How the trajectory driver pauses for a tool wait: the SDK's pause and resume calls, or the
+    # turn before it declares it (then_tool: pause_after in the request).
+    pause_via: PauseVia = PauseVia.ROUTES
 
 
 def oracle_blocks(workload: Workload, block_tokens: int = BLOCK_TOKENS) -> int:
@@ -225,7 +229,12 @@ async def _drive(
             if not cs.trajectory:
                 return VanillaSession(c, server.base_url, server.model, workload.system_prompt)
             return AgentKVSession.open(
-                c, server.base_url, server.model, workload.system_prompt, plan.trajectory_id
+                c,
+                server.base_url,
+                server.model,
+                workload.system_prompt,
+                plan.trajectory_id,
+                pause_via=opts.pause_via,
             )
 
         sampler = Sampler(
@@ -308,7 +317,7 @@ def run_bench(opts: BenchOptions, progress: ProgressFn | None = None) -> dict[st
     overhead = _run_overhead(opts, model_dir, work, say)
     say("writing the report")
     report = build_report(
-        workload=workload.to_dict(),
+        workload={**workload.to_dict(), "pause_via": opts.pause_via.value},
         server={
             "preset": opts.preset,
             "model_dir": model_dir,
@@ -355,6 +364,10 @@ def _run_config(
     turns = all_turns(records)
     summary = summarize(name, turns, records, sampler.samples, makespan)
     summary.writeback_blocks = writebacks(status)
+    if opts.pause_via is PauseVia.REQUEST and status.get("decisions"):
+        # Paused by their requests: a streamed reply carries no decision, so the turns saw only
+        # the fork turns' (routes); the engine's count of every pause stands in.
+        summary.decisions = {str(k): int(v) for k, v in status["decisions"].items() if v}
     config = {
         "makespan_s": makespan,
         "vllm_prefix_counters": counters,

@@ -30,12 +30,12 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import httpx
 
 from agentkv.traces import TraceSession, TraceWorkload
+from agentkv_bench.drivers import PauseVia
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.records import RoundRecord
 from agentkv_bench.streaming import Streamed, stream_measured
@@ -43,13 +43,6 @@ from agentkv_bench.trace_prompts import RoundPrompt
 
 MODES: tuple[str, ...] = tuple(c.value for c in BenchConfig)
 TOOL = "trace-tool"
-
-
-class PauseVia(StrEnum):
-    """How the trajectory driver pauses a session for a round's wait."""
-
-    ROUTES = "routes"  # POST .../pause after the reply, POST .../resume after the wait
-    REQUEST = "request"  # the round's request carries pause_after; the next request resumes
 
 
 TIMEOUT = httpx.Timeout(1800.0, connect=30.0)

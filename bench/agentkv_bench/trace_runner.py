@@ -36,6 +36,7 @@ from agentkv.errors import ConfigError
 from agentkv.launch import LaunchSpec, RunningServer, running_server
 from agentkv.traces import TraceWorkload, load_trace
 from agentkv_bench.copy_baseline import MemcpyTimer
+from agentkv_bench.drivers import PauseVia
 from agentkv_bench.matrix import SPECS, BenchConfig
 from agentkv_bench.progress import ProgressFn, reporter
 from agentkv_bench.report import writebacks
@@ -58,7 +59,6 @@ from agentkv_bench.trace_prompts import RoundPrompt, build_prompts, oracle_block
 from agentkv_bench.trace_replay import (
     MODES,
     TIMEOUT,
-    PauseVia,
     RoundRecord,
     SessionRecord,
     replay,

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from agentkv.traces import TraceRound, TraceSession, TraceWorkload
+from agentkv_bench.drivers import PauseVia
 from agentkv_bench.trace_prompts import build_prompts
-from agentkv_bench.trace_replay import PauseVia, replay
+from agentkv_bench.trace_replay import replay
 
 SESSION = TraceSession("s-1", 0.0, (TraceRound(0, 300, 3, 0.01), TraceRound(303, 40, 2, 0.0)))
 WORKLOAD = TraceWorkload((SESSION,), "t")
