@@ -67,7 +67,7 @@ class Fake:
     def sequence(self) -> list[str]:
         """Each call as 'chat' (with the tool its pause_after names, if any), 'pause', 'resume'."""
         out = []
-        for method, path, body in self.calls:
+        for _, path, body in self.calls:
             if path == "/v1/chat/completions":
                 after = body["kv_transfer_params"]["agentkv"].get("pause_after")
                 out.append(f"chat:{after['tool']}" if after else "chat")
