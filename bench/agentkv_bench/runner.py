@@ -364,9 +364,9 @@ def _run_config(
     turns = all_turns(records)
     summary = summarize(name, turns, records, sampler.samples, makespan)
     summary.writeback_blocks = writebacks(status)
-    if opts.pause_via is PauseVia.REQUEST and status.get("decisions"):
-        # Paused by their requests: a streamed reply carries no decision, so the turns saw only
-        # the fork turns' (routes); the engine's count of every pause stands in.
+    if status.get("decisions"):
+        # The engine counts each pause once, by either path; the turn records count a fork's
+        # branches once each, and with --pause-via request a streamed reply carries no decision.
         summary.decisions = {str(k): int(v) for k, v in status["decisions"].items() if v}
     config = {
         "makespan_s": makespan,

@@ -100,26 +100,6 @@ def test_a_roomy_pause_unpins_without_a_copy_and_resumes_from_the_device(tiny: S
     assert tiny.counters()["writebacks_unread"] == counters["writebacks_unread"]
 
 
-def test_a_turn_nobody_pauses_stays_in_vllms_cache_after_its_grace(tiny: Server) -> None:
-    """No pause within the grace (a final answer; a harness that never pauses): the default
-    offload_host waits for the eviction forecast like a deferred pause, so a roomy pool makes
-    no copy and the next turn hits the device."""
-    tiny.clean()
-    msgs = _messages(tiny, 3200, 8)
-    before = tiny.counters()
-    tiny.chat(msgs, trajectory="unpaused", max_tokens=32)
-    branch = tiny.wait_state("unpaused", {"cached"})  # grace 0.3 s, then the default action
-    assert branch["demoted_by"] == "grace_expired" and branch["pinned_blocks"] == 0, branch
-    resumed = tiny.chat([*msgs, {"role": "user", "content": "thanks"}], trajectory="unpaused")
-    stats = resumed["kv_transfer_params"]["agentkv"]
-    assert stats["device_hit_tokens"] >= 7 * BLOCK and stats["tier_hit_tokens"] == 0, stats
-    after = tiny.counters()
-    assert after["stores"] == before["stores"]  # no copy was made
-    assert after["grace_expired"] - before["grace_expired"] == 1
-    assert after["writebacks_deferred"] - before["writebacks_deferred"] == 1
-    tiny.end("unpaused")
-
-
 def _complete(server: Server, ids: list[int], tid: str, max_tokens: int) -> dict[str, Any]:
     body = {
         "model": server.model,
@@ -162,3 +142,23 @@ def test_a_preempted_trajectory_request_is_saved_and_resumes_without_recompute(
     wait_until(lambda: tiny.status()["tiers"]["in_flight_jobs"] == 0 or None, "jobs to drain")
     for i in range(2):
         tiny.end(f"swap-{i}")
+
+
+def test_a_turn_nobody_pauses_stays_in_vllms_cache_after_its_grace(tiny: Server) -> None:
+    """No pause within the grace (a final answer; a harness that never pauses): the default
+    offload_host waits for the eviction forecast like a deferred pause, so a roomy pool makes
+    no copy and the next turn hits the device."""
+    tiny.clean()
+    msgs = _messages(tiny, 3200, 8)
+    before = tiny.counters()
+    tiny.chat(msgs, trajectory="unpaused", max_tokens=32)
+    branch = tiny.wait_state("unpaused", {"cached"})  # grace 0.3 s, then the default action
+    assert branch["demoted_by"] == "grace_expired" and branch["pinned_blocks"] == 0, branch
+    resumed = tiny.chat([*msgs, {"role": "user", "content": "thanks"}], trajectory="unpaused")
+    stats = resumed["kv_transfer_params"]["agentkv"]
+    assert stats["device_hit_tokens"] >= 7 * BLOCK and stats["tier_hit_tokens"] == 0, stats
+    after = tiny.counters()
+    assert after["stores"] == before["stores"]  # no copy was made
+    assert after["grace_expired"] - before["grace_expired"] == 1
+    assert after["writebacks_deferred"] - before["writebacks_deferred"] == 1
+    tiny.end("unpaused")
