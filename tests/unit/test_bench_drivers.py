@@ -56,7 +56,9 @@ class Fake:
             ]
             sse = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks)
             return httpx.Response(
-                200, content=sse + b"data: [DONE]\n\n", headers={"content-type": "text/event-stream"}
+                200,
+                content=sse + b"data: [DONE]\n\n",
+                headers={"content-type": "text/event-stream"},
             )
         if path.endswith("/pause"):
             return httpx.Response(200, json={"applied": True, "decision": {"action": "retain"}})
