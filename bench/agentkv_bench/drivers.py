@@ -189,14 +189,14 @@ class AgentKVSession:
             ctx.next_action = turn.action
         # PauseVia.REQUEST: the next turn's tool wait rides on this request (then_tool), and
         # the SDK's tool() for it makes no pause or resume call.
-        declare = self.pause_via is PauseVia.REQUEST and then is not None and then.tool
+        declared = then if self.pause_via is PauseVia.REQUEST and then and then.tool else None
         r = await self.traj.complete(
             max_tokens=turn.max_tokens,
             temperature=0,
             extra_body={"ignore_eos": True},
             stream=True,
-            then_tool=then.tool if declare and then is not None else None,
-            then_expected_s=then.expected_wait_s if declare and then is not None else None,
+            then_tool=declared.tool if declared else None,
+            then_expected_s=declared.expected_wait_s if declared else None,
         )
         return Streamed(
             r.ttft_s if r.ttft_s is not None else r.latency_s,
