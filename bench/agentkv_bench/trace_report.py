@@ -175,6 +175,8 @@ PROM_WANTED = (
     "vllm:request_queue_time_seconds_count",
     "vllm:request_prefill_time_seconds_sum",
     "vllm:request_prefill_time_seconds_count",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
 )
 
 
@@ -217,6 +219,12 @@ def vllm_phases(delta: dict[tuple[str, str], float]) -> dict[str, float | None]:
         n = delta.get((f"vllm:request_{phase}_time_seconds_count", ""), 0.0)
         s = delta.get((f"vllm:request_{phase}_time_seconds_sum", ""), 0.0)
         out[f"{phase}_mean_s"] = s / n if n > 0 else None
+    # vLLM's TTFT runs from the API server's arrival to its first output there: beside queue
+    # and prefill it holds the frontend's work and both IPC hops, and a client's TTFT beyond it
+    # is HTTP and any ASGI middleware (agentkv's hooks).
+    n = delta.get(("vllm:time_to_first_token_seconds_count", ""), 0.0)
+    s = delta.get(("vllm:time_to_first_token_seconds_sum", ""), 0.0)
+    out["ttft_mean_s"] = s / n if n > 0 else None
     out["requests"] = delta.get(("vllm:request_queue_time_seconds_count", ""), 0.0)
     return out
 
@@ -302,16 +310,27 @@ def to_markdown(report: dict[str, Any]) -> str:
     phases = [(n, cfgs[n].get("vllm_phases") or {}) for n in names]
     lines += [
         "",
-        "vLLM's own per-request means over all rounds (queue = WAITING, prefill = PREFILL phase): "
-        + "; ".join(
-            f"{n} queue {_ms(p.get('queue_mean_s'))} ms, prefill {_ms(p.get('prefill_mean_s'))} ms"
+        "Where a round's TTFT goes, per-request means over all rounds: the client's TTFT; vLLM's "
+        "TTFT (API server arrival to first output there); of it, WAITING (queue) and PREFILL "
+        "(prefill); the rest of vLLM's is the frontend's work and IPC, the client's beyond "
+        "vLLM's is HTTP and ASGI middleware:",
+        "",
+        "| config | client TTFT ms | vLLM TTFT ms | queue ms | prefill ms |",
+        "|---|---:|---:|---:|---:|",
+        *(
+            f"| {n} | {_ms(_client_ttft(cfgs[n]))} | {_ms(p.get('ttft_mean_s'))} | "
+            f"{_ms(p.get('queue_mean_s'))} | {_ms(p.get('prefill_mean_s'))} |"
             for n, p in phases
-        )
-        + ".",
+        ),
         "",
     ]
     lines += prefetch_markdown(report.get("prefetch"))
     return "\n".join(lines)
+
+
+def _client_ttft(cfg: dict[str, Any]) -> float | None:
+    ttfts = [r["ttft_s"] for r in cfg.get("rounds") or [] if r.get("ttft_s") is not None]
+    return sum(ttfts) / len(ttfts) if ttfts else None
 
 
 def _metrics_table(report: dict[str, Any], names: list[str]) -> list[str]:
