@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -282,8 +283,12 @@ class TrajectoryManager:
         Contract: the next ``take_step`` gives back blocks for its shortfall (invariant 5b)."""
         with self.lock:
             self.admission = admission
+            placed = self.writebacks.take_hits(admission.hit_blocks)
             self.pool_trend.observe(
-                self.clock.now(), admission.free_blocks, admission.filled_blocks
+                self.clock.now(),
+                admission.free_blocks,
+                admission.filled_blocks + admission.hit_blocks - placed,
+                placed,
             )
 
     def idle_step(self, admission: Admission) -> bool:
@@ -569,7 +574,7 @@ class TrajectoryManager:
 
     def eviction_forecast(self) -> float:
         """Seconds until vLLM evicts a block unpinned now (admission.PoolTrend)."""
-        return self.pool_trend.seconds_to_eviction(self.admission)
+        return self.pool_trend.seconds_to_eviction(self.admission, self.writebacks.ahead(math.inf))
 
     def _end_grace_early(self, short: int, now: float) -> None:
         """A queue still short after every retained branch went: HELD branches take their

@@ -166,9 +166,8 @@ def status_view(mgr: TrajectoryManager) -> dict[str, Any]:
             "block_fill_per_s": round(mgr.pool_trend.fill, 3),
             "steps": mgr.steps,
             "last_queue_demotion_step": mgr.last_queue_demotion_step,
-            "eviction_forecast_s": _finite_or_none(
-                mgr.pool_trend.seconds_to_eviction(mgr.admission)
-            ),
+            "eviction_forecast_s": _finite_or_none(mgr.eviction_forecast()),
+            "placed_paused_blocks": mgr.writebacks.ahead(math.inf),
             "block_size_tokens": mgr.config.block_size,
             "block_bytes": bb,
         },

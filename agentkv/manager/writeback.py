@@ -4,9 +4,13 @@ Primitives:
   DeferredWritebacks.track   set_state's bookkeeping: a branch entering or leaving CACHED
   DeferredWritebacks.note    a branch's blocks just joined the tail of vLLM's free queue: the fill
                              count at which they are evicted goes on a heap
-  (track, on a resume)       a CACHED branch resumed: its hit takes its blocks off the queue,
+  (track, placing)           a paused branch's unpinned blocks sit at a known place in the
+                             free queue (CACHED, or OFFLOADED / DROPPED since its pins went
+                             back): ``placed``, and ``ahead`` sums the placed blocks before a place
+  (track, on a resume)       a placed branch resumed: its hit takes its blocks off the queue,
                              which moves only the branches behind it; the ones ahead keep their
-                             place (the trend's rates still count the hit: see ``_resumed``)
+                             place, and the hit is kept out of the trend's rates (``take_hits``)
+  DeferredWritebacks.take_hits  the placed hits since the last step, for ``PoolTrend.observe``
   DeferredWritebacks.check   each tick: queue the write-back of every branch whose eviction is
                              forecast within ``PolicyParams.writeback_horizon_s``, unless its
                              resume is still predicted first (``policy.defer_writeback`` on the
@@ -18,6 +22,13 @@ written F blocks, with A free blocks ahead of it, is evicted about when the pool
 The next branch to go is the heap's head; a tick looks at the head only (O(copies due)). Entries
 of branches that left CACHED (a resume, a delete) go stale (timer token) and are dropped when they
 surface, or all at once when stale ones outnumber live ones (bounded memory).
+
+Why placed contexts do not count as headroom: a paused context ahead of a deferred one is either
+resumed first (its hit takes it out of the queue) or evicted first, so what stands between the
+deferred blocks and the head is the other free blocks only; its forecast is those over the rate
+of new KV (``PoolTrend``). Counting every resume's hit as fill instead ran the forecast 2-3x early
+in an agent workload, where most of what leaves the free queue is resumes hitting their own
+contexts: a 128-block replay copied at every pause and read none of it (issue 26).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING
 
+from agentkv.admission import FreeQueuePlaces
 from agentkv.manager.state import Branch, BranchState, Trajectory
 from agentkv.policy import defer_writeback
 from agentkv.tier import Tier
@@ -42,55 +54,102 @@ class DeferredWritebacks:
         self.heap: list[tuple[float, int, Trajectory, Branch, int]] = []
         self.due: dict[tuple[int, str], float] = {}
         """Each CACHED branch's live due (the heap's entry for it, by reference)."""
+        self.placed: FreeQueuePlaces[tuple[int, str]] = FreeQueuePlaces()
+        """Paused branches whose unpinned blocks sit in vLLM's free queue: CACHED ones (at their
+        ``due``) and OFFLOADED or DROPPED ones whose pins went back."""
+        self._step_of: object = None
+        """The admission picture (one per step) ``_placed_in_step`` counts for."""
+        self._placed_in_step = 0
         self._seq = itertools.count()
 
     def track(self, traj: Trajectory, branch: Branch) -> None:
         ref = (id(traj), branch.name)
-        if branch.state is BranchState.CACHED and not traj.deleted:
+        state = branch.state
+        if state is BranchState.CACHED and not traj.deleted:
             self.cached[ref] = (traj, branch)
             return
         self.cached.pop(ref, None)
-        due = self.due.pop(ref, None)
-        if due is not None and branch.state is BranchState.ACTIVE:
-            self._resumed(due, self.m.pins.still_cached(branch))
+        was_cached = self.due.pop(ref, None) is not None
+        if traj.deleted:
+            self.placed.unplace(ref)
+        elif state is BranchState.ACTIVE:
+            place = self.placed.unplace(ref)
+            if place is not None:
+                self._resumed(place, self.m.pins.still_cached(branch))
+        elif state in (BranchState.OFFLOADED, BranchState.DROPPED):
+            # Its pins just went back to the free queue's tail, or (a host copy moved to disk)
+            # its blocks kept the place they had.
+            if ref not in self.placed:
+                blocks = self.m.pins.still_cached(branch)
+                self.placed.place(ref, self._tail(blocks), blocks)
+        elif state in (BranchState.HELD, BranchState.RETAINED) or was_cached:
+            # Pinned again (a grace, a lease, a deferred copy's store job): off the queue.
+            self.placed.unplace(ref)
 
-    def _resumed(self, due: float, blocks: int) -> None:
-        """The adapter counts the resume's hit (``blocks``) as fill for every branch; the ones
-        ahead of it in the free queue (an earlier due) did not move: their due moves up by as
-        much. O(heap) per resume of a deferred branch. The rates keep counting the hit (a rate
-        per branch position is not known): leaving it out there too ran the forecast late for
-        the branches behind, and in the simulator lost half again as many blocks to eviction."""
+    def ahead(self, place: float) -> int:
+        """Blocks of the placed branches ahead of ``place`` in the free queue."""
+        return self.placed.ahead(place, self.m.pool_trend.filled_total)
+
+    def take_hits(self, hit_blocks: float) -> float:
+        """Of a step's hits, the placed branches' resumes' (kept out of the trend's fill)."""
+        return self.placed.take_hits(hit_blocks)
+
+    def _resumed(self, place: float, blocks: int) -> None:
+        """The adapter reports the resume's hit (``blocks``) with the step's; it advances the
+        clock (``filled_total``) for every branch, but the ones ahead of it in the free queue
+        (an earlier place) did not move: their dues move up by as much. O(paused branches) per
+        resume of a placed branch."""
         if blocks <= 0:
             return
+        self.placed.resumed(place, blocks)
         for i, (d, seq, traj, branch, token) in enumerate(self.heap):
-            if d < due:
+            if d < place:
                 self.heap[i] = (d + blocks, seq, traj, branch, token)
         heapq.heapify(self.heap)
-        self.due = {r: d + blocks if d < due else d for r, d in self.due.items()}
+        self.due = {r: d + blocks if d < place else d for r, d in self.due.items()}
+
+    def _tail(self, blocks: int) -> float:
+        """The fill count at which ``blocks`` freed now are evicted: the blocks written so far
+        plus the free ones ahead of them that the waiting queue does not take first, and the
+        ones placed earlier in this step (the step's free count does not show them yet: two
+        pauses in one step are queued one behind the other, not side by side)."""
+        trend, adm = self.m.pool_trend, self.m.admission
+        if adm is not self._step_of:
+            self._step_of, self._placed_in_step = adm, 0
+        ahead = max(0, adm.free_blocks - adm.blocks_needed) if trend.last is not None else 0
+        at = trend.filled_total + ahead + self._placed_in_step
+        self._placed_in_step += blocks
+        return at
 
     def note(self, traj: Trajectory, branch: Branch) -> None:
-        trend, adm = self.m.pool_trend, self.m.admission
-        ahead = max(0, adm.free_blocks - adm.blocks_needed) if trend.last is not None else 0
-        due = trend.filled_total + ahead
-        self.due[(id(traj), branch.name)] = due
+        blocks = self.m.pins.still_cached(branch)
+        due = self._tail(blocks)
+        ref = (id(traj), branch.name)
+        self.due[ref] = due
+        self.placed.place(ref, due, blocks)
         entry = (due, next(self._seq), traj, branch, branch.timer_token)
         heapq.heappush(self.heap, entry)
         if len(self.heap) > 2 * len(self.cached) + 64:
             self.heap = [e for e in self.heap if _live(e)]
             heapq.heapify(self.heap)
 
+    def evicted_in(self, due: float) -> float:
+        """Seconds until a branch placed at ``due`` is evicted: the free blocks ahead of it that
+        are not placed contexts', over the rate of new KV."""
+        trend = self.m.pool_trend
+        return trend.seconds_to_write(due - trend.filled_total - self.ahead(due))
+
     def check(self, now: float) -> None:
         if not self.heap:
             return
         m = self.m
-        trend = m.pool_trend
         everything = m.admission.blocked or m.pins.pressure() > m.config.high_water
         horizon = m.policy.writeback_horizon_s
         kept: list[tuple[float, int, Trajectory, Branch, int]] = []
         while self.heap:
             entry = self.heap[0]
             live = _live(entry)
-            evicted_in = trend.seconds_to_write(entry[0] - trend.filled_total)
+            evicted_in = self.evicted_in(entry[0])
             if live and not everything and evicted_in > horizon:
                 break
             heapq.heappop(self.heap)

@@ -73,6 +73,12 @@ class GraceMixin:
     def _defer_writeback(self, tid: str, wait_p90_s: float) -> None:
         raise NotImplementedError
 
+    def _writeback_placed(self, tid: str) -> None:
+        raise NotImplementedError
+
+    def _writeback_pinned(self, tid: str) -> None:
+        raise NotImplementedError
+
     def _grace_init(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self._held: dict[str, int] = {}
@@ -97,6 +103,7 @@ class GraceMixin:
         self.copy_blocks[tid] = blocks  # what a demotion of the held pin copies
         self._turn[tid] = token
         self._held[tid] = token
+        self._writeback_pinned(tid)
         self.pool.pin(tid)  # the turn's blocks, cached since the request finished
         self._check_high_water()
         arrive = partial(self._pause_arrives, tid, token, tool, declared, tokens, blocks)
@@ -139,6 +146,7 @@ class GraceMixin:
             now = self.env.now
             if self.host.store(tid, blocks, now) is not None and self.remote is not None:
                 self.remote.store(tid, blocks, now)
+        self._writeback_placed(tid)
 
     def _grace_forget(self, tid: str) -> None:
         self._held.pop(tid, None)

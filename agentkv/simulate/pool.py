@@ -68,6 +68,9 @@ class BlockPool:
         self.filled = 0
         """Blocks ever given new content (taken empty or evicted): the pool's fill count, what
         vLLM's free-queue head advances by (``agentkv.admission.PoolTrend`` reads it)."""
+        self.hit = 0
+        """Of ``filled``, the cached blocks taken out of the LRU by hits and pins (wherever
+        they sat in it: the trend counts them apart)."""
         self.on_evict = on_evict
         self.before_evict: Callable[[int], None] | None = None
         """Called with the number of blocks about to be evicted, before any is."""
@@ -170,6 +173,7 @@ class BlockPool:
         # The fill as the plugin measures it: the request's new blocks and its hits, which
         # leave the LRU as surely as evicted blocks do (scheduler_side._sample_step).
         self.filled += new_blocks + prefix_hit + private_hit
+        self.hit += prefix_hit + private_hit
         if prefix_blocks:
             self.prefix_refs[group] = self.prefix_refs.get(group, 0) + 1
             self.prefix_cached[group] = max(self.prefix_cached.get(group, 0), prefix_blocks)
@@ -246,6 +250,7 @@ class BlockPool:
             self.cached_free += missing
             self.prefix_cached[group] = prefix_blocks
         self.filled += n + missing
+        self.hit += n
         self.pinned += n
         self.pins[tid] = n
         self.private[tid] = n

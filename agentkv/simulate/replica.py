@@ -511,6 +511,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
         self.decisions[plan.decision] = self.decisions.get(plan.decision, 0) + 1
         now = self.env.now
         if plan.action == "retain":
+            self._writeback_pinned(tid)
             if pool.pin(tid):
                 self.returns_at[tid] = now + plan.predicted_wait_s
                 gen = self.lease_gen.get(tid, 0) + 1
@@ -534,6 +535,8 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
                 self._at(plan.prefetch_at_s, partial(self._prefetch, tid, blocks))
             if self.remote is not None:
                 self.remote.store(tid, blocks, now)
+        if tid not in pool.pins and tid not in self._wb_token:
+            self._writeback_placed(tid)
         return plan
 
     def _prefetch(self, tid: str, blocks: int) -> None:
@@ -554,6 +557,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
         self._prefetch_on_demote(tid)
         blocks = self.copy_blocks.get(tid, self.pool.private.get(tid, 0))
         self.pool.unpin(tid)
+        self._writeback_placed(tid)
         self._held.pop(tid, None)  # a grace pin given up: its pause still applies when it comes
         self.returns_at.pop(tid, None)
         self.demotions += 1

@@ -14,8 +14,13 @@ Primitives:
     _defer_writeback(tid, p90)   an offload_host decision with ``writeback_deferred``: the
                                  blocks stay in vLLM's cache (the LRU), no copy yet; ``p90``:
                                  the pause's wait p90 (its resume is predicted by then)
+    _writeback_placed(tid)       its blocks just went back, unpinned, to the LRU's tail (any
+                                 pause that does not pin, a demotion, a grace's end): where
+                                 they sit, for its resume (the manager's ``placed``)
+    _writeback_pinned(tid)       its blocks were pinned again (a retain, a grace): off the LRU
     _writeback_resumed(tid, n)   its next turn was admitted, hitting n of its blocks: the
-                                 trajectories ahead of it keep their place (the manager's rule)
+                                 deferred trajectories ahead of it keep their place (the
+                                 manager's rule), whether its own copy was deferred or made
     _writeback_cancel(tid)       the trajectory's next turn was scheduled (or it ended) first:
                                  while that turn waits in the queue the copy can still be due
     _before_evict(need)          the pool is about to evict ``need`` blocks at once: replay the
@@ -54,7 +59,7 @@ from dataclasses import replace
 from typing import Any
 
 from agentkv.admission import Admission as AdmissionPicture
-from agentkv.admission import PoolTrend
+from agentkv.admission import FreeQueuePlaces, PoolTrend
 from agentkv.policy import PolicyParams, Writeback, defer_writeback
 
 
@@ -78,6 +83,8 @@ class WritebackMixin:
         )
         self._wb_token: dict[str, int] = {}
         self._wb_due: dict[str, float] = {}
+        self._wb_place: FreeQueuePlaces[str] = FreeQueuePlaces()
+        """Where each paused trajectory's unpinned blocks sit in the LRU (its due if deferred)."""
         self._wb_resume_by: dict[str, float] = {}
         """When each deferred trajectory's resume is predicted by (pause + the wait's p90)."""
         if self._wb_on:
@@ -85,6 +92,7 @@ class WritebackMixin:
         self._wb_heap: list[tuple[float, int, str]] = []
         self._wb_seq = itertools.count(1)
         self._wb_filled = 0
+        self._wb_hit = 0
         self.head_need = 0
         """Blocks the head of the waiting queue lacked at the last admission (0: none left)."""
 
@@ -103,26 +111,47 @@ class WritebackMixin:
         pool = self.pool
         filled = pool.filled - self._wb_filled
         self._wb_filled = pool.filled
-        self.trend.observe(self.env.now, pool.empty + pool.cached_free, float(filled))
+        placed = self._wb_place.take_hits(float(pool.hit - self._wb_hit))
+        self._wb_hit = pool.hit
+        self.trend.observe(self.env.now, pool.empty + pool.cached_free, filled - placed, placed)
         if self._wb_heap:
             self._check_writebacks()
 
     def _eviction_forecast(self) -> float:
         if not self._wb_on:
             return 0.0
-        return self.trend.seconds_to_eviction(self._picture())
+        ahead = self._wb_place.ahead(math.inf, self.trend.filled_total)
+        return self.trend.seconds_to_eviction(self._picture(), ahead)
 
-    def _defer_writeback(self, tid: str, wait_p90_s: float) -> None:
-        token = next(self._wb_seq)
-        self._wb_token[tid] = token
-        self._wb_resume_by[tid] = self.env.now + wait_p90_s
+    def _tail(self, tid: str) -> float:
+        """The fill count at which ``tid``'s blocks, at the LRU's tail, are evicted."""
         pic = self._picture()
         own = self.pool.lru.get(tid, 0)
         ahead = 0
         if self.trend.last is not None:
             ahead = max(0, pic.free_blocks - own - pic.blocks_needed)
-        due = self.trend.filled_total + ahead
+        return self.trend.filled_total + ahead
+
+    def _writeback_placed(self, tid: str) -> None:
+        if self._wb_on:
+            self._wb_place.place(tid, self._tail(tid), self.pool.lru.get(tid, 0))
+
+    def _writeback_pinned(self, tid: str) -> None:
+        self._wb_place.unplace(tid)
+
+    def _evicted_in(self, due: float) -> float:
+        """The manager's forecast: the free blocks ahead that no placed context holds."""
+        trend = self.trend
+        ahead = self._wb_place.ahead(due, trend.filled_total)
+        return trend.seconds_to_write(due - trend.filled_total - ahead)
+
+    def _defer_writeback(self, tid: str, wait_p90_s: float) -> None:
+        token = next(self._wb_seq)
+        self._wb_token[tid] = token
+        self._wb_resume_by[tid] = self.env.now + wait_p90_s
+        due = self._tail(tid)
         self._wb_due[tid] = due
+        self._wb_place.place(tid, due, self.pool.lru.get(tid, 0))
         heapq.heappush(self._wb_heap, (due, token, tid))
         self.writebacks["deferred"] += 1
 
@@ -130,22 +159,24 @@ class WritebackMixin:
         self._wb_token.pop(tid, None)
         self._wb_due.pop(tid, None)
         self._wb_resume_by.pop(tid, None)
+        self._wb_place.unplace(tid)
 
     def _writeback_resumed(self, tid: str, hit_blocks: int) -> None:
         """The trajectory's next turn was admitted, hitting ``hit_blocks`` of its own blocks: as
         the manager does (``agentkv.manager.writeback``), the deferred trajectories ahead of it
         in the LRU keep their place."""
-        due = self._wb_due.get(tid)
+        place = self._wb_place.unplace(tid)
         self._writeback_cancel(tid)
-        if due is None or hit_blocks <= 0:
+        if place is None or hit_blocks <= 0:
             return
+        self._wb_place.resumed(place, hit_blocks)
         heap = self._wb_heap
         for i, (d, token, other) in enumerate(heap):
-            if d < due:
+            if d < place:
                 heap[i] = (d + hit_blocks, token, other)
         heapq.heapify(heap)
         for other, d in self._wb_due.items():
-            if d < due:
+            if d < place:
                 self._wb_due[other] = d + hit_blocks
 
     def _resume_first(self, tid: str, now: float, evicted_in: float, params: PolicyParams) -> bool:
@@ -155,7 +186,6 @@ class WritebackMixin:
 
     def _check_writebacks(self) -> None:
         heap = self._wb_heap
-        trend = self.trend
         high_water = self.policy.high_water or 1.0
         everything = self._picture().blocked or self.pool.usage() > high_water
         params: PolicyParams = getattr(self.policy, "params", PolicyParams())
@@ -164,7 +194,7 @@ class WritebackMixin:
         while heap:
             due, token, tid = heap[0]
             live = self._wb_token.get(tid) == token
-            evicted_in = trend.seconds_to_write(due - trend.filled_total)
+            evicted_in = self._evicted_in(due)
             if live and not everything and evicted_in > params.writeback_horizon_s:
                 break
             heapq.heappop(heap)
@@ -226,6 +256,7 @@ class WritebackMixin:
         params: PolicyParams = getattr(self.policy, "params", PolicyParams())
         trend = replace(self.trend)
         due = self._wb_due[tid]
+        due -= self._wb_place.ahead(due, trend.filled_total)  # as the manager's forecast
         now = self.env.now
         free = self.pool.empty + self.pool.cached_free
         written = 0

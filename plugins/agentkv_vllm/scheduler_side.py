@@ -460,7 +460,8 @@ class SchedulerSide(ControlOps):
             blocks_needed=max(0, head[1]) + self._free_hits(head[2], head[3]) if head else 0,
             free_blocks=free,
             preempted=len(preempted),
-            filled_blocks=self._step_tokens / max(1, self.block_size) + self._step_hit_blocks,
+            filled_blocks=self._step_tokens / max(1, self.block_size),
+            hit_blocks=self._step_hit_blocks,
         )
 
     def _free_hits(self, request: Any, num_computed: int) -> int:
@@ -522,13 +523,13 @@ class SchedulerSide(ControlOps):
         total = sum(per_req.values())
         self._step_tokens = total  # the KV this step writes (the pool's fill, admission_of)
         # A request scheduled for the first time also takes its prefix-cache hit out of the
-        # free queue (vLLM's touch) and its tier load's blocks off the queue's head: both move
-        # a freed block closer to eviction as surely as new KV does. Without them the forecast
-        # ran late and deferred write-backs lost contexts (issue 26; the simulator found it).
-        # Counting hits that running requests already held overstates the fill: the forecast
-        # errs early, towards a copy nobody reads, never towards a lost context. A deferred
-        # context's own resume moves only what is queued behind it: the manager keeps the
-        # deferred contexts ahead of it in place (DeferredWritebacks._resumed).
+        # free queue (vLLM's touch): that moves the freed blocks behind the hit closer to
+        # eviction. Without it the forecast ran late and deferred write-backs lost contexts
+        # (issue 26; the simulator found it). The trend counts hits apart from new KV (a hit
+        # moves only what is behind it: PoolTrend), and the manager keeps the contexts ahead
+        # of a placed context's resume in place (DeferredWritebacks._resumed). Counting hits
+        # that running requests already held overstates them: the forecast errs early,
+        # towards a copy nobody reads, never towards a lost context.
         self._step_hit_blocks = sum(
             int(getattr(r, "num_computed_tokens", 0) or 0) // max(1, self.block_size)
             for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ()

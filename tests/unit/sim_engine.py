@@ -105,6 +105,7 @@ class SimEngine:
         self.blocked_needs: list[int] = []  # blocks each failed allocation asked for, this step
         self.preempted = 0
         self._allocated_seen = 0
+        self._hit_seen = 0
         self.last_admission: Admission | None = None
 
     # ---------------------------------------------------------------- helpers
@@ -222,8 +223,9 @@ class SimEngine:
             free_blocks=self.pool.num_free(),
             preempted=self.preempted,
             filled_blocks=float(self.pool.allocated - self._allocated_seen),
+            hit_blocks=float(self.pool.hit - self._hit_seen),
         )
-        self._allocated_seen = self.pool.allocated
+        self._allocated_seen, self._hit_seen = self.pool.allocated, self.pool.hit
         self.blocked_needs, self.preempted = [], 0
         self.last_admission = admission
         if self.mgr.idle_step(admission):  # as the adapter does: plain steps skip take_step

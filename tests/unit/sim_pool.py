@@ -73,7 +73,8 @@ class SimPool:
         self.cached: dict[bytes, dict[int, None]] = {}
         self.free_q: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.grow_events = 0  # blocks that went from unreferenced to referenced
-        self.allocated = 0  # blocks a request took: new KV and its hits (the adapter's fill)
+        self.allocated = 0  # new blocks requests took (the adapter's filled_blocks)
+        self.hit = 0  # cached blocks requests took (the adapter's hit_blocks)
         self.usage_error: Exception | None = None  # raise once from usage() (fault injection)
 
     # ---------------------------------------------------------------- BlockPinner port
@@ -139,9 +140,10 @@ class SimPool:
         for b in hit:
             self._ref(b)
         new: list[int] = []
-        # The fill as the adapter counts it: new KV plus the hit blocks a request takes off the
-        # free queue (scheduler_side._sample_step).
-        self.allocated += n_new + len(hit)
+        # As the adapter reports them (scheduler_side._sample_step): new KV, and the hit blocks
+        # a request takes off the free queue.
+        self.allocated += n_new
+        self.hit += len(hit)
         for _ in range(n_new):
             b = next(iter(self.free_q))
             self._evict(b)

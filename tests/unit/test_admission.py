@@ -66,18 +66,21 @@ def test_the_step_scheduled_tokens_are_the_pool_fill() -> None:
     assert side.admission_of(None).filled_blocks == 48 / 16
 
 
-def test_a_new_request_s_prefix_hit_and_tier_load_count_as_fill() -> None:
-    """A first-scheduled request takes its cached (and loaded) blocks off the free queue: they
-    bring a freed block's eviction closer as new KV does (the forecast ran late without)."""
+def test_a_new_request_s_prefix_hit_is_reported_apart_from_the_fill() -> None:
+    """A first-scheduled request takes its cached blocks off the free queue: the picture
+    reports them (hit_blocks) beside the new KV, for the manager to tell its placed contexts'
+    hits from the rest (the forecast ran late without them, early with all of them as fill)."""
     side = _side(free=10)
     side._step_sample = None
     side.online = SimpleNamespace(observe_prefill=lambda *a: None)
     new = [SimpleNamespace(num_computed_tokens=64), SimpleNamespace(num_computed_tokens=20)]
     step = SimpleNamespace(num_scheduled_tokens={"a": 16, "b": 8}, scheduled_new_reqs=new)
     side._sample_step(step)
-    assert side.admission_of(None).filled_blocks == 24 / 16 + 4 + 1
+    picture = side.admission_of(None)
+    assert (picture.filled_blocks, picture.hit_blocks) == (24 / 16, 4 + 1)
     side._sample_step(SimpleNamespace(num_scheduled_tokens={"a": 1}, scheduled_new_reqs=[]))
-    assert side.admission_of(None).filled_blocks == 1 / 16  # the next step starts clean
+    picture = side.admission_of(None)
+    assert (picture.filled_blocks, picture.hit_blocks) == (1 / 16, 0)  # the next step is clean
 
 
 def test_status_tells_after_how_many_steps_a_blocked_head_was_admitted() -> None:

@@ -325,6 +325,7 @@ def test_status_shows_the_admission_picture_and_forecast() -> None:
         "free_blocks": 4,
         "preempted": 0,
         "filled_blocks": 16.0,  # the spike wrote 16 blocks
+        "hit_blocks": 0.0,
     }
     assert pool["eviction_forecast_s"] == 0.0
     assert counted(rig) == {}

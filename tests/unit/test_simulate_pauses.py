@@ -241,6 +241,7 @@ def test_a_resume_keeps_the_deferred_contexts_ahead_of_it_in_place() -> None:
     """The manager's rule (agentkv.manager.writeback), on the simulator's books: b resumes
     with 4 of its blocks hit; a, ahead of it in the LRU, keeps its distance to eviction (its
     due moves with the fill the hit adds), c behind it moves up."""
+    from agentkv.admission import FreeQueuePlaces
     from agentkv.simulate.writeback import WritebackMixin
 
     w = WritebackMixin()
@@ -248,9 +249,14 @@ def test_a_resume_keeps_the_deferred_contexts_ahead_of_it_in_place() -> None:
     w._wb_token = {"a": 1, "b": 2, "c": 3}
     w._wb_resume_by = {}
     w._wb_heap = [(10.0, 1, "a"), (20.0, 2, "b"), (30.0, 3, "c")]
+    w._wb_place = FreeQueuePlaces()
+    for tid, due in w._wb_due.items():
+        w._wb_place.place(tid, due, 4)
     w._writeback_resumed("b", 4)
     assert w._wb_due == {"a": 14.0, "c": 30.0}
     assert sorted(w._wb_heap) == [(14.0, 1, "a"), (20.0, 2, "b"), (30.0, 3, "c")]
     assert "b" not in w._wb_token
+    assert w._wb_place.places == {"a": (14.0, 4), "c": (30.0, 4)}
+    assert w._wb_place.take_hits(10.0) == 4  # its hit is not fill
     w._writeback_resumed("a", 0)  # nothing of its own was hit: nobody moves
     assert w._wb_due == {"c": 30.0}

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.admission import Admission, PoolTrend
+from agentkv.admission import Admission, FreeQueuePlaces, PoolTrend
 from agentkv.costs import CostModel
 from agentkv.manager import BranchState, DemotedBy
 from agentkv.policy import Action, PolicyParams, Writeback, decide, defer_writeback
@@ -450,3 +450,83 @@ def test_eager_or_a_fixed_policy_copies_at_grace_expiry(config: dict[str, object
     _grace_expired(rig)
     assert _branch(rig).state is BranchState.OFFLOADED and len(rig.host_keys()) == 4
     assert counted(rig) == {"grace_expired": 1, "store_blocks": 4, "stores": 1}
+
+
+def test_placed_contexts_are_not_headroom_and_their_hits_are_not_fill() -> None:
+    """A paused context's resume takes its own blocks off the free queue: that advances the
+    clock its place is keyed to, not the rate of new KV that drives eviction, and the paused
+    contexts still queued stand ahead of a freed block only until their resume or eviction."""
+    trend = PoolTrend(alpha=1.0)
+    trend.observe(0.0, 90)
+    trend.observe(1.0, 90, filled_blocks=30.0, placed_hits=60.0)
+    assert (trend.fill, trend.filled_total) == (30.0, 90.0)
+    assert trend.seconds_to_eviction(Admission(free_blocks=90)) == pytest.approx(3.0)
+    # 30 of the 90 free blocks are paused contexts': 60 over 30 blocks a second.
+    assert trend.seconds_to_eviction(Admission(free_blocks=90), ahead=30) == pytest.approx(2.0)
+    assert trend.seconds_to_eviction(Admission(free_blocks=90), ahead=90) == 0.0
+
+
+def test_free_queue_places_move_with_resumes_and_drop_once_evicted() -> None:
+    places: FreeQueuePlaces[str] = FreeQueuePlaces()
+    for name, at in (("a", 10.0), ("b", 20.0), ("c", 30.0)):
+        places.place(name, at, 4)
+    assert [places.ahead(at, clock=0.0) for at in (10.0, 20.0, 30.0, math.inf)] == [0, 4, 8, 12]
+    assert places.unplace("b") == 20.0 and places.unplace("b") is None
+    places.resumed(20.0, 4)  # b's hit: a, ahead of it, did not move; c, behind it, did
+    assert places.places == {"a": (14.0, 4), "c": (30.0, 4)}
+    assert places.take_hits(10.0) == 4 and places.take_hits(10.0) == 0
+    assert places.take_hits(0.0) == 0  # never more than the step reported
+    assert places.ahead(math.inf, clock=17.9) == 8
+    assert places.ahead(math.inf, clock=18.0) == 4  # the clock passed a's last block: evicted
+    assert "a" not in places and len(places) == 1
+
+
+def test_resumes_of_paused_contexts_do_not_make_a_deferred_copy_due() -> None:
+    """The 128-block replay of issue 26: every pause's copy was made and none was read, because
+    the other contexts' resumes, hitting their own blocks, counted as fill. Here b pauses and
+    resumes ten times while t1 waits in vLLM's cache; the only new KV is each resume's partial
+    block, far from evicting anything: t1 is never copied and its resume hits the device."""
+    rig = _rig()
+    step = rig.eng.step
+
+    def timed_step() -> object:
+        rig.clock.advance(0.02)  # a 20 ms engine step
+        return step()
+
+    rig.eng.step = timed_step  # type: ignore[method-assign]
+
+    def idle(steps: int) -> None:
+        for _ in range(steps):
+            rig.eng.step()
+
+    b = _CONTEXTS["b"]
+    rig.turn("t1", P1)
+    rig.turn("b", b)
+    idle(30)  # the prefills' fill rate decays
+    assert rig.mgr.pause("t1", "main", "pytest", 2.0)[1]["decision"]["writeback_deferred"]
+    assert rig.mgr.pause("b", "main", "pytest", 0.5)[1]["decision"]["writeback_deferred"]
+    for _ in range(10):
+        idle(5)
+        rig.turn("b", [*b, 1, 1, 1])  # 4 blocks hit, 1 new
+        rig.mgr.pause("b", "main", "pytest", 0.5)
+        assert _branch(rig).state is BranchState.CACHED
+    assert rig.mgr.counters["stores"] == 0 and rig.host_keys() == set()
+    nxt = rig.turn("t1", [*P1, 4, 4, 4])
+    assert nxt.device_hit == 16 and rig.mgr.counters["loads"] == 0
+    assert rig.eng.violations == []
+
+
+def test_a_deferred_context_s_forecast_leaves_out_the_paused_contexts_ahead_of_it() -> None:
+    rig = _rig()
+    for name in ("a", "b"):
+        rig.turn(name, _CONTEXTS[name])
+    for name in ("a", "b"):
+        assert rig.mgr.pause(name, "main", "pytest", 2.0)[1]["decision"]["writeback_deferred"]
+    rig.settle()
+    wb, trend = rig.mgr.writebacks, rig.mgr.pool_trend
+    due = {n: wb.due[(id(rig.mgr.table[n]), "main")] for n in ("a", "b")}
+    assert (wb.ahead(due["a"]), wb.ahead(due["b"]), wb.ahead(math.inf)) == (0, 4, 8)
+    assert rig.mgr.status()["pool"]["placed_paused_blocks"] == 8
+    trend.fill = 10.0  # blocks of new KV a second
+    assert wb.evicted_in(due["b"]) == pytest.approx((due["b"] - trend.filled_total - 4) / 10)
+    assert wb.evicted_in(due["a"]) == pytest.approx((due["a"] - trend.filled_total) / 10)
