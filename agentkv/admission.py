@@ -147,6 +147,7 @@ class FreeQueuePlaces(Generic[K]):
       resumed(at, blocks)      a placed context's hit took ``blocks`` out at ``at``: the clock
                                advances for everyone, so the places ahead of it move up by as
                                much (they did not move), and the hit is kept for ``take_hits``
+                               (``hit=False``: pinned, not hit; the caller advances the clock)
       ahead(at, clock)         blocks of the placed contexts before ``at`` (not its own)
       take_hits(hit_blocks)    of a step's hits, those of placed contexts' resumes
 
@@ -178,10 +179,11 @@ class FreeQueuePlaces(Generic[K]):
         self._order = None
         return got[0]
 
-    def resumed(self, at: float, blocks: int) -> None:
+    def resumed(self, at: float, blocks: int, hit: bool = True) -> None:
         if blocks <= 0:
             return
-        self._hits += blocks
+        if hit:
+            self._hits += blocks
         self.places = {
             k: (d + blocks, n) if d < at else (d, n) for k, (d, n) in self.places.items()
         }

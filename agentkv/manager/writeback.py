@@ -83,8 +83,12 @@ class DeferredWritebacks:
                 blocks = self.m.pins.still_cached(branch)
                 self.placed.place(ref, self._tail(blocks), blocks)
         elif state in (BranchState.HELD, BranchState.RETAINED) or was_cached:
-            # Pinned again (a grace, a lease, a deferred copy's store job): off the queue.
-            self.placed.unplace(ref)
+            # Pinned again (a grace, a lease, a deferred copy's store job): its blocks left the
+            # queue from where they sat, as a hit takes them, but no step reports it. Unplaced
+            # alone, the contexts behind it would count its blocks as headroom again.
+            place = self.placed.unplace(ref)
+            if place is not None:
+                self._taken(place, self.m.pins.still_cached(branch))
 
     def ahead(self, place: float) -> int:
         """Blocks of the placed branches ahead of ``place`` in the free queue."""
@@ -94,14 +98,21 @@ class DeferredWritebacks:
         """Of a step's hits, the placed branches' resumes' (kept out of the trend's fill)."""
         return self.placed.take_hits(hit_blocks)
 
-    def _resumed(self, place: float, blocks: int) -> None:
+    def _taken(self, place: float, blocks: int) -> None:
+        """A placed branch's blocks were pinned out of the free queue: the clock advances past
+        them here (no step reports a pin), the ones ahead keep their place (``_resumed``)."""
+        if blocks > 0:
+            self.m.pool_trend.filled_total += blocks
+            self._resumed(place, blocks, hit=False)
+
+    def _resumed(self, place: float, blocks: int, hit: bool = True) -> None:
         """The adapter reports the resume's hit (``blocks``) with the step's; it advances the
         clock (``filled_total``) for every branch, but the ones ahead of it in the free queue
         (an earlier place) did not move: their dues move up by as much. O(paused branches) per
         resume of a placed branch."""
         if blocks <= 0:
             return
-        self.placed.resumed(place, blocks)
+        self.placed.resumed(place, blocks, hit)
         for i, (d, seq, traj, branch, token) in enumerate(self.heap):
             if d < place:
                 self.heap[i] = (d + blocks, seq, traj, branch, token)

@@ -137,7 +137,27 @@ class WritebackMixin:
             self._wb_place.place(tid, self._tail(tid), self.pool.lru.get(tid, 0))
 
     def _writeback_pinned(self, tid: str) -> None:
-        self._wb_place.unplace(tid)
+        """The manager's rule: a placed trajectory pinned again left the LRU from where it sat;
+        the clock advances past its blocks, the ones ahead keep their place."""
+        place = self._wb_place.unplace(tid)
+        blocks = self.pool.lru.get(tid, 0)
+        if place is None or blocks <= 0:
+            return
+        self.trend.filled_total += blocks
+        self._wb_place.resumed(place, blocks, hit=False)
+        self._keep_ahead(place, blocks)
+
+    def _keep_ahead(self, place: float, blocks: int) -> None:
+        """Blocks taken out at ``place`` advanced the clock: the deferred trajectories ahead of
+        it did not move, so their dues move up by as much."""
+        heap = self._wb_heap
+        for i, (d, token, other) in enumerate(heap):
+            if d < place:
+                heap[i] = (d + blocks, token, other)
+        heapq.heapify(heap)
+        for other, d in self._wb_due.items():
+            if d < place:
+                self._wb_due[other] = d + blocks
 
     def _evicted_in(self, due: float) -> float:
         """The manager's forecast: the free blocks ahead that no placed context holds."""
@@ -170,14 +190,7 @@ class WritebackMixin:
         if place is None or hit_blocks <= 0:
             return
         self._wb_place.resumed(place, hit_blocks)
-        heap = self._wb_heap
-        for i, (d, token, other) in enumerate(heap):
-            if d < place:
-                heap[i] = (d + hit_blocks, token, other)
-        heapq.heapify(heap)
-        for other, d in self._wb_due.items():
-            if d < place:
-                self._wb_due[other] = d + hit_blocks
+        self._keep_ahead(place, hit_blocks)
 
     def _resume_first(self, tid: str, now: float, evicted_in: float, params: PolicyParams) -> bool:
         """The manager's tick rule: the copy can still wait (the resume is predicted first)."""

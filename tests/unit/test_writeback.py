@@ -530,3 +530,31 @@ def test_a_deferred_context_s_forecast_leaves_out_the_paused_contexts_ahead_of_i
     trend.fill = 10.0  # blocks of new KV a second
     assert wb.evicted_in(due["b"]) == pytest.approx((due["b"] - trend.filled_total - 4) / 10)
     assert wb.evicted_in(due["a"]) == pytest.approx((due["a"] - trend.filled_total) / 10)
+
+
+def test_a_placed_context_pinned_again_leaves_the_ones_behind_it_where_they_were() -> None:
+    """a and b deferred, a ahead of b; a paused again for a short wait is retained: its blocks
+    leave the free queue from where they sat, as a hit takes them. b's distance to eviction
+    (the unplaced blocks ahead of it) is what it was: unplacing a alone gave b a's 4 blocks of
+    headroom that vLLM's queue does not have."""
+    rig = _rig()
+    for name in ("a", "b"):
+        rig.turn(name, _CONTEXTS[name])
+    for name in ("a", "b"):
+        assert rig.mgr.pause(name, "main", "pytest", 2.0)[1]["decision"]["writeback_deferred"]
+    rig.settle()
+    wb, trend = rig.mgr.writebacks, rig.mgr.pool_trend
+    ref = {n: (id(rig.mgr.table[n]), "main") for n in ("a", "b")}
+
+    def left(name: str) -> float:
+        due = wb.due[ref[name]]
+        return due - trend.filled_total - wb.ahead(due)
+
+    before = left("b")
+    _, body = rig.mgr.pause("a", "main", "pytest", 0.01)
+    assert body["decision"]["action"] == "retain"
+    rig.settle()
+    assert rig.mgr.table["a"].branches["main"].state is BranchState.RETAINED
+    assert ref["a"] not in wb.placed
+    assert left("b") == pytest.approx(before)
+    assert rig.eng.violations == []
