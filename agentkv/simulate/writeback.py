@@ -83,6 +83,10 @@ class WritebackMixin:
         )
         self._wb_token: dict[str, int] = {}
         self._wb_due: dict[str, float] = {}
+        self._wb_want: dict[str, int] = {}
+        """Each deferred trajectory's private blocks in the LRU when deferred: what its copy
+        loses is measured against these (its context's blocks include the shared prefix,
+        which is never private: counted, every copy lost it)."""
         self._wb_place: FreeQueuePlaces[str] = FreeQueuePlaces()
         """Where each paused trajectory's unpinned blocks sit in the LRU (its due if deferred)."""
         self._wb_resume_by: dict[str, float] = {}
@@ -124,12 +128,22 @@ class WritebackMixin:
         return self.trend.seconds_to_eviction(self._picture(), ahead)
 
     def _tail(self, tid: str) -> float:
-        """The fill count at which ``tid``'s blocks, at the LRU's tail, are evicted."""
+        """The fill count at which ``tid``'s blocks, near the LRU's tail, are evicted: the free
+        blocks ahead of them. Not behind them: its request's shared prefix was freed after its
+        private blocks (vLLM frees a request's blocks tail first), and the manager, whose
+        branch pins its whole context until the decision, never counts those."""
         pic = self._picture()
-        own = self.pool.lru.get(tid, 0)
+        lru = self.pool.lru
+        own = lru.get(tid, 0)
+        behind = 0
+        if tid in lru:
+            for key in reversed(lru):
+                if key == tid:
+                    break
+                behind += lru[key]
         ahead = 0
         if self.trend.last is not None:
-            ahead = max(0, pic.free_blocks - own - pic.blocks_needed)
+            ahead = max(0, pic.free_blocks - own - behind - pic.blocks_needed)
         return self.trend.filled_total + ahead
 
     def _writeback_placed(self, tid: str) -> None:
@@ -171,13 +185,16 @@ class WritebackMixin:
         self._wb_resume_by[tid] = self.env.now + wait_p90_s
         due = self._tail(tid)
         self._wb_due[tid] = due
-        self._wb_place.place(tid, due, self.pool.lru.get(tid, 0))
+        cached = self.pool.lru.get(tid, 0)
+        self._wb_place.place(tid, due, cached)
+        self._wb_want[tid] = cached
         heapq.heappush(self._wb_heap, (due, token, tid))
         self.writebacks["deferred"] += 1
 
     def _writeback_cancel(self, tid: str) -> None:
         self._wb_token.pop(tid, None)
         self._wb_due.pop(tid, None)
+        self._wb_want.pop(tid, None)
         self._wb_resume_by.pop(tid, None)
         self._wb_place.unplace(tid)
 
@@ -231,8 +248,9 @@ class WritebackMixin:
         have = min(want, pool.private.get(tid, 0)) if tid in pool.lru else 0
         if saved is not None:
             have = min(have, saved)
-        if have < want:
-            self.writebacks["lost_blocks"] += want - have
+        cached = min(want, self._wb_want.pop(tid, want))
+        if have < cached:
+            self.writebacks["lost_blocks"] += cached - have
         if have == 0:
             self.writebacks["lost"] += 1
             return

@@ -59,6 +59,19 @@ def test_a_burst_gets_the_copy_in_time_when_the_forecast_counted_right() -> None
     assert eager.cached_tokens == forecast.cached_tokens == 15 * BT
 
 
+def test_a_shared_prefix_freed_behind_the_context_is_not_counted_ahead_of_it() -> None:
+    """The burst above with a's first 512 tokens (4 blocks) shared with its group: its request
+    frees them after its 11 private blocks (tail first), so they sit behind those in the LRU.
+    Counted ahead of a (as the simulator's forecast did), the tick came 4 blocks late and all
+    11 were lost; and a lost count measured against the whole context charged the 4 prefix
+    blocks to every copy. Now the copy is made in time and nothing is lost."""
+    a = SimTrajectory("a", 0.0, _A, shared_prefix_tokens=512, prefix_group="g")
+    wl = SimWorkload((a, SimTrajectory("b", 20.0, (SimTurn(0, 11000, 8),))))
+    forecast = _run(wl, Writeback.FORECAST)
+    assert forecast.writebacks == {"deferred": 1, "copied": 1}
+    assert forecast.tier_bytes_written == 11 * BB  # its private blocks
+
+
 def test_a_forecast_that_counted_reused_blocks_is_late_and_loses_the_rest() -> None:
     """c (7 cached blocks) pauses before a, so a's forecast counts c's blocks ahead of it: 80
     blocks (73 empty + 7). c's resume takes them (a hit writes nothing) and frees its 8 behind
@@ -248,6 +261,7 @@ def test_a_resume_keeps_the_deferred_contexts_ahead_of_it_in_place() -> None:
     w._wb_due = {"a": 10.0, "b": 20.0, "c": 30.0}
     w._wb_token = {"a": 1, "b": 2, "c": 3}
     w._wb_resume_by = {}
+    w._wb_want = {}
     w._wb_heap = [(10.0, 1, "a"), (20.0, 2, "b"), (30.0, 3, "c")]
     w._wb_place = FreeQueuePlaces()
     for tid, due in w._wb_due.items():
