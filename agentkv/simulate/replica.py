@@ -204,6 +204,8 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
         self.lease_gen: dict[str, int] = {}
         self.returns_at: dict[str, float] = {}
         self.copy_blocks: dict[str, int] = {}
+        self.prefix_of: dict[str, tuple[str, int]] = {}
+        """Each trajectory's prefix group and shared-prefix blocks (its last finished turn's)."""
         self.demotions = 0
         self.decisions: dict[str, int] = {}
         self.steps = 0
@@ -482,6 +484,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
         assert r.alloc is not None
         self._fork_finished(r)
         keep = r.cacheable_tokens // self.bt - r.prefix_blocks
+        self.prefix_of[r.tid] = (r.group, r.prefix_blocks)
         self.pool.release(r.tid, r.group, r.alloc, keep)
         if self.on_finish is not None:
             self.on_finish(r)
@@ -591,6 +594,7 @@ class Replica(AdmissionMixin, PrefetchMixin, WritebackMixin, GraceMixin, ForkMix
         self.returns_at.pop(tid, None)
         self.lease_gen.pop(tid, None)
         self.copy_blocks.pop(tid, None)
+        self.prefix_of.pop(tid, None)
         for tier in (self.host, self.disk, self.free):
             if tier is not None:
                 tier.remove(tid)

@@ -73,6 +73,7 @@ class WritebackMixin:
     waiting: Any
     costs: Any
     copy_blocks: dict[str, int]
+    prefix_of: dict[str, tuple[str, int]]
 
     def _writeback_init(self, mode: Writeback) -> None:
         self.writeback_mode = Writeback(mode)
@@ -254,6 +255,11 @@ class WritebackMixin:
         if have == 0:
             self.writebacks["lost"] += 1
             return
+        # The plugin copies the context's leading blocks vLLM still caches: its shared prefix
+        # too, when still cached whole (a tier covers a context from its first block).
+        group, prefix = self.prefix_of.get(tid, ("", 0))
+        if prefix and pool.prefix_cached.get(group, 0) >= prefix:
+            have = min(want, have + prefix)
         now = self.env.now
         if self.host is not None and self.host.store(tid, have, now) is not None:
             self.writebacks["copied"] += 1

@@ -64,12 +64,17 @@ def test_a_shared_prefix_freed_behind_the_context_is_not_counted_ahead_of_it() -
     frees them after its 11 private blocks (tail first), so they sit behind those in the LRU.
     Counted ahead of a (as the simulator's forecast did), the tick came 4 blocks late and all
     11 were lost; and a lost count measured against the whole context charged the 4 prefix
-    blocks to every copy. Now the copy is made in time and nothing is lost."""
+    blocks to every copy; and the copy stored only the private blocks, so the resume recomputed
+    the prefix eager had copied. Now the copy is made in time, of the whole context, and the
+    resume is eager's."""
     a = SimTrajectory("a", 0.0, _A, shared_prefix_tokens=512, prefix_group="g")
     wl = SimWorkload((a, SimTrajectory("b", 20.0, (SimTurn(0, 11000, 8),))))
+    eager = _run(wl, Writeback.EAGER)
     forecast = _run(wl, Writeback.FORECAST)
     assert forecast.writebacks == {"deferred": 1, "copied": 1}
-    assert forecast.tier_bytes_written == 11 * BB  # its private blocks
+    assert forecast.tier_bytes_written == eager.tier_bytes_written == 15 * BB
+    assert forecast.tier_hit_tokens == eager.tier_hit_tokens == 6 * BT
+    assert forecast.cached_tokens == eager.cached_tokens == 15 * BT
 
 
 def test_a_forecast_that_counted_reused_blocks_is_late_and_loses_the_rest() -> None:
