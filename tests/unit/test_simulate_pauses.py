@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from agentkv.policy import Writeback
 from agentkv.simulate.costs import BENCH_SMALL_CPU
 from agentkv.simulate.fleet import FleetConfig, simulate
@@ -42,39 +44,27 @@ def test_a_forecast_write_back_is_never_made_when_the_pool_keeps_the_blocks() ->
     assert eager.cached_tokens == forecast.cached_tokens == _A_BLOCKS * BT
 
 
-def test_a_burst_gets_the_copy_in_time_when_the_forecast_counted_right() -> None:
+@pytest.mark.parametrize("shared_prefix", [0, 512], ids=["private", "shared-prefix"])
+def test_a_burst_gets_the_copy_in_time_when_the_forecast_counted_right(shared_prefix: int) -> None:
     """At t=20 s an 11,000-token prompt (86 blocks) arrives while a's 15 blocks wait in the LRU
     of a 95-block pool behind 80 empty ones (a's forecast: evicted after 80 more blocks are
     written). vLLM writes it 16 blocks (a 2,048-token chunk) per step; the manager's tick
     before the sixth chunk finds the eviction due and copies all 15 before any is overwritten:
-    6 of them are then evicted and come back from host, as with eager."""
-    wl = SimWorkload(
-        (SimTrajectory("a", 0.0, _A), SimTrajectory("b", 20.0, (SimTurn(0, 11000, 8),)))
-    )
+    6 of them are then evicted and come back from host, as with eager.
+
+    With a's first 512 tokens (4 blocks) shared with its group, its request frees them after
+    its 11 private blocks (tail first), so they sit behind those in the LRU. The simulator
+    counted them ahead of a (the tick came 4 blocks late and all 11 were lost), measured a
+    copy's losses against the whole context (every copy lost the prefix) and copied only the
+    private blocks (the resume recomputed the prefix eager had copied)."""
+    a = SimTrajectory("a", 0.0, _A, shared_prefix_tokens=shared_prefix, prefix_group="g")
+    wl = SimWorkload((a, SimTrajectory("b", 20.0, (SimTurn(0, 11000, 8),))))
     eager = _run(wl, Writeback.EAGER)
     forecast = _run(wl, Writeback.FORECAST)
     assert forecast.writebacks == {"deferred": 1, "copied": 1}
     assert forecast.tier_bytes_written == eager.tier_bytes_written == 15 * BB
     assert eager.tier_hit_tokens == forecast.tier_hit_tokens == 6 * BT
     assert eager.cached_tokens == forecast.cached_tokens == 15 * BT
-
-
-def test_a_shared_prefix_freed_behind_the_context_is_not_counted_ahead_of_it() -> None:
-    """The burst above with a's first 512 tokens (4 blocks) shared with its group: its request
-    frees them after its 11 private blocks (tail first), so they sit behind those in the LRU.
-    Counted ahead of a (as the simulator's forecast did), the tick came 4 blocks late and all
-    11 were lost; and a lost count measured against the whole context charged the 4 prefix
-    blocks to every copy; and the copy stored only the private blocks, so the resume recomputed
-    the prefix eager had copied. Now the copy is made in time, of the whole context, and the
-    resume is eager's."""
-    a = SimTrajectory("a", 0.0, _A, shared_prefix_tokens=512, prefix_group="g")
-    wl = SimWorkload((a, SimTrajectory("b", 20.0, (SimTurn(0, 11000, 8),))))
-    eager = _run(wl, Writeback.EAGER)
-    forecast = _run(wl, Writeback.FORECAST)
-    assert forecast.writebacks == {"deferred": 1, "copied": 1}
-    assert forecast.tier_bytes_written == eager.tier_bytes_written == 15 * BB
-    assert forecast.tier_hit_tokens == eager.tier_hit_tokens == 6 * BT
-    assert forecast.cached_tokens == eager.cached_tokens == 15 * BT
 
 
 def test_a_forecast_that_counted_reused_blocks_is_late_and_loses_the_rest() -> None:

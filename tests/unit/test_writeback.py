@@ -516,13 +516,19 @@ def test_resumes_of_paused_contexts_do_not_make_a_deferred_copy_due() -> None:
     assert rig.eng.violations == []
 
 
-def test_a_deferred_context_s_forecast_leaves_out_the_paused_contexts_ahead_of_it() -> None:
+def _a_and_b_deferred() -> Rig:
+    """Contexts a and b (4 blocks each) paused in that order, both deferred: a ahead of b."""
     rig = _rig()
     for name in ("a", "b"):
         rig.turn(name, _CONTEXTS[name])
     for name in ("a", "b"):
         assert rig.mgr.pause(name, "main", "pytest", 2.0)[1]["decision"]["writeback_deferred"]
     rig.settle()
+    return rig
+
+
+def test_a_deferred_context_s_forecast_leaves_out_the_paused_contexts_ahead_of_it() -> None:
+    rig = _a_and_b_deferred()
     wb, trend = rig.mgr.writebacks, rig.mgr.pool_trend
     due = {n: wb.due[(id(rig.mgr.table[n]), "main")] for n in ("a", "b")}
     assert (wb.ahead(due["a"]), wb.ahead(due["b"]), wb.ahead(math.inf)) == (0, 4, 8)
@@ -537,12 +543,7 @@ def test_a_placed_context_pinned_again_leaves_the_ones_behind_it_where_they_were
     leave the free queue from where they sat, as a hit takes them. b's distance to eviction
     (the unplaced blocks ahead of it) is what it was: unplacing a alone gave b a's 4 blocks of
     headroom that vLLM's queue does not have."""
-    rig = _rig()
-    for name in ("a", "b"):
-        rig.turn(name, _CONTEXTS[name])
-    for name in ("a", "b"):
-        assert rig.mgr.pause(name, "main", "pytest", 2.0)[1]["decision"]["writeback_deferred"]
-    rig.settle()
+    rig = _a_and_b_deferred()
     wb, trend = rig.mgr.writebacks, rig.mgr.pool_trend
     ref = {n: (id(rig.mgr.table[n]), "main") for n in ("a", "b")}
 
