@@ -67,6 +67,31 @@ class ManagerInvariants:
                 assert wb.due.get((id(traj), branch.name)) == due, (branch.name, due)
 
     @invariant()
+    def placed_branches_sit_unpinned_in_the_free_queue(self) -> None:
+        """8b. every branch placed in vLLM's free queue belongs to a live trajectory, is paused
+        without pins of its own (CACHED, OFFLOADED, DROPPED, or a host copy moving to disk),
+        and a CACHED one sits at its due. A pin (a grace, a lease, a deferred copy's store job)
+        or a resume takes it off; a branch left placed would stand ahead of the others."""
+        if self.mgr is None:
+            return
+        wb = self.mgr.writebacks
+        live = {
+            (id(t), name): b
+            for t in self.mgr.table.values()
+            if not t.deleted
+            for name, b in t.branches.items()
+        }
+        for ref, (at, _) in wb.placed.places.items():
+            branch = live.get(ref)
+            assert branch is not None, ref
+            state = branch.state.value
+            assert state in ("cached", "offloaded", "dropped", "offloading"), (ref, state)
+            if branch.device_prefetch is None:
+                assert branch.pinned == [], (ref, state)
+            if state == "cached" and ref in wb.due:
+                assert wb.due[ref] == at, (ref, wb.due[ref], at)
+
+    @invariant()
     def device_prefetch_states_are_consistent(self) -> None:
         """A prefetch being ordered or loaded belongs to an OFFLOADED, idle branch of a live
         trajectory; a ready one pins only as RETAINED (else it fell back, pinning nothing); no

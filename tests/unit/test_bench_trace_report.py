@@ -3,6 +3,7 @@ plots, and the replay's matching of the server's per-turn stats."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,8 @@ vllm:request_queue_time_seconds_sum{engine="0",model_name="tiny"} 2.5
 vllm:request_queue_time_seconds_count{engine="0",model_name="tiny"} 10.0
 vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 1.0
 vllm:request_prefill_time_seconds_count{engine="0",model_name="tiny"} 10.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 2.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 10.0
 vllm:kv_cache_usage_perc{engine="0"} NaN
 """
 
@@ -170,7 +173,9 @@ def test_engine_counters_parse_and_difference() -> None:
     phases = vllm_phases(d)
     assert phases["queue_mean_s"] == pytest.approx(2.0 / 8)
     assert phases["prefill_mean_s"] == pytest.approx(0.1)
+    assert phases["ttft_mean_s"] == pytest.approx(0.2)
     assert vllm_phases({})["queue_mean_s"] is None
+    assert vllm_phases({})["ttft_mean_s"] is None
     # The worker's reload phases, in ReloadPhase order, per step.
     reload = reload_phase_section(after)
     assert list(reload) == ["prepare", "copy", "copy_cpu"]
@@ -330,7 +335,7 @@ def _report() -> dict[str, Any]:
         n: {
             "rounds": [r.to_dict() for s in ss for r in s.rounds],
             "samples": [x.to_dict() for x in samples],
-            "vllm_phases": {"queue_mean_s": 0.01, "prefill_mean_s": 0.02},
+            "vllm_phases": {"queue_mean_s": 0.01, "prefill_mean_s": 0.02, "ttft_mean_s": 0.05},
         }
         for n, ss in sessions.items()
     }
@@ -376,6 +381,9 @@ def test_report_has_three_sections_oracle_ratios_and_check(tmp_path: Path) -> No
     assert "| metric | vanilla | agentkv | oracle | agentkv / vanilla | agentkv / oracle |" in md
     assert "| resume TTFT p50 (s) | 0.900 | 0.300 | 0.100 | 0.333 | 3.000 |" in md
     assert "Oracle check: 1 of 1 resume rounds" in md
+    # Where a round's TTFT goes: the client's mean over its rounds beside vLLM's phases.
+    client_ms = 1e3 * statistics.mean(r["ttft_s"] for r in report["configs"]["agentkv"]["rounds"])
+    assert f"| agentkv | {client_ms:.1f} | 50.0 | 10.0 | 20.0 |" in md
     assert "## Resume stall, taken apart" in md
     assert "| host | 3 |" in md  # the tier's reload jobs against memcpy
     # The plugin's per-job timing is labelled as what it is: copy time, not job latency.
