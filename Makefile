@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip uninstall -q -y agentkv 2>/dev/null || true  # the old distribution name
-	$(BIN)/python -m pip install -q -e '.[cpu,otel,dev]'
+	$(BIN)/python -m pip install -q -e '.[cpu,otel,dev,frameworks]'
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)
 

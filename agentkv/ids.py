@@ -22,6 +22,8 @@ Primitives:
   validate_id(value, what="trajectory_id") -> value, or InvalidIdError naming the problem
   is_valid_id(value) -> bool
   InvalidIdError    a ConfigError (a ValueError)
+  TENANT_FIELD, TENANT_HEADER   ``cache_salt`` (a request's and a control body's field) and
+                    ``X-AgentKV-Cache-Salt`` (the control routes' header): a trajectory's tenant
 
 No third-party imports: the plugin and the SDK both import this module.
 """
@@ -46,6 +48,11 @@ ID_PATTERN = (
     rf"|\.\.[{ID_CHARS}]{{1,{MAX_ID_LEN - 2}}})$"
 )
 _ID_RE = re.compile(ID_PATTERN)
+
+# A trajectory's tenant is its requests' cache_salt (vLLM's per-request salt): the control routes
+# take it from this header or this body field (routers drop unknown headers), the SDK sends both.
+TENANT_FIELD = "cache_salt"
+TENANT_HEADER = "X-AgentKV-Cache-Salt"
 _CHAR_RE = re.compile(f"[{ID_CHARS}]")
 
 

@@ -6,10 +6,16 @@ Primitives:
                          cache dtype with its exact fp8 format, block size, layer count, attention
                          layout, TP rank/size. Frozen; ``digest()`` is 16 bytes, stable across
                          processes and versions (every field length-prefixed, BLAKE2b).
-    weights_identity(model, revision)
-                         a local folder: a digest of its config files and of every weight file's
-                         name, size and mtime (cheap: no weight byte is read); a hub id: the id
-                         and its revision (``main`` when none was pinned).
+    weights_identity(model, revision, commit)
+                         -> WeightsIdentity. A local folder: a digest of its path, its config
+                         files and every weight file's name, size and mtime (cheap: no weight
+                         byte is read; a hub-cache snapshot folder ``.../snapshots/<hash>`` is
+                         covered by its path). A hub id: the id and the commit of the snapshot
+                         loaded (``commit``, or ``revision`` when it is a commit hash). A hub id
+                         whose snapshot is unknown (a branch or tag name only, ``main`` by
+                         default, moves with every push) is not shared: its name carries a
+                         per-process nonce, so no other process, replica or restart derives
+                         its keys (no remote copy, disk file or manifest matches).
     BASE_GENERATION      the generation of a freshly loaded engine (16 zero bytes): the weights
                          are the files', so copies written before a restart are valid again.
     new_generation()     16 random bytes: after a reset or a weight update, no copy written before
@@ -29,6 +35,7 @@ Pure standard library: the plugin fills a KVIdentity from vLLM's config
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +52,9 @@ _CONFIG_FILES = (
     "hf_quant_config.json",
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# Names the weights of a hub model whose snapshot is unknown: this process only.
+_PROCESS_NONCE = secrets.token_hex(IDENTITY_BYTES)
 
 
 def _field(h: hashlib.blake2b, data: str | bytes) -> None:
@@ -99,15 +109,38 @@ def key_secret(identity_digest: bytes, generation: bytes) -> bytes:
     return h.digest()
 
 
-def weights_identity(model: str, revision: str | None = None) -> str:
-    """Return a short string naming the weights ``model`` loads (see the module docstring).
+@dataclass(frozen=True, slots=True)
+class WeightsIdentity:
+    """What names the weights an engine loads: ``name`` goes into the KVIdentity; ``shared``
+    False when the weights could not be identified (``name`` then holds a per-process nonce and
+    ``why`` says what is missing)."""
+
+    name: str
+    shared: bool = True
+    why: str = ""
+
+
+def weights_identity(
+    model: str, revision: str | None = None, commit: str | None = None
+) -> WeightsIdentity:
+    """Return what names the weights ``model`` loads (see the module docstring).
 
     A folder that cannot be read still gets an identity (its path), never an exception: the
     engine loads it or fails on its own.
     """
     path = Path(model)
     if not path.is_dir():
-        return f"hub:{model}@{revision or 'main'}"
+        for candidate in (commit, revision):
+            if candidate and _COMMIT.fullmatch(candidate):
+                return WeightsIdentity(f"hub:{model}@{candidate}")
+        return WeightsIdentity(
+            f"hub:{model}@{revision or 'main'}?unresolved:{_PROCESS_NONCE}",
+            shared=False,
+            why=(
+                f"the snapshot (commit) of hub model {model} at revision {revision or 'main'} "
+                "is unknown; pin --revision to a commit hash or serve a local folder"
+            ),
+        )
     h = hashlib.blake2b(digest_size=IDENTITY_BYTES, person=b"agentkv-wts-v1")
     _field(h, str(path.resolve()))
     try:
@@ -124,7 +157,7 @@ def weights_identity(model: str, revision: str | None = None) -> str:
                 h.update(stat.st_mtime_ns.to_bytes(8, "little", signed=True))
     except OSError as exc:
         _field(h, f"unreadable:{exc.errno}")
-    return f"dir:{h.hexdigest()}"
+    return WeightsIdentity(f"dir:{h.hexdigest()}")
 
 
 KEY_BYTES = 16

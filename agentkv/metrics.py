@@ -230,6 +230,15 @@ PREEMPT_SAVED_TOKENS = MetricSpec(
     "Tokens of KV those preemption saves copied to host.",
 )
 
+REJECTED_BLOCKS = MetricSpec(
+    "agentkv_rejected_blocks",
+    "counter",
+    "Tier values refused and recomputed instead, by tier and reason (bad_tag: a remote value "
+    "whose tag does not verify, forged or written under another secret; corrupt: a damaged "
+    "header, length or checksum).",
+    ("tier", "reason"),
+)
+
 METRICS: tuple[MetricSpec, ...] = (
     DECISIONS,
     PREEMPT_SAVES,
@@ -252,6 +261,7 @@ METRICS: tuple[MetricSpec, ...] = (
     BYTES_HELD,
     PAUSED_TRAJECTORIES,
     TRAJECTORIES,
+    REJECTED_BLOCKS,
 )
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 

@@ -31,6 +31,9 @@ class SkipReason(enum.StrEnum):
     SPREAD = "spread"
     QUEUE = "queue"
     HEADROOM = "headroom"
+    # a salted trajectory whose cache_salt is unknown: its request would prefill the tenant's
+    # context in another namespace (the manager's check, not a simulator rule)
+    NO_SALT = "no_salt"
 
 
 def spread_ok(estimate: WaitEstimate | None, max_spread: float) -> bool:

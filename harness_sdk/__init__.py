@@ -47,6 +47,7 @@ from harness_sdk.errors import (
     StableZoneChangedWarning,
     TimeoutError_,
     TrajectoryClosedError,
+    TrajectoryNotFoundWarning,
     TransportError,
     VolatileContentWarning,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "ToolWait",
     "Trajectory",
     "TrajectoryClosedError",
+    "TrajectoryNotFoundWarning",
     "TransportError",
     "TurnResult",
     "VolatileContentWarning",

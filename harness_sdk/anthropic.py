@@ -13,9 +13,12 @@ speak the Anthropic Messages API to vLLM (``/v1/messages``).
     ...
     client.close()                                            # DELETE the trajectory
 
-Every ``messages.create`` / ``messages.stream`` call gets ``extra_headers={"x-session-id":
-trajectory_id}`` and ``extra_body={"kv_transfer_params": {"agentkv": {...}}}`` merged into what
-the caller passes, exactly like ``harness_sdk.openai.wrap`` (which this reuses). The agentkv
+Every ``messages.create`` / ``messages.stream`` / ``messages.parse`` call (and the same on
+``beta.messages``, which pydantic-ai's Anthropic model calls, and through ``with_raw_response`` /
+``with_streaming_response``) gets ``extra_headers={"x-session-id": trajectory_id}`` and
+``extra_body={"kv_transfer_params": {"agentkv": {...}}}`` merged into what the caller passes,
+exactly like ``harness_sdk.openai.wrap`` (which this reuses: ``with_options`` returns a wrapped
+client, other calls carry the session header). The agentkv
 routes (``tool()``, ``close()``) use the client's ``auth_token`` (else ``api_key``) as the
 bearer key unless ``api_key=`` is given.
 
@@ -40,7 +43,7 @@ class AnthropicTrajectory(OpenAITrajectory):
 
     @property
     def messages(self) -> _Create:
-        return _Create(self, self.client.messages)
+        return _Create(self, self._routed.messages)
 
 
 class AsyncAnthropicTrajectory(AsyncOpenAITrajectory):
@@ -48,7 +51,7 @@ class AsyncAnthropicTrajectory(AsyncOpenAITrajectory):
 
     @property
     def messages(self) -> _Create:
-        return _Create(self, self.client.messages)
+        return _Create(self, self._routed.messages)
 
 
 def _is_async(client: Any) -> bool:

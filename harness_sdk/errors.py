@@ -19,8 +19,10 @@ HarnessWarning (UserWarning)
 ├── StableZoneChangedWarning   a stable zone (system, tools, memory) changed between turns
 ├── VolatileContentWarning     volatile data (timestamp, UUID, request id) in a stable zone
 ├── DegradedWarning            the server lacks the agentkv routes; pause/resume are skipped
-└── PauseNotAppliedWarning     the engine answered a pause with ``applied: false`` (once per
-                               trajectory)
+├── PauseNotAppliedWarning     the engine answered a pause with ``applied: false`` (once per
+│                              trajectory)
+└── TrajectoryNotFoundWarning  a pause, resume or DELETE the SDK expected to apply answered 404:
+                               the server does not know the trajectory in its tenant
 """
 
 from __future__ import annotations
@@ -130,3 +132,9 @@ class PauseNotAppliedWarning(HarnessWarning):
     """The engine answered a pause with ``applied: false``: its decision did not take effect
     (yet); the reply's ``state`` says where the trajectory's branch was. Warned once per
     trajectory."""
+
+
+class TrajectoryNotFoundWarning(HarnessWarning):
+    """A pause, resume or DELETE of a trajectory that sent turns answered 404: the server does
+    not know it in the tenant the SDK named (another ``cache_salt`` than its turns', an
+    ``idle_ttl_s`` expiry, a restart); nothing was applied."""

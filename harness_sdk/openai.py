@@ -26,6 +26,18 @@ identity; a reply with function calls auto-pauses the trajectory like a chat rep
 ``previous_response_id`` the server would follow the chain on its own; the wrapper names the
 trajectory anyway, so a chain and a wrapped client never disagree.
 
+The paths agent frameworks call are covered too (each carries the header and the params):
+``create`` / ``stream`` / ``parse`` of ``chat.completions``, ``completions``, ``responses``,
+``beta.chat.completions`` and (Anthropic) ``messages`` / ``beta.messages``; the same through
+``.with_raw_response`` (LangChain's ``ChatOpenAI``) and ``.with_streaming_response`` (the Agents
+SDK's streamed Responses), on a resource or on the client; and ``with_options(...)`` /
+``copy(...)`` (retries, timeouts) return a wrapped client of the same trajectory. Every other
+call goes through a copy of the client whose default headers carry ``x-session-id``, so even a
+path the wrapper does not know (a tool runner, a new resource) names the trajectory on the
+server (the header hint). Where a view cannot be rebuilt around the wrapper, the SDK's own
+(bypassed) view is returned with one DegradedWarning; ``close()`` of a wrapper that decorated no
+request says so.
+
 Primitives:
   wrap(client, trajectory_id=None, branch="main", ...) -> OpenAITrajectory | AsyncOpenAITrajectory
   OpenAITrajectory        sync: ``.chat.completions.create``, ``.responses.create``,
@@ -40,22 +52,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import logging
 import uuid
+import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import httpx
 
 from harness_sdk.adapters import SESSION_HEADER, AgentKVAdapter
-from harness_sdk.errors import ConfigError, TrajectoryClosedError
+from harness_sdk.errors import ConfigError, DegradedWarning, TrajectoryClosedError
 from harness_sdk.session import _check_id, _normalize_base, _Shared
 from harness_sdk.telemetry import Telemetry
 from harness_sdk.tool_wait import ToolWait, run_tool_wait
 
+log = logging.getLogger("harness_sdk.openai")
+# The SDKs' per-call views: each wraps the methods of the resource (or client) it is built on.
+_VIEWS = ("with_raw_response", "with_streaming_response")
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """One DegradedWarning (and log line) per kind of bypass, per process."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    log.warning("harness_sdk: %s", message)
+    warnings.warn(message, DegradedWarning, stacklevel=3)
+
+
+def _view(wrapper: Any, inner: Any, name: str) -> Any:
+    """The SDK's ``inner.<name>`` view (``with_raw_response`` / ``with_streaming_response``)
+    rebuilt around ``wrapper``, so its methods call the wrapper's (decorated) ones."""
+    original = getattr(inner, name)
+    try:
+        return type(original)(wrapper)
+    except Exception as exc:
+        _warn_once(
+            f"{type(inner).__name__}.{name}",
+            f"{type(inner).__name__}.{name} could not be wrapped ({exc!r}): calls through it "
+            "carry only the x-session-id default header, not kv_transfer_params",
+        )
+        return original
+
 
 class _Proxy:
-    """Delegates every attribute to ``inner`` except the ones defined on the subclass."""
+    """Delegates every attribute to ``inner`` except the ones defined on the subclass; its
+    ``with_raw_response`` / ``with_streaming_response`` views call back into it."""
 
     def __init__(self, owner: _OpenAIBase, inner: Any) -> None:
         self._owner = owner
@@ -64,12 +109,14 @@ class _Proxy:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in _VIEWS:
+            return _view(self, self._inner, name)
         return getattr(self._inner, name)
 
 
 class _Create(_Proxy):
     """``chat.completions`` / ``completions`` / ``responses`` / (Anthropic) ``messages``:
-    ``create`` and ``stream`` carry the trajectory."""
+    ``create``, ``stream`` and ``parse`` carry the trajectory."""
 
     def create(self, *args: Any, **kwargs: Any) -> Any:
         return self._inner.create(*args, **self._owner._decorate(kwargs))
@@ -77,11 +124,47 @@ class _Create(_Proxy):
     def stream(self, *args: Any, **kwargs: Any) -> Any:
         return self._inner.stream(*args, **self._owner._decorate(kwargs))
 
+    def parse(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.parse(*args, **self._owner._decorate(kwargs))
+
 
 class _Chat(_Proxy):
     @property
     def completions(self) -> _Create:
         return _Create(self._owner, self._inner.completions)
+
+
+class _Beta(_Proxy):
+    """``beta``: Anthropic's ``beta.messages`` (pydantic-ai's Anthropic model calls it),
+    OpenAI's ``beta.chat.completions``."""
+
+    @property
+    def messages(self) -> _Create:
+        return _Create(self._owner, self._inner.messages)
+
+    @property
+    def chat(self) -> _Chat:
+        return _Chat(self._owner, self._inner.chat)
+
+
+@dataclass
+class _Usage:
+    """What a wrapper and the clients derived from it (``with_options``) count together."""
+
+    requests: int = 0
+
+
+def _with_session_header(client: Any, trajectory_id: str) -> Any:
+    """A copy of ``client`` (the same connection pool) whose default headers name the
+    trajectory: calls that bypass the wrapper's decoration still carry the session hint."""
+    with_options = getattr(client, "with_options", None)
+    if not callable(with_options):
+        return client
+    try:
+        return with_options(default_headers={SESSION_HEADER: trajectory_id})
+    except Exception as exc:  # a duck-typed client with another signature
+        log.debug("harness_sdk: no session-header copy of %r: %r", type(client).__name__, exc)
+        return client
 
 
 class _OpenAIBase:
@@ -98,6 +181,7 @@ class _OpenAIBase:
         http_client: httpx.AsyncClient | None = None,
         tracer_provider: Any = None,
         meter_provider: Any = None,
+        cache_salt: str | None = None,
     ) -> None:
         tid = _check_id(
             trajectory_id if trajectory_id is not None else f"traj-{uuid.uuid4().hex[:16]}",
@@ -109,6 +193,9 @@ class _OpenAIBase:
             raise ConfigError("cannot tell the server's URL from the client; pass base_url=")
         key = api_key if api_key is not None else getattr(client, "api_key", None)
         self.client = client
+        """The caller's client, untouched."""
+        self._routed = _with_session_header(client, tid)
+        """The client every call goes through: the caller's, with the session header."""
         self.send_params = send_params
         self._shared = _Shared(
             _normalize_base(url),
@@ -119,8 +206,9 @@ class _OpenAIBase:
             http_client,
             timeout,
             Telemetry(tracer_provider, meter_provider),
+            cache_salt=cache_salt,
         )
-        self.requests = 0
+        self._usage = _Usage()
         self.tool_waits: list[ToolWait] = []
         self.observations: list[dict[str, str]] = []
         """What ``call.observe(...)`` recorded, as messages (the caller owns ``messages``)."""
@@ -139,28 +227,69 @@ class _OpenAIBase:
         return self._shared.trajectory_id
 
     @property
+    def requests(self) -> int:
+        """Requests decorated so far (by this wrapper and the ones ``with_options`` made)."""
+        return self._usage.requests
+
+    @property
     def routes_available(self) -> bool | None:
         """True/False once known whether the server has the agentkv routes; None before."""
         return self._shared.routes
 
     @property
     def chat(self) -> _Chat:
-        return _Chat(self, self.client.chat)
+        return _Chat(self, self._routed.chat)
 
     @property
     def completions(self) -> _Create:
-        return _Create(self, self.client.completions)
+        return _Create(self, self._routed.completions)
 
     @property
     def responses(self) -> _Create:
         """``client.responses.create(...)`` (the Responses API) with the trajectory."""
-        return _Create(self, self.client.responses)
+        return _Create(self, self._routed.responses)
+
+    @property
+    def beta(self) -> _Beta:
+        return _Beta(self, self._routed.beta)
+
+    @property
+    def with_raw_response(self) -> Any:
+        """``client.with_raw_response.chat.completions.create(...)`` with the trajectory."""
+        return _view(self, self._routed, "with_raw_response")
+
+    @property
+    def with_streaming_response(self) -> Any:
+        return _view(self, self._routed, "with_streaming_response")
+
+    def with_options(self, **options: Any) -> Any:
+        """The client's ``with_options`` (retries, timeouts, headers), still this trajectory:
+        a wrapper sharing this one's state (a request through either counts for ``close``)."""
+        return self._derive(self.client.with_options(**options))
+
+    def copy(self, **options: Any) -> Any:
+        return self._derive(self.client.copy(**options))
+
+    def _derive(self, client: Any) -> Any:
+        derived = copy.copy(self)  # shares _shared, _usage, tool waits, a sync wrapper's loop
+        derived.client = client
+        derived._routed = _with_session_header(client, self.trajectory_id)
+        return derived
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this wrapper lacks; never for its own (half-built) state.
-        if name.startswith("_") or name == "client":
+        if name.startswith("_") or name in ("client", "_routed"):
             raise AttributeError(name)
-        return getattr(self.client, name)
+        return getattr(self._routed, name)
+
+    def _warn_unused(self) -> None:
+        if not self._usage.requests:
+            _warn_once(
+                f"unused:{type(self).__name__}",
+                f"{type(self).__name__} {self.trajectory_id!r} closed without decorating a "
+                "request: if the agent called the client, it used a path the wrapper does not "
+                "cover (only the x-session-id default header went along)",
+            )
 
     def _decorate(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` plus the session header and ``kv_transfer_params.agentkv``."""
@@ -172,6 +301,10 @@ class _OpenAIBase:
         if not any(k.lower() == SESSION_HEADER for k in headers):
             headers[SESSION_HEADER] = self.trajectory_id
         out["extra_headers"] = headers
+        # The tenant goes on every request, with or without agentkv's params.
+        salted = self._shared.turn_extra(out.get("extra_body"))
+        if salted is not None:
+            out["extra_body"] = salted
         if self.send_params:
             body = copy.deepcopy(dict(out.get("extra_body") or {}))
             params = body.get("kv_transfer_params")
@@ -184,7 +317,7 @@ class _OpenAIBase:
             # the same session hint as the control calls: vllm-router keys affinity per source
             body.setdefault("agent_hint", {"session_id": self.trajectory_id})
             out["extra_body"] = body
-        self.requests += 1
+        self._usage.requests += 1
         return out
 
     def tool(self, name: str, expected_s: float | None = None) -> Any:
@@ -208,6 +341,8 @@ class AsyncOpenAITrajectory(_OpenAIBase):
     async def close(self) -> dict[str, Any] | None:
         """DELETE the trajectory on the server (when a request was sent); idempotent. The
         wrapped openai client stays open (it is the caller's)."""
+        if not self._shared.closed:
+            self._warn_unused()
         return await self._shared.close_trajectory(used=bool(self.requests))
 
     async def __aenter__(self) -> AsyncOpenAITrajectory:
@@ -257,12 +392,12 @@ class OpenAITrajectory(_OpenAIBase):
         wrapped openai client stays open (it is the caller's)."""
         if self._loop.is_closed():
             return None
+        if not self._shared.closed:
+            self._warn_unused()
         self._shared.closed = True
         try:
             if self.requests:
-                out: dict[str, Any] | None = self._run(
-                    self._shared.control("DELETE", f"/trajectories/{self.trajectory_id}")
-                )
+                out: dict[str, Any] | None = self._run(self._shared.delete_trajectory())
                 return out
             return None
         finally:
@@ -308,7 +443,8 @@ def wrap(
     the agentkv routes), ``send_params`` (False: only the ``x-session-id`` header, for servers
     that must not see ``kv_transfer_params``), ``timeout`` (of the route calls),
     ``http_client`` (an httpx.AsyncClient for the routes), ``tracer_provider``,
-    ``meter_provider``.
+    ``meter_provider``, ``cache_salt`` (the trajectory's tenant: every request's body and every
+    agentkv route call carry it; set it here, not in ``extra_body``).
     """
     cls = AsyncOpenAITrajectory if _is_async(client) else OpenAITrajectory
     return cls(client, trajectory_id, branch, **kwargs)

@@ -2,15 +2,26 @@
 every branch shares (the request/response plumbing under Trajectory and the wrapped clients).
 
 Primitives:
-  _Shared(base_url, model, api_key, trajectory_id, adapter, client, timeout, telemetry)
+  _Shared(base_url, model, api_key, trajectory_id, adapter, client, timeout, telemetry,
+          cache_salt=None)
     await .request(method, path, json) -> httpx.Response   one call, its session header on it
+                                                           (and its tenant on a control call)
+    .turn_extra(extra_body) -> dict | None   a turn's extra body with the tenant's cache_salt
     await .send_turn(body, stream) -> (payload, latency_s, ttft_s)   one chat turn, or its error
     await .stream_chat(path, json, headers) -> (status, payload, ttft_s)   SSE, reassembled
-    await .control(method, path, json, quiet=) -> dict | None   an agentkv route (None: absent)
+    await .control(method, path, json, quiet=, expect_known=) -> dict | None   an agentkv route
+                                     (None: absent; a 404 of an ``expect_known`` call warns)
     await .trajectory_state() / .server_status() -> dict | None   the two GET routes
     await .close_trajectory(used) -> dict | None   DELETE once (when used), close our client
     .degrade(why) / .check_pause_reply(branch, reply)   the once-per-trajectory warnings
   _check_id(value, what)     a trajectory id or branch name in the ``agentkv.ids`` grammar
+  _check_salt(value)         a ``cache_salt`` option: None or a non-empty string
+
+The tenant: ``cache_salt`` (one option of the trajectory or wrapped client) goes on every call
+the SDK makes: each turn's body ``cache_salt`` (vLLM's per-request salt, so the trajectory's KV
+lives in the tenant's namespace) and each control call's ``X-AgentKV-Cache-Salt`` header and
+``cache_salt`` body field (vllm-router drops unknown headers); a turn's ``extra_body`` that names
+another salt is a ConfigError.
   _normalize_base(url)       the server's base URL (no trailing ``/v1``); ConfigError if not http(s)
 The names are private to the SDK: trajectory.py, tool_wait.py and openai.py share them.
 """
@@ -35,6 +46,7 @@ from harness_sdk.errors import (
     InvalidIdError,
     PauseNotAppliedWarning,
     TimeoutError_,
+    TrajectoryNotFoundWarning,
     TransportError,
     status_error,
 )
@@ -53,6 +65,15 @@ def _check_id(value: object, what: str) -> str:
         raise InvalidIdError(str(exc)) from None
 
 
+def _check_salt(value: object) -> str | None:
+    """A ``cache_salt`` option: None (the unsalted namespace) or a non-empty string."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"cache_salt must be a non-empty string or None, got {value!r}")
+    return value
+
+
 class _Shared:
     """State shared by every branch of one trajectory: the HTTP client, routes, closed flag."""
 
@@ -66,6 +87,7 @@ class _Shared:
         client: httpx.AsyncClient | None,
         timeout: float,
         telemetry: Telemetry,
+        cache_salt: str | None = None,
     ) -> None:
         self.base_url = base_url
         self.model = model
@@ -75,6 +97,7 @@ class _Shared:
         self.owns_client = client is None
         self.client = client or httpx.AsyncClient(timeout=timeout)
         self.telemetry = telemetry
+        self.cache_salt = _check_salt(cache_salt)
         self.routes: bool | None = None if adapter.supports_control else False
         self.closed = False
         self.seen_lint: set[LintFinding] = set()
@@ -95,6 +118,11 @@ class _Shared:
             json = {**(json or {}), "agent_hint": self.agent_hint()}
             if self.model:
                 json["model"] = self.model
+            if self.cache_salt:
+                # The trajectory's tenant: without it the route addresses the unsalted
+                # namespace and answers 404 for a salted trajectory.
+                headers[_ids.TENANT_HEADER] = self.cache_salt
+                json[_ids.TENANT_FIELD] = self.cache_salt
         else:
             headers = self.adapter.headers(self.api_key)
         headers = self.session_headers(headers)
@@ -134,6 +162,20 @@ class _Shared:
             if r.status_code >= 400:
                 raise status_error(r.status_code, payload, str(r.request.url))
         return payload, latency, ttft
+
+    def turn_extra(self, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A turn's ``extra_body`` with the tenant's ``cache_salt``; ConfigError when it names
+        another salt (its KV and trajectory would be another tenant's than the control calls')."""
+        given = (extra or {}).get(_ids.TENANT_FIELD)
+        if given is not None and given != self.cache_salt:
+            raise ConfigError(
+                f"extra_body cache_salt {given!r} differs from the trajectory's cache_salt "
+                f"{self.cache_salt!r}: set it once, as the cache_salt= option, so every call "
+                "(turns and control calls) names the same tenant"
+            )
+        if not self.cache_salt:
+            return extra
+        return {**(extra or {}), _ids.TENANT_FIELD: self.cache_salt}
 
     def agent_hint(self) -> dict[str, str]:
         return {"session_id": self.trajectory_id}
@@ -221,11 +263,20 @@ class _Shared:
         log.warning("harness_sdk: %s", msg)
 
     async def control(
-        self, method: str, path: str, json: Any = None, *, quiet: bool = True
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        *,
+        quiet: bool = True,
+        expect_known: bool = False,
     ) -> dict[str, Any] | None:
         """Call an agentkv route. None when the routes are absent or the trajectory is unknown.
 
         Raises AuthenticationError always; other failures raise only when ``quiet`` is False.
+        ``expect_known`` (pause, resume, DELETE of a trajectory that sent turns): a 404 for the
+        trajectory is a TrajectoryNotFoundWarning (the server does not know it in this tenant:
+        another cache_salt, expired, or restarted), not silence.
         """
         if self.routes is False:
             return None
@@ -251,6 +302,15 @@ class _Shared:
             raise err
         if r.status_code != 404:
             log.warning("harness_sdk: %s", err)
+        elif expect_known:
+            tenant = f"cache_salt {self.cache_salt!r}" if self.cache_salt else "no cache_salt"
+            msg = (
+                f"{method} {path} answered 404 ({detail}): the server does not know trajectory "
+                f"{self.trajectory_id!r} in the tenant this trajectory names ({tenant}); "
+                "nothing was applied"
+            )
+            warnings.warn(msg, TrajectoryNotFoundWarning, stacklevel=3)
+            log.warning("harness_sdk: %s", msg)
         return None
 
     async def aclose(self) -> None:
@@ -265,6 +325,12 @@ class _Shared:
         """GET /agentkv/v1/status (None if the routes are absent)."""
         return await self.control("GET", "/status")
 
+    async def delete_trajectory(self) -> dict[str, Any] | None:
+        """DELETE the trajectory (it sent turns: a 404 warns)."""
+        return await self.control(
+            "DELETE", f"/trajectories/{self.trajectory_id}", expect_known=True
+        )
+
     async def close_trajectory(self, used: bool) -> dict[str, Any] | None:
         """Once per trajectory (idempotent): DELETE it on the server when it ``used`` the server,
         then close the HTTP client if it is ours. The server's release counts, or None."""
@@ -273,7 +339,7 @@ class _Shared:
         self.closed = True
         try:
             if used:
-                return await self.control("DELETE", f"/trajectories/{self.trajectory_id}")
+                return await self.delete_trajectory()
             return None
         finally:
             await self.aclose()

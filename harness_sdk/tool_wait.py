@@ -120,6 +120,7 @@ class ToolWait:
                 "POST",
                 f"/trajectories/{shared.trajectory_id}/pause",
                 {"tool": self.name, "expected_wait_s": self.expected_s, "branch": self.traj.branch},
+                expect_known=True,
             )
         except BaseException as exc:
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
@@ -151,6 +152,7 @@ class ToolWait:
                     "POST",
                     f"/trajectories/{shared.trajectory_id}/resume",
                     {"branch": self.traj.branch},
+                    expect_known=True,
                 )
         except Exception as resume_exc:  # a failed resume must not hide the tool's own error
             if exc is None:

@@ -2,6 +2,7 @@
 
 Primitives:
   Trajectory(base_url, model, ...)     async; ``async with``; one branch of one trajectory
+                                       (``cache_salt=``: its tenant, on every call it makes)
     .observe(text) / .remember(text) / .set_system(text) / .set_tools(tools)   edit the zones
     await .complete(user?, max_tokens=, temperature=, stream=) -> TurnResult     one turn
     async with .tool(name, expected_s=) as call: ...   pause, measure, resume (even on error)
@@ -68,7 +69,11 @@ class Trajectory:
         temperature: float | None = None,
         tracer_provider: Any = None,
         meter_provider: Any = None,
+        cache_salt: str | None = None,
     ) -> None:
+        """``cache_salt``: the trajectory's tenant (vLLM's per-request cache salt). Every turn
+        carries it in its body and every agentkv control call (pause, resume, GET, DELETE) in
+        the ``X-AgentKV-Cache-Salt`` header and its body; set it here, not in ``extra_body``."""
         tid = _check_id(
             trajectory_id if trajectory_id is not None else f"traj-{uuid.uuid4().hex[:16]}",
             "trajectory_id",
@@ -85,6 +90,7 @@ class Trajectory:
             http_client,
             timeout,
             Telemetry(tracer_provider, meter_provider),
+            cache_salt=cache_salt,
         )
         self.branch = branch
         self.context = Context(system, tools, memory, recent_turns=recent_turns, tools_as=tools_as)
@@ -109,6 +115,11 @@ class Trajectory:
     @property
     def model(self) -> str:
         return self._shared.model
+
+    @property
+    def cache_salt(self) -> str | None:
+        """The trajectory's tenant (None: the unsalted namespace)."""
+        return self._shared.cache_salt
 
     @property
     def turn(self) -> int:
@@ -190,7 +201,7 @@ class Trajectory:
             branch=self.branch,
             max_tokens=mt,
             temperature=temp,
-            extra=extra_body,
+            extra=shared.turn_extra(extra_body),
             pause_after={"tool": then_tool, "expected_wait_s": then_expected_s}
             if then_tool is not None and shared.adapter.supports_control
             else None,

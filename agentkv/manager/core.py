@@ -53,7 +53,8 @@ Invariants (checked by tests/unit/test_manager_stateful.py after every step):
   4. A trajectory that references a tier key owns it (in flight too); DELETE frees only keys no
      other trajectory owns; a deleted trajectory never comes back (its running requests end
      without pinning or storing anything; a request looked up before the DELETE and still
-     PENDING runs as a vanilla request). Tenants: a trajectory is keyed by its id in its
+     PENDING, or queued in the engine before it and looked up after, runs as a vanilla
+     request). Tenants: a trajectory is keyed by its id in its
      cache_salt's namespace (``state.scoped_id``); nothing crosses namespaces.
   5. One pressure event demotes only as many retained trajectories as needed.
   5b. Pins are a loan: when the scheduler's queue is blocked on blocks (a shortfall in the step's
@@ -82,7 +83,14 @@ from agentkv import metrics as m
 from agentkv.admission import NO_QUEUE, Admission, PoolTrend
 from agentkv.costs import CostModel
 from agentkv.manager import views
-from agentkv.manager.jobs import MoveJob, MoveKind, StepPlan, TransferKind, WorkerReport
+from agentkv.manager.jobs import (
+    MoveJob,
+    MoveKind,
+    StepPlan,
+    TransferKind,
+    WorkerReport,
+    rejection_counter,
+)
 from agentkv.manager.jobtable import Job, JobKind, JobTable
 from agentkv.manager.ownership import Namespace
 from agentkv.manager.pauses import Pauses
@@ -369,6 +377,9 @@ class TrajectoryManager:
                     )
             for phase, seconds in report.reload_phases.items():
                 self.metrics.observe(m.RELOAD_PHASE_SECONDS, seconds, phase=str(phase))
+            for (where, reason), n in report.rejected.items():  # forged or damaged values
+                self.counters[rejection_counter(where, reason)] += n
+                self.metrics.add(m.REJECTED_BLOCKS, float(n), tier=str(where), reason=str(reason))
             self.bad_keys.clear()
             self.transitions.drain_doomed()
 
@@ -505,8 +516,12 @@ class TrajectoryManager:
         self, trajectory_id: str, reason: str = "deleted", *, tenant: str | None = None
     ) -> tuple[int, dict[str, Any]]:
         """Release everything the trajectory holds. Its running requests finish normally for
-        their clients but pin and store nothing; GET answers 404 from now on."""
-        code, reply = self.delete_key(scoped_id(trajectory_id, tenant), reason)
+        their clients but pin and store nothing; GET answers 404 from now on. Final against
+        requests queued in vLLM before it too, even unknown here yet (``mark_deleted``)."""
+        key = scoped_id(trajectory_id, tenant)
+        with self.lock:
+            code, reply = self.delete_key(key, reason)
+            self.reqs.mark_deleted(key)
         _as_client(reply, trajectory_id, tenant)
         return code, reply
 

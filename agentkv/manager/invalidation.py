@@ -6,9 +6,17 @@ Primitives:
         once idle, running requests finish for their clients but pin and store nothing), every
         running request forgets the tier keys it derived (a re-lookup derives them under the new
         generation), and idle copies no trajectory owns are dropped as well.
-    Invalidation    what happened: trajectories ended, copies dropped, and the loads still in
-                    flight (planned or copying: they were looked up before the reset, so their
-                    KV is stale; ``clean`` is False while any exists).
+    Invalidation    what happened: trajectories ended, copies dropped, the planned loads
+                    cancelled, and the loads still in flight (copying: they were looked up
+                    before the reset, so their KV is stale; ``clean`` is False while any exists).
+
+Why a planned load is cancelled, not counted: a lookup that vLLM could not allocate for has
+copied nothing. Its plan (read pins on old-generation keys) is released here and its request
+forgets its keys, so vLLM's next lookup of it (it always asks again before allocating) derives
+them under the new generation and finds nothing stale; an allocation without that lookup finds
+no plan and fails closed (recompute). While vLLM is paused (pause_generation wait/keep) waiting
+requests are never looked up again: counting their plans as stale refused every reset
+(``pause(clear_cache=True)`` raised, issue 40).
 
 Contract: engine thread only (device pins are released at once). The caller changes the key derivation (a new generation, ``agentkv.kv_identity``) under
 the manager's lock in the same critical section, so a lookup after this derives keys that no
@@ -45,9 +53,12 @@ class Invalidation:
 def invalidate_tiers(manager: TrajectoryManager, reason: str) -> Invalidation:
     """End every trajectory and drop every idle tier copy (see the module docstring)."""
     with manager.lock:
-        stale = sum(
-            1 for req in manager.requests.values() if req.load_state in ("planned", "in_flight")
-        )
+        stale = 0
+        for req in manager.requests.values():
+            if req.load_state == "planned":
+                manager.reqs.cancel_plan(req)
+            elif req.load_state == "in_flight":
+                stale += 1
         ended = dropped = 0
         for tid in list(manager.table):
             code, body = manager.delete_key(tid, reason)

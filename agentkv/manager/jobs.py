@@ -14,9 +14,14 @@ Primitives:
                   or 'upload' (a confirmed local copy -> the shared remote tier)
   DropOp          forget keys in one tier or all tiers (synchronous on the worker, ordered
                   before the step's other jobs so their slots are free for this step's stores)
+  KeepPlan        the disk blocks an engine's manager holds after its restart (restored from
+                  the manifest): each worker keeps exactly those files of its folder, deletes
+                  the rest (``TieredStore.prune_disk``), once, before any other job
   StepPlan        one engine step's jobs, in the order a worker must start them
+  Rejection       BAD_TAG | CORRUPT: why a tier refused a value it holds (a StrEnum)
   WorkerReport    per step, per rank: jobs finished (ranks count), jobs failed, keys a rank could
-                  not serve and why, transfer sizes and times; ``merge`` adds up ranks
+                  not serve and why, values tiers rejected, transfer sizes and times; ``merge``
+                  adds up ranks
 
 Plain dataclasses of builtins: the multiprocessing executor pickles them between processes.
 Every job has an id; a job is complete when every TP rank reported it, and failed when any did.
@@ -78,6 +83,28 @@ class ReloadPhase(enum.StrEnum):
 KeyProblem = Literal["miss", "corrupt", "error"]
 
 
+class Rejection(enum.StrEnum):
+    """Why a tier refused to serve a value it holds (``WorkerReport.rejected``): never served,
+    the block is recomputed, and the value is deleted. Counted so an operator sees a forged
+    value or a wrong deployment secret (``agentkv_rejected_blocks``, ``/status`` counters)."""
+
+    BAD_TAG = "bad_tag"  # remote: the HMAC tag does not match (forged, or another secret)
+    CORRUPT = "corrupt"  # header, length or checksum damage (any tier with checksums)
+
+
+# What the tiers can reject (the host arena holds no checksum; the remote tier adds the tag).
+REJECTIONS: tuple[tuple[Tier, Rejection], ...] = (
+    (Tier.REMOTE, Rejection.BAD_TAG),
+    (Tier.REMOTE, Rejection.CORRUPT),
+    (Tier.DISK, Rejection.CORRUPT),
+)
+
+
+def rejection_counter(tier: Tier, why: Rejection) -> str:
+    """The /status counter of one (tier, reason): ``remote_bad_tag_blocks``, ..."""
+    return f"{tier}_{why}_blocks"
+
+
 @dataclass(frozen=True)
 class BlockTransfer:
     key: bytes
@@ -118,15 +145,24 @@ class DropOp:
     tier: Tier | None = None  # None: every tier
 
 
+@dataclass(frozen=True)
+class KeepPlan:
+    # The logical keys the manager indexes on disk after ``recovery.restore``: the workers start
+    # before the scheduler (vLLM builds the executor, then the scheduler), so the plan travels
+    # in the first step's metadata and a worker applies it once, before that step's jobs.
+    keys: frozenset[bytes]
+
+
 @dataclass
 class StepPlan:
     drops: list[DropOp] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
     moves: list[MoveJob] = field(default_factory=list)
+    keep: KeepPlan | None = None  # the restart's disk plan: first step only
 
     def __bool__(self) -> bool:
-        return bool(self.drops or self.stores or self.loads or self.moves)
+        return bool(self.drops or self.stores or self.loads or self.moves or self.keep)
 
 
 @dataclass
@@ -146,6 +182,9 @@ class WorkerReport:
     transfers: dict[TransferRef, tuple[int, float]] = field(default_factory=dict)
     # layer-by-layer reload steps since the last report: phase -> seconds (summed over steps)
     reload_phases: dict[ReloadPhase, float] = field(default_factory=dict)
+    # (tier, why) -> values that tier refused since the last report (bad tags, corrupt values;
+    # fetches included, whose misses are not bad_keys): ranks add up
+    rejected: dict[tuple[Tier, Rejection], int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(
@@ -155,6 +194,7 @@ class WorkerReport:
             or self.hello
             or self.transfers
             or self.reload_phases
+            or self.rejected
         )
 
     def merge(self, other: WorkerReport) -> WorkerReport:
@@ -167,7 +207,10 @@ class WorkerReport:
             transfers=dict(self.transfers),
             reload_phases=dict(self.reload_phases),
             fetch_missing={k: list(v) for k, v in self.fetch_missing.items()},
+            rejected=dict(self.rejected),
         )
+        for what, n in other.rejected.items():  # each rank's own blocks: counts add up
+            out.rejected[what] = out.rejected.get(what, 0) + n
         for job, keys in other.fetch_missing.items():
             out.fetch_missing.setdefault(job, []).extend(keys)
         for job, n in other.jobs_done.items():

@@ -30,6 +30,8 @@ Contracts:
     blocks or was short this step, when pool use plus the context's blocks would pass high water,
     when the wait prediction's spread (p90 / p10) is wider than ``device_prefetch_max_spread``,
     or for a deleted trajectory; a skipped disk prefetch still promotes disk -> host.
+  - Tenants: an order carries its trajectory's cache_salt (restored from the manifest after a
+    restart, ``recovery.restore``); a salted trajectory whose salt is unknown orders nothing.
   - The manager decides once (scheduler side); the internal request is an ordinary request, so
     tensor-parallel ranks load it like any other, and each data-parallel rank's manager orders
     prefetches only for the trajectories it holds.
@@ -202,6 +204,8 @@ class DevicePrefetcher:
         if not self.enabled:
             return False
         why = self.skip_reason(traj, branch)
+        if why is None and traj.tenant is not None and not traj.salt:
+            why = SkipReason.NO_SALT  # never an unsalted prefill of a tenant's context
         if why is not None:
             self.stats.skip(branch.tool, why)
             self.m.counters[f"device_prefetch_skipped_{why}"] += 1

@@ -1,33 +1,48 @@
 """Restart recovery: trajectories offloaded to disk survive a clean stop and a crash.
 
 Primitives:
-    TrajectoryRecord     one branch whose context has complete disk copies: trajectory id,
-                         branch, trusted tokens, per block its logical tier key and engine hash
+    TrajectoryRecord     one branch whose context has complete disk copies: trajectory key (its
+                         id scoped to its tenant), branch, its tenant's cache_salt, trusted
+                         tokens, per block its logical tier key and engine hash
     snapshot(manager)    the records of every branch that is OFFLOADED with its leading blocks
                          on disk (the disk prefix only: host copies do not survive a restart)
     Manifest             identity digest, generation, block size, records; ``write`` is atomic
-                         (temp file, fsync, rename, fsync of the directory) and carries a
-                         checksum; ``read`` returns None for a missing, torn, foreign or
-                         tampered file, never raises
-    manifest_path(disk_root, dp_rank), manifest_keys(disk_root, generation)
-                         where a DP rank's manifest lives; the logical keys every manifest of a
-                         disk root lists under ``generation`` (the workers keep those files)
+                         (temp file of mode 0600, fsync, rename, fsync of the directory) and
+                         carries a checksum; ``read`` returns None for a missing, torn, foreign,
+                         older-version or tampered file, never raises
+    manifest_path(disk_root, dp_rank)
+                         where a DP rank's manifest lives (``<disk_root>/manifest-dp<d>.json``;
+                         its workers' files live in ``<disk_root>/dp<d>/rank<t>``, tiers.disk)
+    remove_stale_manifests(disk_root, dp_size)
+                         DP rank 0 at start: the manifests of DP ranks that no longer exist
+                         (fewer DP ranks than last run) go; their workers' folders go with
+                         them (``tiers.disk.remove_stale_rank_dirs``, worker side)
     restore(manager, records) -> int
-                         recreate the branches as OFFLOADED on disk, each key indexed as a
-                         complete disk copy the trajectory owns (up to the disk capacity)
+                         recreate the branches as OFFLOADED on disk in their tenant's namespace
+                         (the salt back on the trajectory, so a device prefetch's request hashes
+                         its blocks as the turns did), each key indexed as a complete disk copy
+                         the trajectory owns (up to the disk capacity); then export the keep
+                         plan (``jobs.KeepPlan``: exactly the keys now indexed on disk) in the
+                         first step's plan: each worker keeps those files and deletes the rest
     ManifestKeeper       a daemon thread that rewrites a manifest when its content changed
-                         (checked every ``interval_s``), and once more at ``close``
-    prune_rank_files(disk_root, rank_dir, block_bytes, rank_key, fingerprint)
-                         a worker at start: keep the block files the manifests list (as this
-                         rank names them) under this rank's identity, delete the rest
+                         (checked every ``interval_s``), and once more at ``close``;
+                         ``durable_delete``: a DELETE's answer waits until no manifest on disk
+                         lists the trajectory (rewritten at once when the last one did)
 
-What is trusted after a restart: a manifest is restored only when its identity digest and its
-generation equal the engine's (a new model, other weights or KV format, or a manifest written
-after a cache reset or weight update is ignored); the workers keep only block files whose
-header names their rank identity and whose key a manifest lists (disk.BlockFiles.prune); a
-block file that is torn or was never written is a checksum error or a miss at load time, which
-the engine recomputes. A trajectory whose store was cut by a crash is not in the manifest: its
-next turn is recomputed.
+What is trusted after a restart: a manifest is restored only when its format version, identity
+digest and generation equal the engine's (a new model, other weights or KV format, a manifest
+written after a cache reset or weight update, or by an agentkv before version 2, whose records
+carry no tenant salt and whose workers shared one folder per TP rank across DP ranks, is
+ignored); the manager never touches block files: its workers keep only the files of its keep
+plan that carry their rank identity (``TieredStore.prune_disk``); a block file that is torn or
+was never written is a checksum error or a miss at load time, which the engine recomputes. A
+trajectory whose store was cut by a crash is not in the manifest: its next turn is recomputed.
+A trajectory DELETE answered is in no manifest on disk: a crash right after it restores nothing
+of it.
+
+The manifest holds each salted trajectory's raw cache_salt (a device prefetch re-issues the
+tenant's request with it); the file is the engine's own (mode 0600, next to the KV it keys),
+never shown by a route.
 """
 
 from __future__ import annotations
@@ -43,11 +58,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentkv.kv_identity import BASE_GENERATION
-from agentkv.manager.state import BranchState, DemotedBy
+from agentkv.manager.jobs import KeepPlan
+from agentkv.manager.state import BranchState, DemotedBy, split_scoped, tenant_digest
 from agentkv.tier import Tier
-from agentkv.tiers.disk import BlockFiles
-from agentkv.tiers.keys import BlockKey
 
 if TYPE_CHECKING:
     from agentkv.manager.core import TrajectoryManager
@@ -55,16 +68,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentkv.recovery")
 
 FORMAT = "agentkv-manifest"
-VERSION = 1
+# 2: records carry their tenant's salt, workers keep a folder per DP rank. A version 1 manifest
+# is ignored (logged): its salted records could only come back without their salt.
+VERSION = 2
+MANIFEST_GLOB = "manifest-dp*.json"
 
 
 @dataclass(frozen=True)
 class TrajectoryRecord:
-    trajectory_id: str
+    trajectory_id: str  # the table key: the client's id scoped to its tenant (state.scoped_id)
     branch: str
     token_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
     hashes: tuple[bytes, ...]
+    salt: str | None = None  # the tenant's cache_salt (None: the unsalted namespace)
+
+    def tenant_matches(self) -> bool:
+        """Whether the salt names the namespace the key is scoped to. No salt: unknown (the
+        manager keeps salts only with device prefetch on); the key still names the namespace,
+        and a prefetch of a salted trajectory without its salt is never ordered."""
+        if not self.salt:
+            return True
+        return split_scoped(self.trajectory_id)[1] == tenant_digest(self.salt)
 
 
 def snapshot(manager: TrajectoryManager) -> list[TrajectoryRecord]:
@@ -94,13 +119,16 @@ def snapshot(manager: TrajectoryManager) -> list[TrajectoryRecord]:
                         tuple(tokens),
                         tuple(branch.keys[:n]),
                         tuple(branch.hashes[:n]),
+                        traj.salt,
                     )
                 )
     return out
 
 
 def restore(manager: TrajectoryManager, records: Sequence[TrajectoryRecord]) -> int:
-    """Recreate ``records`` as OFFLOADED branches on disk; returns the branches restored."""
+    """Recreate ``records`` as OFFLOADED branches on disk, each in its tenant's namespace with
+    its salt; returns the branches restored. Exports the keep plan (what the manager now holds
+    on disk) to the workers in the next step's plan."""
     restored = 0
     bs = manager.config.block_size
     index = manager.index
@@ -109,7 +137,12 @@ def restore(manager: TrajectoryManager, records: Sequence[TrajectoryRecord]) -> 
         for rec in records:
             if not rec.keys or index.free(Tier.DISK) <= 0:
                 continue
+            if not rec.tenant_matches():
+                log.warning("agentkv: a manifest record's salt names another tenant; skipped")
+                continue
             traj = manager.names.for_request(rec.trajectory_id, now)
+            if rec.salt:
+                traj.salt = rec.salt  # a device prefetch's request must hash like the turns
             branch = traj.branch(rec.branch)
             if branch.keys:
                 continue  # listed twice: the first record wins
@@ -135,11 +168,28 @@ def restore(manager: TrajectoryManager, records: Sequence[TrajectoryRecord]) -> 
             manager.transitions.set_state(traj, branch, BranchState.OFFLOADED)
             restored += 1
         manager.counters["trajectories_restored"] += restored
+        # The manager never deletes block files: its workers keep exactly these (their first
+        # step, before any other job) and delete every other file of their folders.
+        manager.outbox.keep = KeepPlan(frozenset(index.keys_in(Tier.DISK)))
     return restored
 
 
 def manifest_path(disk_root: str | os.PathLike[str], dp_rank: int = 0) -> Path:
     return Path(disk_root) / f"manifest-dp{dp_rank}.json"
+
+
+def remove_stale_manifests(disk_root: str | os.PathLike[str], dp_size: int) -> list[Path]:
+    """The manifests of DP ranks >= ``dp_size`` (a run with more DP ranks wrote them; no
+    scheduler restores them now): deleted, so nothing counts their files any more. DP rank 0
+    at start; returns what it removed."""
+    removed = []
+    for path in sorted(Path(disk_root).glob(MANIFEST_GLOB)):
+        rank = path.name[len("manifest-dp") : -len(".json")]
+        if rank.isdigit() and int(rank) >= dp_size:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -163,6 +213,7 @@ class Manifest:
                     "tokens": list(r.token_ids),
                     "keys": [k.hex() for k in r.keys],
                     "hashes": [h.hex() for h in r.hashes],
+                    "salt": r.salt,
                 }
                 for r in self.records
             ],
@@ -173,9 +224,11 @@ class Manifest:
         body = self._body()
         body["checksum"] = _checksum(body)
         data = json.dumps(body, separators=(",", ":")).encode()
-        temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        temp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
-            with open(temp, "wb") as handle:
+            # 0600: the records carry tenants' salts
+            fd = os.open(temp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+            with open(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -183,12 +236,7 @@ class Manifest:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
-        with contextlib.suppress(OSError):  # the rename itself survives a power cut
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        _fsync_dir(path.parent)
 
     @classmethod
     def read(cls, path: Path) -> Manifest | None:
@@ -196,8 +244,10 @@ class Manifest:
         try:
             body = json.loads(path.read_bytes())
             checksum = body.pop("checksum")
-            if body.get("format") != FORMAT or body.get("version") != VERSION:
-                raise ValueError("not a manifest of this version")
+            if body.get("format") != FORMAT:
+                raise ValueError("not a manifest")
+            if body.get("version") != VERSION:
+                raise ValueError(f"manifest version {body.get('version')!r}, not {VERSION}")
             if checksum != _checksum(body):
                 raise ValueError("checksum mismatch")
             records = tuple(
@@ -207,6 +257,7 @@ class Manifest:
                     tuple(int(x) for x in t["tokens"]),
                     tuple(bytes.fromhex(k) for k in t["keys"]),
                     tuple(bytes.fromhex(h) for h in t["hashes"]),
+                    str(t["salt"]) if t.get("salt") else None,
                 )
                 for t in body["trajectories"]
             )
@@ -241,23 +292,18 @@ def load_records(
     return list(manifest.records)
 
 
-def manifest_keys(disk_root: str | os.PathLike[str], generation: bytes) -> set[bytes]:
-    """Logical keys listed by every manifest under ``disk_root`` written in ``generation``."""
-    keys: set[bytes] = set()
-    root = Path(disk_root)
-    if not root.is_dir():
-        return keys
-    for path in sorted(root.glob("manifest-dp*.json")):
-        manifest = Manifest.read(path)
-        if manifest is not None and manifest.generation == generation:
-            for rec in manifest.records:
-                keys.update(rec.keys)
-    return keys
-
-
 def _checksum(body: dict[str, Any]) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # a rename or unlink itself survives a power cut
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class ManifestKeeper:
@@ -266,7 +312,11 @@ class ManifestKeeper:
     generation) differs from the last one written; ``close`` writes it once more (a clean stop
     loses nothing). The content, not a change counter: the snapshot is cheap, the write (two
     fsyncs) is not, and most of what a busy manager changes (counters, host copies, states of
-    branches without disk copies) is not in the manifest."""
+    branches without disk copies) is not in the manifest.
+
+    One write at a time (``_write_lock``, taken before the manager's lock, held across the
+    snapshot and the write): a snapshot taken before a DELETE is never written after the
+    DELETE's own rewrite."""
 
     def __init__(
         self,
@@ -282,12 +332,23 @@ class ManifestKeeper:
         self.interval_s = interval_s
         self.writes = 0
         self._last: Manifest | None = None
+        # Trajectory keys the manifest on disk may list (the last one written, or the one this
+        # engine found at start, restored or not): a DELETE of another needs no rewrite.
+        self._on_disk: frozenset[str] = frozenset()
+        found = Manifest.read(path)
+        if found is not None:
+            self._on_disk = frozenset(r.trajectory_id for r in found.records)
+        self._write_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="agentkv-manifest", daemon=True)
         self._thread.start()
 
     def write_if_changed(self) -> bool:
         """Rewrite the manifest when its content changed since the last write."""
+        with self._write_lock:
+            return self._write_if_changed()
+
+    def _write_if_changed(self) -> bool:
         with self.manager.lock:
             records = snapshot(self.manager)
             identity, generation = self.identity()
@@ -296,8 +357,29 @@ class ManifestKeeper:
             return False
         manifest.write(self.path)
         self._last = manifest
+        self._on_disk = frozenset(r.trajectory_id for r in records)
         self.writes += 1
         return True
+
+    def durable_delete(self, trajectory_key: str) -> None:
+        """After the manager deleted ``trajectory_key`` (its table key) and before the DELETE
+        answers: no manifest on disk lists it. The caller's thread (the control thread), not
+        under the manager's lock but for the snapshot; a write in flight is waited for first
+        (its snapshot may predate the DELETE). A failed rewrite removes the manifest instead (a
+        restart then restores nothing, rather than a deleted trajectory); OSError when even
+        that fails."""
+        with self._write_lock:
+            if trajectory_key not in self._on_disk:
+                return
+            try:
+                self._write_if_changed()
+            except Exception:
+                log.exception("agentkv: rewriting the manifest %s after a DELETE failed", self.path)
+                self._last = None
+                self._on_disk = frozenset()
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                _fsync_dir(self.path.parent)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -314,19 +396,3 @@ class ManifestKeeper:
             self.write_if_changed()
         except Exception:
             log.exception("agentkv: writing the manifest %s at shutdown failed", self.path)
-
-
-def prune_rank_files(
-    disk_root: str | os.PathLike[str],
-    rank_dir: Path,
-    block_bytes: int,
-    rank_key: Callable[[bytes], BlockKey],
-    fingerprint: bytes,
-) -> tuple[int, int]:
-    """A worker at start: keep the block files whose header names this rank's identity
-    (``fingerprint``) and whose key a base-generation manifest lists; returns (kept, removed)."""
-    keep = {rank_key(k).digest for k in manifest_keys(disk_root, BASE_GENERATION)}
-    files = BlockFiles(rank_dir, block_bytes, direct_io=False)
-    return files.prune(
-        lambda info: info.key.fingerprint_digest == fingerprint and info.key.digest in keep
-    )

@@ -8,16 +8,20 @@ Primitives:
                           holds (read-pinned until loaded); MISS; PENDING while a remote fetch
                           for a trajectory this replica never saw, or an admission wait, runs;
                           an internal device-prefetch request (``RequestParams.prefetch``) is
-                          planned by prefetch.py, without a turn
+                          planned by prefetch.py, without a turn; MISS for good (vanilla) for a
+                          request that arrived before its trajectory's DELETE
+  RequestTable.mark_deleted  a DELETE's mark, against requests queued in vLLM before it
   RequestTable.alloc      the lookup becomes a LOAD job on the blocks vLLM allocated
   RequestTable.fail_load  fail closed: a load every rank reports failed (vLLM recomputes)
+  RequestTable.cancel_plan  an invalidation drops a planned (unallocated) load
   RequestTable.finish     the branch's context becomes the turn's trusted blocks, pinned; HELD
                           for the grace period (or a decision made meanwhile applies)
   RequestTable.preempt    vLLM preempted a running request: its trusted computed blocks are
                           copied to host before this step's forward (swap, not recompute); its
                           next lookup loads them like any host hit
 
-Load states: none -> planned (lookup) -> in_flight (alloc) -> ok | failed (job completes).
+Load states: none -> planned (lookup) -> in_flight (alloc) -> ok | failed (job completes);
+planned -> none (``cancel_plan``: an invalidation before the allocation).
 Only blocks computed or loaded with a confirmed load are ever pinned or stored (invariant 1).
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -52,6 +57,10 @@ log = logging.getLogger("agentkv.manager")
 
 LoadState = Literal["none", "planned", "in_flight", "ok", "failed"]
 ADMISSION_MAX_WAIT_S = 5.0
+# DELETE marks (``RequestTable.mark_deleted``): how long, and how many, are kept. A request that
+# arrived before a DELETE and is first looked up later than this re-creates the trajectory.
+DELETE_MARK_TTL_S = 3600.0
+MAX_DELETE_MARKS = 65_536
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,10 @@ class RequestParams:
     tenant: str | None = None  # the request's cache_salt: its trajectory namespace
     # An internal device-prefetch request's ticket (prefetch.py): never a turn.
     prefetch: str | None = None
+    # When the request arrived, on the manager's clock (the adapter converts vLLM's
+    # ``Request.arrival_time``); None: unknown. One that arrived before its trajectory's DELETE
+    # runs as a vanilla request (DELETE is final against requests queued before it).
+    arrived_at: float | None = None
 
     @property
     def key(self) -> str:
@@ -133,6 +146,11 @@ class RequestTable:
         # they run as vanilla requests and never re-create it (DELETE is final).
         self._waiting: dict[str, str] = {}
         self._orphans: set[str] = set()
+        # DELETE marks: trajectory key -> when a DELETE named it (the manager's clock), oldest
+        # first. A request still queued in vLLM at the DELETE, never looked up, is unknown here:
+        # its arrival before the mark is what makes it an orphan too. Bounded by
+        # DELETE_MARK_TTL_S and MAX_DELETE_MARKS.
+        self._deleted_at: OrderedDict[str, float] = OrderedDict()
 
     def lookup(
         self,
@@ -157,6 +175,8 @@ class RequestTable:
         req = self.requests.get(req_id)
         if req is None:
             if req_id in self._orphans:
+                return MISS
+            if self._queued_before_delete(req_id, params, now):
                 return MISS
             if self._waits_for_remote(
                 req_id, params, prompt_token_ids, block_hashes, num_computed
@@ -209,6 +229,33 @@ class RequestTable:
                 del self._waiting[req_id]
                 self._orphans.add(req_id)
                 self.m.counters["requests_of_deleted_trajectories"] += 1
+
+    def mark_deleted(self, key: str) -> None:
+        """A DELETE named the trajectory ``key`` (answered 200 or 404: on another DP rank a
+        request of it may still be queued): every request that arrived until now and is looked
+        up later runs without it. O(1) amortized; the oldest marks go past the bounds."""
+        now = self.m.clock.now()
+        marks = self._deleted_at
+        marks.pop(key, None)
+        marks[key] = now
+        while marks and (
+            len(marks) > MAX_DELETE_MARKS or now - next(iter(marks.values())) > DELETE_MARK_TTL_S
+        ):
+            marks.popitem(last=False)
+            self.m.counters["delete_marks_expired"] += 1
+
+    def _queued_before_delete(self, req_id: str, params: RequestParams, now: float) -> bool:
+        """A request unknown here that arrived before its trajectory's DELETE (queued in vLLM
+        meanwhile) becomes an orphan: vanilla from now on, never re-creating the trajectory.
+        The same instant counts as before: DELETE is final, an ambiguous race runs vanilla."""
+        if params.arrived_at is None or not self._deleted_at:
+            return False
+        at = self._deleted_at.get(params.key)
+        if at is None or params.arrived_at > at or now - at > DELETE_MARK_TTL_S:
+            return False
+        self._orphans.add(req_id)
+        self.m.counters["requests_of_deleted_trajectories"] += 1
+        return True
 
     def _waits_for_admission(self, req_id: str, params: RequestParams, now: float) -> bool:
         """A new trajectory waits (at most ADMISSION_MAX_WAIT_S) for pressure demotion rather
@@ -456,7 +503,14 @@ class RequestTable:
                 # The aborted turn knows less than the branch's last context: keep that
                 # context (and its tier copies) instead of shrinking it.
                 traj.last_active = now
-                if not branch.running:
+                if branch.running:
+                    pass  # another request of the branch runs: stays ACTIVE
+                elif branch.pinned:
+                    # A turn of the branch that finished meanwhile pinned that context: it is
+                    # on the device, so the branch is HELD as after that turn, not demoted
+                    # with those pins still held.
+                    self._hold(traj, branch, now)
+                else:
                     self.m.transitions.fall_back(traj, branch, DemotedBy.ABORTED)
                 return stats
         self._keep_context(req, branch, block_ids, token_ids, block_hashes, trusted)
@@ -513,6 +567,15 @@ class RequestTable:
         for key in keys:
             self.m.index.end_read(key)
         self.m.transitions.drain_doomed()
+
+    def cancel_plan(self, req: Request) -> None:
+        """A planned load that will not happen (an invalidation: its keys are stale): its read
+        pins go and the request forgets its plan, so its next lookup plans afresh. ``layerwise``
+        stays what the lookup told vLLM: an allocation without a new lookup fails closed as the
+        request expects (``alloc``: no plan, external tokens counted)."""
+        self.release_plan(req)
+        req.load_state = "none"
+        self.m.counters["loads_cancelled"] += 1
 
     def release_plan(self, req: Request) -> None:
         if req.plan is not None:

@@ -171,7 +171,7 @@ _DIGEST_HEX = 16
 
 @functools.lru_cache(maxsize=4096)
 def tenant_digest(tenant: str) -> str:
-    """An opaque tenant id: the salt itself is never kept in tables, manifests or spans."""
+    """An opaque tenant id: the salt itself is never kept in tables, views or spans."""
     return hashlib.sha256(tenant.encode()).hexdigest()[:_DIGEST_HEX]
 
 
@@ -207,8 +207,9 @@ class Trajectory:
     hit_tokens: int = 0  # over turns after the first of each branch
     prompt_tokens: int = 0
     deleted: bool = False
-    # The raw cache_salt of its requests, in memory only (never in views, manifests or spans):
-    # a device prefetch's internal request must hash its blocks exactly as the turns did.
+    # The raw cache_salt of its requests, never in views or spans: a device prefetch's internal
+    # request must hash its blocks exactly as the turns did. The restart manifest keeps it
+    # (a local 0600 file, ``recovery``), so a restored trajectory prefetches in its namespace.
     salt: str | None = field(default=None, repr=False)
     owned: set[bytes] = field(default_factory=set)  # tier keys this trajectory holds a reference on
     _seen_branches: set[str] = field(default_factory=set)

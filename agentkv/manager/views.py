@@ -20,6 +20,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from agentkv import metrics as m
+from agentkv.manager.jobs import REJECTIONS, rejection_counter
 from agentkv.manager.state import PAUSED_STATES, BranchState, Trajectory, TurnStats
 from agentkv.tier import LOCAL_TIERS, Tier
 
@@ -59,6 +60,8 @@ REPORTED_COUNTERS = (
     "remote_missed_blocks",
     "remote_uploaded_blocks",
     "remote_upload_failures",
+    # values a tier refused (WorkerReport.rejected): remote_bad_tag_blocks, ...
+    *(rejection_counter(tier, why) for tier, why in REJECTIONS),
 )
 
 

@@ -20,8 +20,12 @@ Primitives:
 Why a heap keyed by fill count: vLLM's free queue is LRU, so a branch cached when the pool had
 written F blocks, with A free blocks ahead of it, is evicted about when the pool has written F + A.
 The next branch to go is the heap's head; a tick looks at the head only (O(copies due)). Entries
-of branches that left CACHED (a resume, a delete) go stale (timer token) and are dropped when they
-surface, or all at once when stale ones outnumber live ones (bounded memory).
+of branches that left CACHED (a resume, a delete) go stale and are dropped when they surface, or
+all at once when stale ones outnumber live ones (bounded memory). An entry names its branch by
+``(id(trajectory), branch name)`` and a sequence number, never by reference: it is live only while
+``cached`` holds the branch and ``_seq`` that number, so a deleted trajectory is held by no entry
+(its memory goes at the DELETE, issue 40), and an id reused by a later trajectory matches no
+stale entry.
 
 Why placed contexts do not count as headroom: a paused context ahead of a deferred one is either
 resumed first (its hit takes it out of the queue) or evicted first, so what stands between the
@@ -46,15 +50,22 @@ from agentkv.tier import Tier
 if TYPE_CHECKING:
     from agentkv.manager.core import TrajectoryManager
 
+Ref = tuple[int, str]
+"""A branch, by ``(id(trajectory), branch name)``."""
+Entry = tuple[float, int, Ref]
+"""A heap entry: (the fill count at which the branch is evicted, sequence number, branch)."""
+
 
 class DeferredWritebacks:
     def __init__(self, mgr: TrajectoryManager) -> None:
         self.m = mgr
-        self.cached: dict[tuple[int, str], tuple[Trajectory, Branch]] = {}
-        self.heap: list[tuple[float, int, Trajectory, Branch, int]] = []
-        self.due: dict[tuple[int, str], float] = {}
-        """Each CACHED branch's live due (the heap's entry for it, by reference)."""
-        self.placed: FreeQueuePlaces[tuple[int, str]] = FreeQueuePlaces()
+        self.cached: dict[Ref, tuple[Trajectory, Branch]] = {}
+        self.heap: list[Entry] = []
+        self.due: dict[Ref, float] = {}
+        """Each CACHED branch's live due (the heap's entry for it)."""
+        self._seq_of: dict[Ref, int] = {}
+        """Each CACHED branch's live heap entry (its sequence number): any other is stale."""
+        self.placed: FreeQueuePlaces[Ref] = FreeQueuePlaces()
         """Paused branches whose unpinned blocks sit in vLLM's free queue: CACHED ones (at their
         ``due``) and OFFLOADED or DROPPED ones whose pins went back."""
         self._step_of: object = None
@@ -69,6 +80,7 @@ class DeferredWritebacks:
             self.cached[ref] = (traj, branch)
             return
         self.cached.pop(ref, None)
+        self._seq_of.pop(ref, None)
         was_cached = self.due.pop(ref, None) is not None
         if traj.deleted:
             self.placed.unplace(ref)
@@ -113,9 +125,9 @@ class DeferredWritebacks:
         if blocks <= 0:
             return
         self.placed.resumed(place, blocks, hit)
-        for i, (d, seq, traj, branch, token) in enumerate(self.heap):
+        for i, (d, seq, ref) in enumerate(self.heap):
             if d < place:
-                self.heap[i] = (d + blocks, seq, traj, branch, token)
+                self.heap[i] = (d + blocks, seq, ref)
         heapq.heapify(self.heap)
         self.due = {r: d + blocks if d < place else d for r, d in self.due.items()}
 
@@ -138,11 +150,22 @@ class DeferredWritebacks:
         ref = (id(traj), branch.name)
         self.due[ref] = due
         self.placed.place(ref, due, blocks)
-        entry = (due, next(self._seq), traj, branch, branch.timer_token)
-        heapq.heappush(self.heap, entry)
+        seq = self._seq_of[ref] = next(self._seq)
+        heapq.heappush(self.heap, (due, seq, ref))
         if len(self.heap) > 2 * len(self.cached) + 64:
-            self.heap = [e for e in self.heap if _live(e)]
+            self.heap = [e for e in self.heap if self.live(e) is not None]
             heapq.heapify(self.heap)
+
+    def live(self, entry: Entry) -> tuple[Trajectory, Branch] | None:
+        """The CACHED branch a heap entry is live for, or None (a stale entry)."""
+        _, seq, ref = entry
+        held = self.cached.get(ref)
+        if held is None or self._seq_of.get(ref) != seq:
+            return None
+        traj, branch = held
+        if branch.state is not BranchState.CACHED or traj.deleted:
+            return None
+        return traj, branch
 
     def evicted_in(self, due: float) -> float:
         """Seconds until a branch placed at ``due`` is evicted: the free blocks ahead of it that
@@ -156,20 +179,21 @@ class DeferredWritebacks:
         m = self.m
         everything = m.admission.blocked or m.pins.pressure() > m.config.high_water
         horizon = m.policy.writeback_horizon_s
-        kept: list[tuple[float, int, Trajectory, Branch, int]] = []
+        kept: list[Entry] = []
         while self.heap:
             entry = self.heap[0]
-            live = _live(entry)
+            live = self.live(entry)
             evicted_in = self.evicted_in(entry[0])
-            if live and not everything and evicted_in > horizon:
+            if live is not None and not everything and evicted_in > horizon:
                 break
             heapq.heappop(self.heap)
-            if not live:
+            if live is None:
                 continue
-            if not everything and defer_writeback(_wait_left(entry[3], now), evicted_in, m.policy):
+            traj, branch = live
+            if not everything and defer_writeback(_wait_left(branch, now), evicted_in, m.policy):
                 kept.append(entry)  # due soon, but its resume is predicted sooner still
             else:
-                m.pins.queue_writeback((entry[2], entry[3], Tier.HOST))
+                m.pins.queue_writeback((traj, branch, Tier.HOST))
         for entry in kept:
             heapq.heappush(self.heap, entry)
 
@@ -180,8 +204,3 @@ def _wait_left(branch: Branch, now: float) -> float:
     if est is None or branch.paused_at is None:
         return math.nan
     return branch.paused_at + est.p90 - now
-
-
-def _live(entry: tuple[float, int, Trajectory, Branch, int]) -> bool:
-    _, _, traj, branch, token = entry
-    return branch.state is BranchState.CACHED and branch.timer_token == token and not traj.deleted

@@ -13,9 +13,17 @@ Primitives:
     BlockFiles.remove    delete a block's file (absent is fine).
     BlockFiles.scan      rebuild the index after a restart from headers only, oldest first;
                          deletes temp leftovers and files with a broken header or size.
-    BlockFiles.prune     before that scan, at an engine's start: keep only the blocks a
-                         predicate accepts (the engine keeps those its restart manifest lists
-                         under its rank identity, ``agentkv.manager.recovery``), delete the rest.
+    BlockFiles.prune     keep only the blocks a predicate accepts, delete every other file
+                         (temp leftovers, broken headers, other block sizes).
+    rank_dir(disk_root, dp_rank, tp_rank)
+                         the folder of one worker: ``<disk_root>/dp<d>/rank<t>``. Each DP rank's
+                         workers have their own (DP engines never count or delete each other's
+                         files); the DP rank's manager exports which files to keep after a
+                         restart (``jobs.KeepPlan``, applied by ``TieredStore.prune_disk``).
+    remove_stale_rank_dirs(disk_root, dp_rank, dp_size, tp_rank, tp_size)
+                         a DP rank's first worker at start: the folders no engine of this
+                         deployment uses any more (DP ranks >= dp_size, TP ranks >= tp_size,
+                         the layout before per-DP folders) are deleted, each by one worker.
 
 File format (little endian), header padded to HEADER_BYTES so the payload stays aligned:
     magic "AKVB" | version u16 | flags u16 | header_bytes u32 | payload_len u64 |
@@ -43,6 +51,8 @@ import errno
 import logging
 import mmap
 import os
+import re
+import shutil
 import struct
 import threading
 import uuid
@@ -440,3 +450,49 @@ class BlockFiles:
                 return DiskBlockInfo(BlockKey(digest, fingerprint), stat.st_size, stat.st_mtime_ns)
         self._discard(path)
         return None
+
+
+_DP_DIR = re.compile(r"dp(\d+)")
+_RANK_DIR = re.compile(r"rank(\d+)")
+
+
+def rank_dir(disk_root: str | os.PathLike[str], dp_rank: int, tp_rank: int) -> Path:
+    """One worker's folder: DP ranks never share one (each counts and deletes only its own)."""
+    return Path(disk_root) / f"dp{dp_rank}" / f"rank{tp_rank}"
+
+
+def remove_stale_rank_dirs(
+    disk_root: str | os.PathLike[str], dp_rank: int, dp_size: int, tp_rank: int, tp_size: int
+) -> int:
+    """Delete the worker folders under ``disk_root`` that no engine of this deployment uses now;
+    returns how many. Only the first worker of a DP rank (TP rank 0) removes anything, before
+    its own folder is opened: DP rank 0's removes every ``dp<k>`` with k >= dp_size and the
+    layout before per-DP folders (``rank<t>``, shared by every DP rank; the version 1
+    manifests that listed it are not restored); each DP rank's removes its ``dp<d>/rank<j>``
+    with j >= tp_size. No folder in use is touched, nor the manifests or anything else in
+    ``disk_root``."""
+    if tp_rank != 0:
+        return 0
+    root = Path(disk_root)
+    stale: list[Path] = []
+    if dp_rank == 0:
+        for entry in _listdir(root):
+            legacy = _RANK_DIR.fullmatch(entry.name)
+            match = _DP_DIR.fullmatch(entry.name)
+            if legacy or (match and int(match.group(1)) >= dp_size):
+                stale.append(entry)
+    for entry in _listdir(root / f"dp{dp_rank}"):
+        match = _RANK_DIR.fullmatch(entry.name)
+        if match and int(match.group(1)) >= tp_size:
+            stale.append(entry)
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("disk tier: removed %s (no engine of this deployment uses it)", path)
+    return len(stale)
+
+
+def _listdir(directory: Path) -> list[Path]:
+    try:
+        return [p for p in directory.iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []

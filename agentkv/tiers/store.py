@@ -25,6 +25,9 @@ Primitives:
     BlockResult                ok / miss / error for one block, the tier involved, and the error.
     lookup_prefix, tier_of     residency queries of the local tiers: cheap, never wait on I/O.
     drop (the local tiers, or one tier: 'remote' deletes on the server), stats, close.
+    prune_disk(keep)           after a restart, once: the disk tier keeps only ``keep`` (the
+                               manager's restored plan, jobs.KeepPlan) and deletes every other
+                               file of its folder.
 
 Where the parts live: this module is the facade (the public methods above, StoreStats,
 TierUsage); transfer.py holds TransferHandle and HostRead; store_index.py the block index and its
@@ -60,7 +63,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -284,6 +287,19 @@ class TieredStore(RemoteTransfers):
                         self._remove_block(block)
         self._unlink(doomed)
         return present
+
+    def prune_disk(self, keep: Collection[BlockKey]) -> tuple[int, int]:
+        """An engine's restart, before the first job touches the disk tier: keep the disk blocks
+        in ``keep`` and delete the rest (indexed blocks of other keys or identities, and files
+        the index never took: temp leftovers, broken headers, other block sizes); returns
+        (kept, removed). What the disk holds is then what the manager believes it holds."""
+        if self._files is None:
+            return 0, 0
+        with self._lock:
+            gone = [b.key for b in self._blocks.values() if b.on_disk and b.key not in keep]
+        self.drop(gone, tier=Tier.DISK)
+        kept, removed = self._files.prune(lambda info: info.key in keep)
+        return kept, removed + len(gone)
 
     # --------------------------------------------------------------------------------- transfers
 

@@ -9,8 +9,12 @@ Primitives:
                                      memory; batched gathers/scatters of many blocks go through it
   .block(block_id) -> BlockRef       one block as a buffer for the store (no copy, O(1))
   .block_bytes                       bytes of one block across all layers
-  .layout                            a string naming device, dtype, shapes and strides: part of
-                                     the key fingerprint, so another layout never matches
+  .layout                            a string naming device, dtype and, per layer, what one
+                                     block's byte image depends on (shape with the block dim as
+                                     ``*``, dimension order in memory, run sizes): part of the key
+                                     fingerprint, so another layout never matches, while the pool
+                                     size (num_blocks) is not in it: another pool size of the
+                                     same deployment derives the same keys
   .layer_slices()                    per layer, in forward order: its name and the (segment
                                      index, byte offset in the block, bytes) of its segments,
                                      for layer-by-layer loads
@@ -95,6 +99,21 @@ class _Layer:
         ]
 
 
+def _block_layout(tensor: torch.Tensor, block_dim: int, layer: _Layer) -> str:
+    """What decides one block's byte image in ``tensor``, and nothing else: the shape with the
+    block dimension as ``*``, the order of the other dimensions in memory (outermost first; size-1
+    dimensions hold no order) and the block's run sizes (how it splits, e.g. K/V halves). The pool
+    size and absolute strides stay out, so two pool sizes of one deployment share keys, while
+    another dimension order, dtype or split still differs."""
+    shape = ",".join("*" if d == block_dim else str(n) for d, n in enumerate(tensor.shape))
+    order = sorted(
+        (d for d, n in enumerate(tensor.shape) if n > 1 or d == block_dim),
+        key=lambda d: -tensor.stride()[d],
+    )
+    runs = ",".join(str(size) for _, size in layer.runs)
+    return f"({shape})/order{''.join(map(str, order))}/runs{runs}"
+
+
 class BlockViews:
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.layer_names = sorted(kv_caches)
@@ -111,12 +130,12 @@ class BlockViews:
             self._block_dims.append(dims[0])
         self.device = self._tensors[0].device if self._tensors else torch.device("cpu")
         self.dtype = str(self._tensors[0].dtype).removeprefix("torch.") if self._tensors else "none"
-        shapes = ";".join(
-            f"{tuple(t.shape)}/{tuple(t.stride())}@{d}"
-            for t, d in zip(self._tensors, self._block_dims, strict=True)
-        )
-        self.layout = f"{self.device.type}:{self.dtype}:{shapes}"
         self._layers = [_Layer(t, d) for t, d in zip(self._tensors, self._block_dims, strict=True)]
+        shapes = ";".join(
+            _block_layout(t, d, layer)
+            for t, d, layer in zip(self._tensors, self._block_dims, self._layers, strict=True)
+        )
+        self.layout = f"block-v2:{self.device.type}:{self.dtype}:{shapes}"
         self.block_bytes = sum(size for layer in self._layers for _, size in layer.runs)
         runs: list[Run] = []
         offset = 0

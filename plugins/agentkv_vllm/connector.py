@@ -65,7 +65,9 @@ class AgentKVConnector(KVConnectorBase_V1):
             from agentkv_vllm.scheduler_side import SchedulerSide
 
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.settings)
-            dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+            from agentkv_vllm.engine_config import dp_placement
+
+            dp_rank = dp_placement(vllm_config.parallel_config)[0]  # dense DP: not the rank field
             endpoint = self.settings.control_endpoint(
                 base_engine_id(self._kv_transfer_config.engine_id, dp_rank), dp_rank
             )
@@ -90,8 +92,10 @@ class AgentKVConnector(KVConnectorBase_V1):
                 raise RuntimeError(
                     f"agentkv: cannot read this worker's tensor-parallel rank from vLLM ({exc})"
                 ) from exc
+            from agentkv_vllm.engine_config import dp_placement
             from agentkv_vllm.kv_identity import identity_from_config
 
+            dp_rank, dp_size = dp_placement(vllm_config.parallel_config)
             self._worker = WorkerSide(
                 settings=self.settings,
                 model_id=str(vllm_config.model_config.model),
@@ -99,6 +103,8 @@ class AgentKVConnector(KVConnectorBase_V1):
                 tp_rank=rank,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
             )
 
     # ------------------------------------------------------------------ worker side
@@ -112,7 +118,9 @@ class AgentKVConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Worker, each step before the forward: start the step's jobs. Must not block; a fault
-        fails the step's loads (their blocks are reported as load errors).
+        fails every job the step had not started (``WorkerSide.fail_step``): the loads' blocks
+        are reported as load errors, async loads as finished, every job to the manager as
+        failed (it releases their pins).
 
         A step with no job binds nothing: vLLM's attention layers call ``wait_for_layer_load``
         and ``save_kv_layer`` only while ``has_connector_metadata()`` (kv_transfer_utils), so
@@ -125,9 +133,13 @@ class AgentKVConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, AgentKVStepMetadata):
             try:
-                self._worker.start_step(connector_metadata)
+                self._worker.start_step(connector_metadata)  # fails its own loads on a fault
             except Exception:
                 log.exception("agentkv: worker step failed; affected requests recompute")
+                try:
+                    self._worker.fail_step(connector_metadata.plan)
+                except Exception:
+                    log.exception("agentkv: failing the step's loads failed")
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # Loads were submitted at bind time: async ones complete in the background (their requests
@@ -140,9 +152,13 @@ class AgentKVConnector(KVConnectorBase_V1):
         copied ``layer_name`` (bounded; on timeout the blocks are reported as load errors)."""
         if self._worker is not None:
             try:
-                self._worker.wait_for_layer(layer_name)
+                self._worker.wait_for_layer(layer_name)  # fails the step's loads on a fault
             except Exception:
                 log.exception("agentkv: waiting for layer %s failed", layer_name)
+                try:
+                    self._worker.fail_layerwise()
+                except Exception:
+                    log.exception("agentkv: failing the step's layerwise loads failed")
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -178,7 +194,13 @@ class AgentKVConnector(KVConnectorBase_V1):
         return self._worker.load_error_block_ids() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.take_report() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        try:
+            return self._worker.take_report()
+        except Exception:  # the report stays with the worker: the next step carries it
+            log.exception("agentkv: building the worker report failed")
+            return None
 
     def shutdown(self) -> None:
         if self._worker is not None:

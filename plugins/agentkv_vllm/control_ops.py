@@ -11,6 +11,10 @@ Primitives:
   WAKE_FIELD               in the answer of each op of WAKE_OPS: whether the route must wake
                            vLLM's loop for the work the op left (``SchedulerSide.wake_needed``)
 
+``status`` answers the caller's tenant's view (``tenant_view``): its own trajectory ids and
+aggregate numbers only; the route sets ``OPERATOR_FIELD`` for the cross-tenant operator view
+(every tenant's ids, the learned tool waits, per-tool prefetch outcomes).
+
 A pause, resume or end carrying ``idempotency_key`` is applied once: a retry with the same key
 (same tenant) answers the first answer again (``agentkv.idempotency.ReplayCache``).
 
@@ -20,9 +24,12 @@ status and metrics, the side's own ``status()`` and ``metrics_snapshot()``.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 from agentkv.idempotency import KEY_FIELD
+from agentkv.ids import TENANT_FIELD
+from agentkv.manager.state import scoped_id, tenant_digest
 
 if TYPE_CHECKING:
     from agentkv.idempotency import ReplayCache
@@ -39,6 +46,9 @@ REPLAYED_FIELD = "_idempotent_replayed"
 # picks the work up at its next step.
 WAKE_FIELD = "_wake_engine"
 WAKE_OPS = frozenset({"pause", "resume", "end", "get", "status"})
+# Set by the status route when the caller holds the operator key: the cross-tenant view.
+OPERATOR_FIELD = "operator"
+MAX_STATUS_IDS = 1000
 
 
 class ControlOps:
@@ -56,6 +66,10 @@ class ControlOps:
     def wake_needed(self) -> bool:
         raise NotImplementedError
 
+    def delete_durable(self, trajectory_key: str) -> None:
+        """After a DELETE, before its answer: no restart manifest lists the trajectory (the
+        side's ``ManifestKeeper.durable_delete``); no manifest: nothing to do."""
+
     def handle(self, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         status, body = self._handle(req)
         if req.get("op") in WAKE_OPS:
@@ -68,7 +82,7 @@ class ControlOps:
         tid = str(req.get("trajectory_id"))
         branch = str(req.get("branch") or "main")
         # The trajectory's tenant (its requests' cache_salt); none: the unsalted namespace.
-        tenant = str(req["cache_salt"]) if req.get("cache_salt") else None
+        tenant = str(req[TENANT_FIELD]) if req.get(TENANT_FIELD) else None
         if op == "ping":
             return 200, {"pong": True}
         if op == "tick":
@@ -88,7 +102,10 @@ class ControlOps:
             }
         mgr.tick()
         if op == "status":
-            return 200, self.status()
+            body = self.status()
+            if req.get(OPERATOR_FIELD) is True:
+                return 200, {**body, "view": "operator"}
+            return 200, tenant_view(body, self._tenant_ids(tenant))
         if op == "metrics":
             return 200, self.metrics_snapshot()
         if op in REPLAYABLE_OPS and req.get(KEY_FIELD):
@@ -99,6 +116,13 @@ class ControlOps:
             )
             return status, {**body, REPLAYED_FIELD: True} if replayed else body
         return self._apply(op, req, tid, branch, tenant)
+
+    def _tenant_ids(self, tenant: str | None) -> list[str]:
+        """The trajectory ids of ``tenant``'s namespace (None: the unsalted one)."""
+        digest = tenant_digest(tenant) if tenant else None
+        with self.manager.lock:
+            mine = (t.name for t in self.manager.table.values() if t.tenant == digest)
+            return list(itertools.islice(mine, MAX_STATUS_IDS))
 
     def _apply(
         self, op: object, req: dict[str, Any], tid: str, branch: str, tenant: str | None
@@ -119,7 +143,31 @@ class ControlOps:
         if op == "resume":
             return mgr.resume(tid, branch, tenant=tenant)
         if op == "end":
-            return mgr.delete(tid, tenant=tenant)
+            code, body = mgr.delete(tid, tenant=tenant)
+            if code == 200:
+                try:  # durable before the 200: a crash now must not restore it
+                    self.delete_durable(scoped_id(tid, tenant))
+                except OSError as exc:
+                    return 503, {"detail": f"deleted, but the restart manifest kept it ({exc})"}
+            return code, body
         if op == "get":
             return mgr.get(tid, tenant=tenant)
         return 400, {"detail": f"unknown op {op!r}"}
+
+
+def tenant_view(body: dict[str, Any], own_ids: list[str]) -> dict[str, Any]:
+    """The status ``body`` as one tenant may see it: ``trajectory_ids`` are its own; what names
+    or comes from another tenant's trajectories (tool names learned from their pauses, per-tool
+    prefetch outcomes, the last unblocked request's id) is left out. Counts stay: they are
+    aggregates over every tenant and name nothing."""
+    out = {**body, "view": "tenant", "trajectory_ids": own_ids}
+    out.pop("predictor", None)
+    if isinstance(out.get("device_prefetch"), dict):
+        out["device_prefetch"] = {
+            k: v for k, v in out["device_prefetch"].items() if k != "per_tool"
+        }
+    pool = out.get("pool")
+    if isinstance(pool, dict) and isinstance(pool.get("last_unblocked"), dict):
+        unblocked = {k: v for k, v in pool["last_unblocked"].items() if k != "request_id"}
+        out["pool"] = {**pool, "last_unblocked": unblocked}
+    return out

@@ -8,6 +8,7 @@ Primitives (pure functions, called once when the connector starts):
   policy_params(settings)      the pause policy's knobs the settings set
   cost_model(profile, model_config)  the policy's costs: the hardware profile plus the served
                                model's size when its HF config gives it
+  dp_placement(parallel_config)  (this engine's DP rank, the deployment's DP size)
 """
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ from agentkv_vllm.settings import ConnectorSettings, LoadMode
 
 log = logging.getLogger("agentkv.scheduler")
 GiB = 1 << 30
+
+
+def dp_placement(parallel_config: Any) -> tuple[int, int]:
+    """(DP rank, DP size) of this engine core, the same in its scheduler and its workers. vLLM
+    0.32 runs each DP rank of a dense model as an independent engine: it resets
+    ``data_parallel_rank`` to 0 and ``data_parallel_size`` to 1 there
+    (``ParallelConfig.reconfigure_for_independent_dp_rank``); ``data_parallel_index`` keeps the
+    rank, and ``elastic_ep_max_dp_size`` (set from the size before the reset, the maximum under
+    elastic EP) the size."""
+    rank = getattr(parallel_config, "data_parallel_index", None)
+    if rank is None:
+        rank = getattr(parallel_config, "data_parallel_rank", 0)
+    size = max(
+        int(getattr(parallel_config, "data_parallel_size", 1) or 1),
+        int(getattr(parallel_config, "elastic_ep_max_dp_size", 1) or 1),
+    )
+    rank = int(rank or 0)
+    return rank, max(size, rank + 1)
 
 
 def spec_layout(groups: Sequence[Any]) -> str:

@@ -10,11 +10,13 @@ Messages):
 
 1. **Identity** (``agentkv_vllm.identity``): when the body carries no
    ``kv_transfer_params.agentkv``, the trajectory id comes from a session hint (body
-   ``session_id``, ``x-session-id``, vllm-router's ``agentic_context``, ``vllm_xargs``) or, on
-   ``/v1/responses`` with a response store, from the ``previous_response_id`` chain, and
-   ``kv_transfer_params = {"agentkv": {"trajectory_id": ...}}`` is written into the JSON body
-   before vLLM parses it (``Content-Length`` fixed). Malformed hints make the request vanilla,
-   with one warning per distinct problem.
+   ``session_id``, ``x-session-id``, vllm-router's ``agentic_context``, ``vllm_xargs``,
+   OpenAI's ``prompt_cache_key``) or, on ``/v1/responses`` with a response store, from the
+   ``previous_response_id`` chain, and ``kv_transfer_params = {"agentkv": {"trajectory_id":
+   ...}}`` is written into the JSON body before vLLM parses it (``Content-Length`` fixed).
+   Malformed hints make the request vanilla, with one warning per distinct problem. The reply
+   says which hint named it: an ``x-agentkv-identified-by`` header, and ``identified_by`` in a
+   JSON reply's agentkv stats.
 
 2. **Auto-pause.** When the reply of a trajectory's request calls tools (``agentkv_vllm
    .tool_calls`` knows where each API puts them, JSON and SSE), the middleware asks the engine
@@ -29,7 +31,14 @@ Messages):
    chain table (``agentkv_vllm.chains``), so the next request naming it continues the
    trajectory.
 
-3. **Why vanilla.** A request whose agentkv params or hint are malformed is served as vanilla
+3. **Tenants of stored responses.** vLLM's response store has no tenants: it serves a stored
+   response to anyone who names its id (``GET /v1/responses/{id}``, ``.../cancel``) and renders
+   the conversation a ``previous_response_id`` names into the new prompt. The chain table keeps
+   each response's tenant (its request's ``cache_salt``), and a request of another tenant naming
+   a salted response gets vLLM's own 404 ("not found"), before vLLM sees it. The GET names its
+   tenant in the ``X-AgentKV-Cache-Salt`` header or a ``cache_salt`` query parameter.
+
+4. **Why vanilla.** A request whose agentkv params or hint are malformed is served as vanilla
    vLLM, and the response says why: ``kv_transfer_params.agentkv.error`` in a JSON reply (the
    same text as the server log), and an ``x-agentkv-error`` header (streams too).
 
@@ -49,20 +58,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
 
+from agentkv.ids import TENANT_FIELD, TENANT_HEADER
 from agentkv_vllm.chains import ResponseChains
 from agentkv_vllm.identity import (
     SOURCES,
     Identity,
     Problem,
+    foreign_chain,
     inject_identity,
     might_carry_hint,
     might_carry_params,
     params_error,
+    request_salt,
     resolve_deferred,
     resolve_identity,
 )
@@ -85,12 +99,18 @@ called tools' names in reply order, at least one."""
 PATHS = frozenset(a.value for a in Api)
 PAUSE_APIS = frozenset({Api.CHAT, Api.RESPONSES, Api.MESSAGES})
 ERROR_HEADER = b"x-agentkv-error"
+# Which hint named the trajectory (an ``identity.SOURCES`` name), on every reply of a request a
+# hint named; a JSON reply's agentkv stats carry it as ``identified_by`` too.
+IDENTIFIED_HEADER = b"x-agentkv-identified-by"
+IDENTIFIED_FIELD = "identified_by"
 MAX_TOOL_NAME = 128  # what the pause route accepts
 MAX_TOOLS = 64
 MAX_ERROR_HEADER = 512
 MAX_JSON_RESPONSE = 32 * 1024 * 1024  # larger non-streamed responses are not inspected
 PAUSE_TIMEOUT_S = 2.0
 MAX_WARNED = 256
+# vLLM's routes that read one stored response by id (retrieve, cancel).
+STORED_RESPONSE = re.compile(r"^/v1/responses/([^/]+)(?:/cancel)?/?$")
 
 
 @dataclass
@@ -116,8 +136,11 @@ class HookState:
             return
         self.warned.add(problem.key)
         log.warning(
-            "agentkv: %s; the request is served as vanilla vLLM (warned once per kind of problem)",
+            "agentkv: %s; %s (warned once per kind of problem)",
             problem.message,
+            "the request is served as vanilla vLLM"
+            if problem.vanilla
+            else "the request keeps its trajectory",
         )
 
     def view(self) -> dict[str, Any]:
@@ -140,6 +163,8 @@ class _Identified:
     new_raw: bytes | None = None
     error: str | None = None
     body: bytes = b""  # the request body: read again only if the reply would auto-pause
+    salt: str | None = None  # the body's cache_salt (parsed Responses bodies only)
+    refused: str | None = None  # another tenant's previous_response_id: answered 404 here
 
 
 # ---------------------------------------------------------------------------------- middleware
@@ -190,6 +215,9 @@ class AgentKVHooks:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.state.before_metrics is not None and _is_metrics_scrape(scope):
             await self.state.before_metrics()  # so the collector's sync fetch does not block
+        if (foreign := self._foreign_stored(scope)) is not None:
+            await _not_found(send, foreign)
+            return
         if (
             scope.get("type") != "http"
             or scope.get("method") != "POST"
@@ -218,12 +246,40 @@ class AgentKVHooks:
         except Exception:
             log.exception("agentkv: session hook failed; the request is served untouched")
             found = _Identified()
+        if found.refused is not None:
+            self.state.counters["foreign_chain_refused"] += 1
+            await _not_found(send, found.refused)
+            return
         replay = _Replay(messages, receive)
-        if found.identity is None and found.error is None:
+        if found.identity is None and found.error is None and found.salt is None:
             await self.app(scope, replay, send)
             return
         watcher = _ResponseWatcher(self.state, api, found, send)
         await self.app(scope, replay, watcher.send)
+
+    def _foreign_stored(self, scope: Scope) -> str | None:
+        """The response id of a ``GET /v1/responses/{id}`` (or its cancel) that another
+        tenant's salted request produced; None: let vLLM answer."""
+        if (
+            scope.get("type") != "http"
+            or not self.state.enabled
+            or not self.state.responses_chains
+            or scope.get("method") not in ("GET", "POST")
+        ):
+            return None
+        path = _route_path(scope)
+        match = STORED_RESPONSE.match(path)
+        if match is None or (scope.get("method") == "POST") != path.rstrip("/").endswith("/cancel"):
+            return None
+        response_id = match.group(1)
+        salt = _headers(scope).get(TENANT_HEADER.lower())
+        if not salt:
+            query = parse_qs(bytes(scope.get("query_string") or b"").decode("latin-1"))
+            salt = next(iter(query.get(TENANT_FIELD) or ()), None)
+        if not self.state.chains.foreign(response_id, salt):
+            return None
+        self.state.counters["foreign_response_refused"] += 1
+        return response_id
 
     def _identify(self, scope: Scope, raw: bytes, api: Api) -> _Identified:
         """The identity is ``raw`` itself (deferred) for a body with explicit params and no
@@ -237,14 +293,18 @@ class AgentKVHooks:
             body = json.loads(raw)
         except ValueError:
             return _Identified()  # vLLM answers the bad JSON itself
+        salt = request_salt(body) if chains is not None else None
+        if chains is not None and (refused := foreign_chain(body, chains)) is not None:
+            return _Identified(refused=refused)
         identity, problems = resolve_identity(body, headers, chains)
         for p in problems:
             self.state.warn_once(p)
-        error = problems[0].message if problems else params_error(body)
+        fatal = [p for p in problems if p.vanilla]
+        error = fatal[0].message if fatal else params_error(body)
         if identity is None or not identity.inject:
-            return _Identified(identity, None, error)
+            return _Identified(identity, None, error, salt=salt)
         self.state.counters[f"identified.{identity.source}"] += 1
-        return _Identified(identity, inject_identity(raw, body, identity), error)
+        return _Identified(identity, inject_identity(raw, body, identity), error, salt=salt)
 
 
 class _Replay:
@@ -284,6 +344,9 @@ class _ResponseWatcher:
         self._scanner = SSEToolScanner(api)
         self._fired = False
         self._body = found.body
+        self._salt = found.salt
+        ident = found.identity
+        self._named_by = ident.source if isinstance(ident, Identity) and ident.inject else None
 
     async def send(self, message: Message) -> None:
         try:
@@ -312,11 +375,16 @@ class _ResponseWatcher:
                     self._sse = True
             if self._status != 200:
                 return [message]
+            message = _with_header(message, IDENTIFIED_HEADER, self._named_by)
             if self._sse:
                 if isinstance(self.identity, bytes):
                     self._resolve()
                 return [_with_error_header(message, self.error)]
-            if self.error is not None or isinstance(self.identity, bytes):
+            if (
+                self.error is not None
+                or isinstance(self.identity, bytes)
+                or self._named_by is not None
+            ):
                 self._holding, self._held = True, [message]
                 return []
             return [message]
@@ -352,11 +420,17 @@ class _ResponseWatcher:
             return [message]
         self._holding = False
         start, self._held = self._held[0], []
-        if self.error is None and b'"agentkv"' not in raw:
+        stats = b'"agentkv"' in raw
+        if self.error is None and not stats:
             self._resolve()  # a trajectory reply carries agentkv stats; none: find out why
-        if self.error is None:
+        fields: dict[str, str] = {}
+        if self.error is not None:
+            fields["error"] = self.error
+        if self._named_by is not None and stats:
+            fields[IDENTIFIED_FIELD] = self._named_by
+        if not fields:
             return [start, {"type": "http.response.body", "body": raw, "more_body": False}]
-        body = _with_error_field(raw, self.error)
+        body = _with_agentkv_fields(raw, fields)
         start = _with_error_header(_with_response_length(start, len(body)), self.error)
         return [start, {"type": "http.response.body", "body": body, "more_body": False}]
 
@@ -368,10 +442,15 @@ class _ResponseWatcher:
         if not names and response_id is None:
             return
         ident = self._resolve()
+        if response_id is not None and self._records_chain():
+            # Every stored response keeps its tenant, a vanilla one (no trajectory) too.
+            salt = ident.cache_salt if ident is not None else self._salt
+            if ident is not None:
+                self.state.chains.record(response_id, ident.trajectory_id, ident.branch, salt)
+            elif salt:
+                self.state.chains.record(response_id, None, "", salt)
         if ident is None:
             return
-        if response_id is not None and self._records_chain():
-            self.state.chains.record(response_id, ident.trajectory_id, ident.branch)
         if not names or not self.state.auto_pause or self.state.pause is None:
             return
         if b'"pause_after"' in self._body and _names_its_pause(self._body):
@@ -407,6 +486,24 @@ class _ResponseWatcher:
             )
 
 
+async def _not_found(send: Send, response_id: str) -> None:
+    """vLLM's own answer for a response id its store does not hold: another tenant's response
+    is indistinguishable from an unknown one."""
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"Response with id '{response_id}' not found.",
+                "type": "invalid_request_error",
+                "param": "response_id",
+                "code": 404,
+            }
+        }
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 404, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 def _names_its_pause(raw: bytes) -> bool:
     """Whether the request's agentkv params carry ``pause_after`` (parsed only when the bytes
     contain the name)."""
@@ -427,8 +524,9 @@ def _response_id(raw: bytes) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
-def _with_error_field(raw: bytes, error: str) -> bytes:
-    """The JSON reply with ``kv_transfer_params.agentkv.error`` set (other keys kept)."""
+def _with_agentkv_fields(raw: bytes, fields: dict[str, str]) -> bytes:
+    """The JSON reply with ``fields`` (``error``, ``identified_by``) set in
+    ``kv_transfer_params.agentkv`` (other keys kept)."""
     try:
         payload = json.loads(raw)
     except ValueError:
@@ -438,17 +536,21 @@ def _with_error_field(raw: bytes, error: str) -> bytes:
     ktp = payload.get("kv_transfer_params")
     ktp = dict(ktp) if isinstance(ktp, dict) else {}
     agentkv = ktp.get("agentkv")
-    ktp["agentkv"] = {**(agentkv if isinstance(agentkv, dict) else {}), "error": error}
+    ktp["agentkv"] = {**(agentkv if isinstance(agentkv, dict) else {}), **fields}
     payload["kv_transfer_params"] = ktp
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _with_error_header(start: Message, error: str | None) -> Message:
-    if error is None:
+    return _with_header(start, ERROR_HEADER, error)
+
+
+def _with_header(start: Message, name: bytes, text: str | None) -> Message:
+    if text is None:
         return start
-    value = error.encode("ascii", "replace")[:MAX_ERROR_HEADER].replace(b"\r", b" ")
+    value = text.encode("ascii", "replace")[:MAX_ERROR_HEADER].replace(b"\r", b" ")
     new = dict(start)
-    new["headers"] = [*list(start.get("headers") or ()), (ERROR_HEADER, value.replace(b"\n", b" "))]
+    new["headers"] = [*list(start.get("headers") or ()), (name, value.replace(b"\n", b" "))]
     return new
 
 

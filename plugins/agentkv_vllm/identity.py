@@ -11,6 +11,9 @@ Primitives:
   might_carry_hint(raw, headers) / might_carry_params(raw)   cheap byte tests: False proves
                                             there is nothing to parse
   inject_identity(raw, body, identity) -> bytes            the rewritten body
+  request_salt(body) -> str | None          the body's ``cache_salt`` (its tenant), if any
+  foreign_chain(body, chains) -> str | None the ``previous_response_id`` when it names another
+                                            tenant's salted response (the hooks answer 404)
 
 Sources, in precedence order (the first present decides; a malformed one makes the request
 vanilla, a lower one is not tried instead):
@@ -19,11 +22,29 @@ vanilla, a lower one is not tried instead):
   3. the ``x-session-id`` header
   4. ``vllm_xargs.agentic_context`` (vllm-router: a JSON string) ``.session_id``
   5. ``vllm_xargs.session_id``
-  6. ``/v1/responses`` only, when the server stores responses: the chain. A request with
+  6. the body's ``prompt_cache_key`` (OpenAI's field on chat, completions and Responses; the
+     Agents SDK, LangChain and pydantic-ai forward it as a first-class parameter)
+  7. ``/v1/responses`` only, when the server stores responses: the chain. A request with
      ``previous_response_id`` continues the trajectory of that response (recorded when it was
      served; an id the table does not know names the trajectory itself); one without starts a
      chain whose trajectory id is its own response id (``request_id``, which vLLM uses as the
      response id; generated and added to the body when absent). ``store: false`` opts out.
+
+Why ``prompt_cache_key`` is 6: it is a *cache-routing* key, not a session id. OpenAI buckets
+requests by it for prefix-cache hits, and its guide suggests sharing one key across the requests
+that share a prefix (per user, per system prompt), so one key may span several concurrent
+conversations. Every source that names a session by intent (1-5) is therefore more specific and
+wins; a client that sends both a ``session_id``/``x-session-id`` and a shared cache key gets one
+trajectory per session. It still outranks the chain: it is what the client said, where the chain
+is inferred, and a Responses run that resends its whole input without ``previous_response_id``
+(the Agents SDK's default) would otherwise be one trajectory per request. With a chain and a key
+both present they agree when the chain's first request carried the same key (its trajectory is
+the key).
+
+``prompt_cache_retention`` (OpenAI: ``"in_memory"`` or ``"24h"``, a *maximum* retention) caps the
+lease of the trajectory's auto-pause like ``agentic_context.kv_retention_ttl_seconds`` does (the
+smaller cap wins when both are given), whichever source named the trajectory; an unknown value is
+ignored with a warning (the request keeps its trajectory).
 
 The byte tests decide on *parsed* keys, never on patterns in the raw text: a body whose bytes
 hold a JSON escape (``\\u``) may spell a key in escapes (``"session\\u005fid"``), so it is
@@ -40,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agentkv.ids import MAX_ID_LEN, is_valid_id
+from agentkv.ids import MAX_ID_LEN, TENANT_FIELD, is_valid_id
 from agentkv_vllm.chains import ResponseChains
 from agentkv_vllm.params import parse_request_params
 
@@ -51,11 +72,23 @@ SRC_BODY = "session_id"
 SRC_HEADER = "x-session-id"
 SRC_CONTEXT = "agentic_context"
 SRC_XARGS = "vllm_xargs.session_id"
+SRC_CACHE_KEY = "prompt_cache_key"
 SRC_CHAIN = "responses_chain"
-SOURCES = (SRC_PARAMS, SRC_BODY, SRC_HEADER, SRC_CONTEXT, SRC_XARGS, SRC_CHAIN)
+SOURCES = (SRC_PARAMS, SRC_BODY, SRC_HEADER, SRC_CONTEXT, SRC_XARGS, SRC_CACHE_KEY, SRC_CHAIN)
+RETENTION_FIELD = "prompt_cache_retention"
+# OpenAI's retention values -> the longest lease (seconds) a pause may keep the context for.
+# "in_memory": OpenAI keeps such prefixes 5-10 minutes idle, at most an hour; "24h": a day.
+RETENTION_CAPS_S: Mapping[str, float] = {"in_memory": 3600.0, "in-memory": 3600.0, "24h": 86400.0}
 # Bytes whose absence from a body proves it carries no hint / no explicit params (no JSON parse).
-# A JSON escape can spell any key, so its presence means "parse".
-_HINT_MARKERS = (b'"session_id"', b'"agentic_context"', b"\\u")
+# A JSON escape can spell any key, so its presence means "parse". The retention field names no
+# trajectory but is parsed (and warned about) eagerly too.
+_HINT_MARKERS = (
+    b'"session_id"',
+    b'"agentic_context"',
+    b'"prompt_cache_key"',
+    b'"prompt_cache_retention"',
+    b"\\u",
+)
 _PARAMS_MARKERS = (b'"agentkv"', b"\\u")
 
 
@@ -66,6 +99,9 @@ class Problem:
     source: str
     kind: str
     message: str
+    vanilla: bool = True
+    """False: only this value is ignored (a bad wait or retention); the request keeps its
+    trajectory."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -160,9 +196,33 @@ def _context_seconds(
                 key,
                 f"vllm_xargs.agentic_context.{key} {_shown(ctx[key])} is not a number of "
                 "seconds >= 0; ignored",
+                vanilla=False,
             )
         )
     return value
+
+
+def _retention_cap(body: Mapping[str, Any], problems: list[Problem]) -> float | None:
+    """``prompt_cache_retention`` as a lease cap in seconds (None: absent or unknown)."""
+    value = body.get(RETENTION_FIELD)
+    if value is None:
+        return None
+    cap = RETENTION_CAPS_S.get(value) if isinstance(value, str) else None
+    if cap is None:
+        problems.append(
+            Problem(
+                RETENTION_FIELD,
+                "value",
+                f"{RETENTION_FIELD} {_shown(value)} is not one of "
+                f"{', '.join(repr(k) for k in RETENTION_CAPS_S)}; ignored",
+                vanilla=False,
+            )
+        )
+    return cap
+
+
+def _min_cap(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def resolve_identity(
@@ -171,10 +231,26 @@ def resolve_identity(
     """The trajectory a request belongs to (in its ``cache_salt``'s namespace), and the
     malformed hints met on the way. Pure."""
     ident, problems = _resolve_identity(body, headers, chains)
-    salt = body.get("cache_salt") if isinstance(body, dict) else None
-    if ident is not None and isinstance(salt, str) and salt:
+    salt = request_salt(body)
+    if ident is not None and salt:
         ident = dataclasses.replace(ident, cache_salt=salt)
     return ident, problems
+
+
+def request_salt(body: Any) -> str | None:
+    """The body's ``cache_salt`` (the tenant whose namespace its KV and trajectory are in)."""
+    salt = body.get(TENANT_FIELD) if isinstance(body, dict) else None
+    return salt if isinstance(salt, str) and salt else None
+
+
+def foreign_chain(body: Any, chains: ResponseChains) -> str | None:
+    """The body's ``previous_response_id`` when another tenant's salted request produced it:
+    vLLM would render that conversation into this request's prompt, so it is refused whatever
+    names the trajectory (params, hint or chain)."""
+    prev = body.get("previous_response_id") if isinstance(body, dict) else None
+    if isinstance(prev, str) and chains.foreign(prev, request_salt(body)):
+        return prev
+    return None
 
 
 def _resolve_identity(
@@ -196,7 +272,10 @@ def _resolve_identity(
     xargs = body.get("vllm_xargs")
     ctx = _agentic_context(xargs, problems)
     wait = _context_seconds(ctx, "expected_resume", problems)
-    ttl = _context_seconds(ctx, "kv_retention_ttl_seconds", problems)
+    ttl = _min_cap(
+        _context_seconds(ctx, "kv_retention_ttl_seconds", problems),
+        _retention_cap(body, problems),
+    )
     if isinstance(ktp, dict) and ktp.get("agentkv") is not None:
         params = parse_request_params(ktp).params
         if params is None:
@@ -212,6 +291,8 @@ def _resolve_identity(
         candidates.append((SRC_CONTEXT, ctx["session_id"]))
     if isinstance(xargs, dict) and xargs.get("session_id") is not None:
         candidates.append((SRC_XARGS, xargs["session_id"]))
+    if body.get(SRC_CACHE_KEY) is not None:
+        candidates.append((SRC_CACHE_KEY, body[SRC_CACHE_KEY]))
     if not candidates:
         if chains is not None:
             return _chain_identity(body, chains, wait, ttl), problems
@@ -266,11 +347,13 @@ def resolve_deferred(raw: bytes) -> tuple[Identity | None, str | None]:
 def _chain_identity(
     body: dict[str, Any], chains: ResponseChains, wait: float | None, ttl: float | None
 ) -> Identity | None:
-    """Source 6 (see the module docstring)."""
+    """Source 7 (see the module docstring)."""
     if body.get("store") is False:
         return None
     prev = body.get("previous_response_id")
     if prev is not None:
+        if isinstance(prev, str) and chains.foreign(prev, request_salt(body)):
+            return None  # another tenant's chain is never continued (the hooks refuse it)
         found = chains.lookup(prev) if isinstance(prev, str) else None
         if found is not None:
             return Identity(found[0], found[1], SRC_CHAIN, True, wait, ttl)

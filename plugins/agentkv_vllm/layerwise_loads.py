@@ -129,6 +129,7 @@ class LayerwiseStep:
     started: float
     ref: str
     stamps: ReloadStamps
+    failed: bool = False  # a layer wait gave up: the step's blocks are load errors already
 
 
 class LayerwiseLoads:
@@ -162,15 +163,21 @@ class LayerwiseLoads:
         if copy.batch is not None and not copy.from_disk and copy.nbytes <= SYNC_COPY_MAX_BYTES:
             # Small, CPU, all in host: copied here, before the forward starts (see SYNC_COPY_...).
             seconds: Future[float] = Future()
-            seconds.set_result(self._copy_layers(copy))
+            seconds.set_result(self._copy_layers(copy))  # never raises; releases the pins
             events: dict[str, threading.Event] = {}
         else:
-            copier = LayerCopier(self.views.device, [name for name, _ in self._layers])
-            copy.copier = copier
-            events = copier.events  # CUDA: each also carries its layer's copy-done CUDA event
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
-            seconds = self._copier.submit(self._copy_layers, copy)
+            try:
+                copier = LayerCopier(self.views.device, [name for name, _ in self._layers])
+                copy.copier = copier
+                events = copier.events  # CUDA: each also carries its layer's copy-done CUDA event
+                if self._copier is None:
+                    self._copier = ThreadPoolExecutor(1, thread_name_prefix="agentkv-layers")
+                seconds = self._copier.submit(self._copy_layers, copy)
+            except Exception:
+                # No copier owns the pins: release them; start_step fails the loads.
+                for read in copy.reads:
+                    self.store.release_host(read)
+                raise
         self._layerwise = LayerwiseStep(
             events,
             seconds,
@@ -188,10 +195,22 @@ class LayerwiseLoads:
         assert self.store is not None and self.views is not None
         store = self.store
         copy = _StepCopy(job_ids=[load.job_id for load in loads], stamps=stamps)
+        try:
+            self._pin_each(loads, copy)
+        except Exception:
+            for read in copy.reads:  # a fault part way: no step owns these pins
+                store.release_host(read)
+            raise
+        return copy
+
+    def _pin_each(self, loads: list[LoadJob], copy: _StepCopy) -> None:
+        assert self.store is not None and self.views is not None
+        store = self.store
         hosts: list[int] = []  # the host blocks' arena addresses, for the CPU batch
         for load in loads:
             keys = [self.rank_key(b.key) for b in load.blocks]
             read = store.acquire_host(keys)
+            copy.reads.append(read)  # at once: a fault below still releases it
             ids = [b.block_id for b in load.blocks]
             for i in read.missing:
                 if store.tier_of(keys[i]) is Tier.DISK:
@@ -200,7 +219,6 @@ class LayerwiseLoads:
                     self._load_errors.add(ids[i])
                     self._bad(load.blocks[i].key, None)
                     copy.failed_jobs.add(load.job_id)
-            copy.reads.append(read)
             copy.block_ids += ids
             for view, address, bid in zip(read.views, read.addresses, ids, strict=True):
                 if view is not None:
@@ -211,7 +229,6 @@ class LayerwiseLoads:
         if copy.host_ids:
             with contextlib.suppress(IndexError):  # the copy raises it again, as a failed load
                 copy.batch = self.views.table.host_batch(copy.host_ids, hosts)
-        return copy
 
     def _copy_layers(self, copy: _StepCopy) -> float:
         """The step's copy (the copier thread's, or the engine thread's for a small one): blocks
@@ -280,19 +297,36 @@ class LayerwiseLoads:
                 copy.failed_jobs.add(job_id)
 
     def wait_for_layer(self, layer_name: str) -> None:
-        """Block until this step's layerwise loads have copied ``layer_name``; must be fast."""
+        """Block until this step's layerwise loads have copied ``layer_name``; must be fast.
+        Never raises: a wait that times out or fails fails the step's loads (``fail_layerwise``)
+        and the step's later layers no longer wait."""
+        step = self._layerwise
+        if step is None or step.failed:
+            return
+        try:
+            event = step.events.get(layer_name)
+            if event is None:
+                # Copied in start_step (no events), or a layer we did not see at registration:
+                # wait for all of them to be safe.
+                step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
+                return
+            if event.wait(LAYER_WAIT_TIMEOUT_S):
+                return
+            log.error("agentkv: layer %s not loaded in time; vLLM recomputes", layer_name)
+        except Exception:
+            log.exception("agentkv: waiting for layer %s failed; vLLM recomputes", layer_name)
+        self.fail_layerwise()
+
+    def fail_layerwise(self) -> None:
+        """This step's layerwise loads failed: their blocks are load errors (vLLM discards the
+        step's output for those requests and recomputes) and their jobs are reported failed."""
         step = self._layerwise
         if step is None:
             return
-        event = step.events.get(layer_name)
-        if event is None:
-            # Copied in start_step (no events), or a layer we did not see at registration: wait
-            # for all of them to be safe.
-            step.future.result(timeout=LAYER_WAIT_TIMEOUT_S)
-            return
-        if not event.wait(LAYER_WAIT_TIMEOUT_S):
-            log.error("agentkv: layer %s not loaded in time; vLLM recomputes", layer_name)
-            self._load_errors.update(step.block_ids)
+        step.failed = True
+        self._load_errors.update(step.block_ids)
+        job_ids, failed = self._layerwise_jobs
+        failed.update(job_ids)
 
     def finish_step(self) -> None:
         """Wait for the step's layer copier (all layers were waited for already) and clear it."""

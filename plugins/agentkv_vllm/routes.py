@@ -6,6 +6,13 @@ Routes (same host, port and API key as the OpenAI API):
   DELETE /agentkv/v1/trajectories/{id}          release everything it holds, in every tier
   GET    /agentkv/v1/trajectories/{id}          state, tier residency, per-turn prefix stats
   GET    /agentkv/v1/status                     pool use, tiers, decisions, prefetch outcomes
+Tenants: a trajectory lives in its requests' ``cache_salt`` namespace; every route takes the
+caller's tenant from the ``X-AgentKV-Cache-Salt`` header or a ``cache_salt`` body field (GET: the
+body or a ``cache_salt`` query parameter), since vllm-router drops unknown headers; two that
+differ are a 400. No tenant: the unsalted namespace. Status shows the caller's own tenant's
+trajectory ids and aggregate numbers only; the cross-tenant operator view (every tenant's ids,
+the learned tool waits, per-tool prefetch outcomes) needs the ``X-AgentKV-Operator-Key`` header
+with the ``operator_api_key`` setting's key (``AGENTKV_OPERATOR_KEY``).
 Pause, resume and DELETE take an ``Idempotency-Key`` header (or ``idempotency_key`` body field):
 a retry with the same key within 600 s answers the first call's answer (header
 ``Idempotent-Replayed: true``) and applies nothing again; the engine keeps the answers
@@ -49,9 +56,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agentkv.idempotency import KEY_FIELD, KEY_HEADER, MAX_KEY_LEN, validate_key
-from agentkv.ids import ID_PATTERN, MAX_ID_LEN, InvalidIdError, validate_id
+from agentkv.ids import (
+    ID_PATTERN,
+    MAX_ID_LEN,
+    TENANT_FIELD,
+    TENANT_HEADER,
+    InvalidIdError,
+    validate_id,
+)
 from agentkv_vllm.control import ControlClient, ControlUnavailable
-from agentkv_vllm.control_ops import REPLAYED_FIELD, WAKE_FIELD
+from agentkv_vllm.control_ops import OPERATOR_FIELD, REPLAYED_FIELD, WAKE_FIELD
 from agentkv_vllm.hooks import AgentKVHooks, HookState
 from agentkv_vllm.metrics_snapshot import MetricsSnapshot
 from agentkv_vllm.params import BranchStr, PauseSpec
@@ -82,9 +96,22 @@ class RoutingHints(BaseModel):
 
 
 ROUTING_FIELDS = {"model", "agent_hint", "vllm_xargs"}
+MAX_SALT_LEN = 4096
 
 
-class Keyed(RoutingHints):
+class ControlBody(RoutingHints):
+    """A control call's body: the routing hints and the caller's tenant."""
+
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_SALT_LEN,
+        description="The trajectory's tenant: the cache_salt its requests carry (as the "
+        "X-AgentKV-Cache-Salt header, which routers drop). Absent: the unsalted namespace.",
+    )
+
+
+class Keyed(ControlBody):
     """A control call that changes state: ``idempotency_key`` (or the ``Idempotency-Key``
     header) makes a retry answer the first call's answer instead of applying it again."""
 
@@ -119,6 +146,7 @@ class _State:
     client: ControlClient | None = None  # DP rank 0: status, metrics
     clients: list[ControlClient] = []  # noqa: RUF012 - one per DP rank
     api_keys: list[str] = []  # noqa: RUF012 - process-wide route state
+    operator_key: str | None = None  # the status route's operator view (none: no such view)
     engine_client: Any = None
     pump: asyncio.Task[None] | None = None
     hooks: HookState = HookState()
@@ -189,12 +217,40 @@ TrajectoryId = Path(
 
 # The trajectory's tenant on the control routes: the cache_salt its requests carry. Without it a
 # route addresses the unsalted namespace; another tenant's trajectory of the same id is a 404.
-TENANT_HEADER = "x-agentkv-cache-salt"
+OPERATOR_HEADER = "X-AgentKV-Operator-Key"
 
 
-def _tenant(request: Request) -> dict[str, str]:
-    salt = request.headers.get(TENANT_HEADER)
-    return {"cache_salt": salt} if salt else {}
+def _tenant(request: Request, body: ControlBody) -> dict[str, str] | JSONResponse:
+    """The caller's tenant as control fields (header, body field or query parameter; those
+    present must agree, else 400), or the error."""
+    named = {
+        where: value
+        for where, value in (
+            (f"header {TENANT_HEADER}", request.headers.get(TENANT_HEADER)),
+            (f"body {TENANT_FIELD}", body.cache_salt),
+            (f"query {TENANT_FIELD}", request.query_params.get(TENANT_FIELD)),
+        )
+        if value
+    }
+    if len(set(named.values())) > 1:
+        return JSONResponse(
+            status_code=400,
+            content={"detail": f"the tenant differs between {' and '.join(named)}"},
+        )
+    salt = next(iter(named.values()), None)
+    return {TENANT_FIELD: salt} if salt else {}
+
+
+def _operator(request: Request) -> bool | JSONResponse:
+    """Whether the caller asks for the operator view with the right key (403 when the key is
+    wrong or the server has none)."""
+    given = request.headers.get(OPERATOR_HEADER)
+    if given is None:
+        return False
+    key = _State.operator_key
+    if not key or not secrets.compare_digest(given.encode(), key.encode()):
+        return JSONResponse(status_code=403, content={"detail": "wrong operator key"})
+    return True
 
 
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -321,12 +377,15 @@ async def _keyed_op(
     key = _idempotency(request, body)
     if isinstance(key, JSONResponse):
         return key
+    tenant = _tenant(request, body)
+    if isinstance(tenant, JSONResponse):
+        return tenant
     return await _call(
         op,
         nudge=True,
         trajectory_id=trajectory_id,
-        **body.model_dump(exclude=ROUTING_FIELDS | {KEY_FIELD}),
-        **_tenant(request),
+        **body.model_dump(exclude=ROUTING_FIELDS | {KEY_FIELD, TENANT_FIELD}),
+        **tenant,
         **key,
     )
 
@@ -369,14 +428,31 @@ async def end(request: Request, trajectory_id: str = TrajectoryId) -> JSONRespon
     summary="State, tier residency and prefix stats of a trajectory",
 )
 async def get(request: Request, trajectory_id: str = TrajectoryId) -> JSONResponse:
+    # An optional body (routing hints, cache_salt) as the SDK sends; or ?cache_salt=.
     if bad := _check_id(trajectory_id):
         return bad
-    return await _call("get", nudge=True, trajectory_id=trajectory_id, **_tenant(request))
+    body = await _parse(request, ControlBody, optional=True)
+    if isinstance(body, JSONResponse):
+        return body
+    tenant = _tenant(request, body)
+    if isinstance(tenant, JSONResponse):
+        return tenant
+    return await _call("get", nudge=True, trajectory_id=trajectory_id, **tenant)
 
 
 @router.get("/status", summary="Pool use, tiers, decisions and prefetch outcomes")
-async def status() -> JSONResponse:
-    response = await _call("status", nudge=True)
+async def status(request: Request) -> JSONResponse:
+    # The caller's tenant's view; the operator's (every tenant) with X-AgentKV-Operator-Key.
+    body = await _parse(request, ControlBody, optional=True)
+    if isinstance(body, JSONResponse):
+        return body
+    tenant = _tenant(request, body)
+    if isinstance(tenant, JSONResponse):
+        return tenant
+    operator = _operator(request)
+    if isinstance(operator, JSONResponse):
+        return operator
+    response = await _call("status", nudge=True, **{OPERATOR_FIELD: operator}, **tenant)
     if response.status_code == 200:
         body = json.loads(bytes(response.body))
         body["hooks"] = _State.hooks.view()
@@ -457,6 +533,7 @@ class AgentKVRoutes:
         if env_key := os.environ.get("VLLM_API_KEY"):
             keys.append(env_key)
         _State.api_keys = keys
+        _State.operator_key = None
         _State.engine_client = engine_client
         _State.hooks.enabled = False
         if getattr(args, "kv_transfer_config", None) is None:
@@ -468,6 +545,7 @@ class AgentKVRoutes:
         except Exception as exc:
             log.warning("agentkv routes: cannot read kv_connector_extra_config (%s)", exc)
             return
+        _State.operator_key = settings.operator_key()
         engine_id = _engine_id(args)
         dp_size = max(1, int(getattr(args, "data_parallel_size", 1) or 1))
         _State.clients = [

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +50,13 @@ from agentkv.kv_identity import LogicalKeys
 from agentkv.manager import RequestParams, TrajectoryManager
 from agentkv.manager.invalidation import Invalidation, invalidate_tiers
 from agentkv.manager.jobs import StepPlan
-from agentkv.manager.recovery import ManifestKeeper, load_records, manifest_path, restore
+from agentkv.manager.recovery import (
+    ManifestKeeper,
+    load_records,
+    manifest_path,
+    remove_stale_manifests,
+    restore,
+)
 from agentkv.metrics import MetricsRecorder, Snapshot
 from agentkv.online_profile import OnlineProfile
 from agentkv.otel_export import OTelExport
@@ -61,6 +67,7 @@ from agentkv_vllm.control_ops import REPLAYED_FIELD as REPLAYED_FIELD
 from agentkv_vllm.control_ops import ControlOps
 from agentkv_vllm.engine_config import (
     cost_model,
+    dp_placement,
     layerwise,
     manager_config,
     policy_params,
@@ -68,9 +75,15 @@ from agentkv_vllm.engine_config import (
     tier_blocks,
 )
 from agentkv_vllm.kv_events import TierEvents
-from agentkv_vllm.kv_identity import identity_from_config
+from agentkv_vllm.kv_identity import config_weights, identity_from_config
 from agentkv_vllm.metadata import AgentKVStepMetadata, AgentKVWorkerReport
-from agentkv_vllm.params import AgentKVParams, parse_request_params
+from agentkv_vllm.params import (
+    ENGINE_PRECEDENCE,
+    AgentKVParams,
+    EngineIdentity,
+    IdentitySource,
+    resolve_request_identity,
+)
 from agentkv_vllm.preemption import PreemptionNotes
 from agentkv_vllm.settings import ConnectorSettings
 
@@ -80,7 +93,19 @@ log = logging.getLogger("agentkv.scheduler")
 PREFILL_SAMPLE_MIN_TOKENS = 32
 PREFILL_SAMPLE_MAX_S = 30.0
 # The adapter's own counters, always in /status (0 until they happen).
-ADAPTER_COUNTERS = ("malformed_params", "unsupported_requests", "load_failed_blocks")
+ADAPTER_COUNTERS = (
+    "malformed_params",
+    "unsupported_requests",
+    "load_failed_blocks",
+    "step_faults",  # build_step faults: the queued jobs still went out with their step
+    # Requests each engine-side source named (params.ENGINE_PRECEDENCE; explicit params include
+    # those the API middleware injected from a session hint) and malformed hints per source.
+    *(f"identified.{s.value}" for s in ENGINE_PRECEDENCE),
+    *(f"malformed.{s.value}" for s in ENGINE_PRECEDENCE if s is not IdentitySource.PARAMS),
+)
+# Bounds on the adapter's per-kind warn-once set and its uni-agent lease notes.
+MAX_WARNED_KINDS = 1024
+MAX_LEASE_NOTES = 65536
 
 
 class VllmBlockPinner:
@@ -147,6 +172,11 @@ class SchedulerSide(ControlOps):
         self.block_bytes_total = self.block_bytes_per_rank * self.tp_size
         # Logical keys are rank-agnostic (tp_rank -1); each worker salts them with its own rank
         # identity. The generation changes on reset_cache() and weight updates (invalidate()).
+        self.weights = config_weights(model_config)
+        if not self.weights.shared:
+            log.warning(
+                "agentkv: KV is not shared nor restored across restarts: %s", self.weights.why
+            )
         self.keys = LogicalKeys(
             identity_from_config(
                 vllm_config,
@@ -154,6 +184,7 @@ class SchedulerSide(ControlOps):
                 layout=f"logical-v3:{spec_layout(groups)}",
                 tp_rank=-1,
                 block_size=self.block_size,
+                weights=self.weights,
             )
         )
         host_blocks, disk_blocks = tier_blocks(settings, self.block_bytes_per_rank)
@@ -203,6 +234,16 @@ class SchedulerSide(ControlOps):
         self.counters: Counter[str] = Counter()
         # request id -> parsed params, for agentkv requests only (plain ones never enter)
         self._params: dict[str, AgentKVParams] = {}
+        # request id -> where its trajectory came from (params.ENGINE_PRECEDENCE): the turn's
+        # stats say it (``identified_by``)
+        self._sources: dict[str, IdentitySource] = {}
+        # Requests whose hints were resolved to vanilla (malformed, unsupported): resolved,
+        # warned and counted once, however often a waiting request is looked up again.
+        self._vanilla: set[str] = set()
+        self._warned: set[str] = set()  # warn once per kind of malformed hint
+        # (tenant, trajectory, branch) -> uni-agent's lease_until (unix time): caps the lease of
+        # the branch's pauses; the most recent trajectories only
+        self._lease_until: OrderedDict[tuple[str | None, str, str], float] = OrderedDict()
         # (request id, new blocks it needs, request, vLLM's local hit) of the request the
         # scheduler looked up last this step and has not allocated for (vLLM stops at the first
         # request it cannot allocate): not allocated by build_step, it heads a blocked queue
@@ -247,9 +288,14 @@ class SchedulerSide(ControlOps):
     def _restore_from_disk(self, vllm_config: Any) -> None:
         """Restart recovery (``agentkv.manager.recovery``): the trajectories this engine's
         manifest lists under its identity and the base generation come back OFFLOADED on disk
-        (the workers kept exactly their files); from now on the manifest follows the manager."""
-        dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        (the first step's plan tells the workers which files to keep: ``jobs.KeepPlan``); from
+        now on the manifest follows the manager. DP rank 0 removes the manifests of DP ranks
+        this deployment no longer runs (their workers' folders: ``remove_stale_rank_dirs``)."""
+        dp_rank, dp_size = dp_placement(vllm_config.parallel_config)
         assert self.settings.disk_dir is not None
+        if dp_rank == 0:
+            for stale in remove_stale_manifests(self.settings.disk_dir, dp_size):
+                log.info("agentkv: removed %s (this deployment runs %d DP ranks)", stale, dp_size)
         path = manifest_path(self.settings.disk_dir, dp_rank)
         records = load_records(
             path, self.keys.identity_digest, self.keys.generation, self.block_size
@@ -260,6 +306,13 @@ class SchedulerSide(ControlOps):
         self.manifest = ManifestKeeper(
             self.manager, path, lambda: (self.keys.identity_digest, self.keys.generation)
         )
+
+    def delete_durable(self, trajectory_key: str) -> None:
+        """Control thread, a DELETE answered 200 by the manager: rewrite the manifest now when
+        it lists the trajectory (file I/O off the engine thread, outside the manager's lock)."""
+        keeper = getattr(self, "manifest", None)  # None: no disk tier (or a bare test side)
+        if keeper is not None:
+            keeper.durable_delete(trajectory_key)
 
     def invalidate(self, reason: str) -> Invalidation:
         """A cache reset or a weight update: switch to a new generation and end every
@@ -284,14 +337,17 @@ class SchedulerSide(ControlOps):
         params = self._params.get(request.request_id)
         if params is not None:
             return params
-        result = parse_request_params(request.kv_transfer_params)
-        if result.warning:
-            with self.lock:
-                self.counters["malformed_params"] += 1
-            log.warning(
-                "agentkv: request %s served as vanilla: %s", request.request_id, result.warning
-            )
-        if result.params is None:
+        if request.request_id in self._vanilla:
+            return None
+        found = resolve_request_identity(
+            request.kv_transfer_params,
+            getattr(request, "session_id", None),
+            getattr(request, "kv_hints", None),
+        )
+        if found.warning:
+            self._malformed(request, found)
+        if found.params is None or found.source is None:
+            self._vanilla.add(request.request_id)
             return None
         if getattr(request, "lora_request", None) is not None or getattr(
             request, "mm_features", None
@@ -299,9 +355,79 @@ class SchedulerSide(ControlOps):
             # Not yet validated end to end for these; serve them as vanilla vLLM does.
             with self.lock:
                 self.counters["unsupported_requests"] += 1
+            self._vanilla.add(request.request_id)
             return None
-        self._params[request.request_id] = result.params
-        return result.params
+        with self.lock:
+            self.counters[f"identified.{found.source.value}"] += 1
+        self._params[request.request_id] = found.params
+        self._sources[request.request_id] = found.source
+        if found.lease_until is not None:
+            self._note_lease(request, found)
+        return found.params
+
+    def _malformed(self, request: Any, found: EngineIdentity) -> None:
+        """A malformed hint: counted (explicit params as ``malformed_params``, the others as
+        ``malformed.<source>``) and logged once per kind; the request is served as vanilla."""
+        source = found.source or IdentitySource.PARAMS
+        name = (
+            "malformed_params" if source is IdentitySource.PARAMS else f"malformed.{source.value}"
+        )
+        with self.lock:
+            self.counters[name] += 1
+        kind = found.kind or source.value
+        if kind in self._warned:
+            log.debug(
+                "agentkv: request %s served as vanilla: %s", request.request_id, found.warning
+            )
+            return
+        if len(self._warned) < MAX_WARNED_KINDS:
+            self._warned.add(kind)
+        log.warning(
+            "agentkv: request %s served as vanilla: %s (logged once per kind)",
+            request.request_id,
+            found.warning,
+        )
+
+    def _note_lease(self, request: Any, found: EngineIdentity) -> None:
+        assert found.params is not None and found.lease_until is not None
+        key = (
+            getattr(request, "cache_salt", None),
+            found.params.trajectory_id,
+            found.params.branch,
+        )
+        with self.lock:
+            self._lease_until[key] = found.lease_until
+            self._lease_until.move_to_end(key)
+            while len(self._lease_until) > MAX_LEASE_NOTES:
+                self._lease_until.popitem(last=False)
+
+    def _lease_cap(
+        self, tenant: str | None, trajectory_id: str, branch: str, given: float | None
+    ) -> float | None:
+        """``given`` (a pause's max_lease_s) capped by the branch's uni-agent lease_until."""
+        with self.lock:
+            until = self._lease_until.get((tenant, trajectory_id, branch))
+        if until is None:
+            return given
+        left = max(0.0, until - time.time())
+        return left if given is None else min(given, left)
+
+    def _apply(
+        self, op: object, req: dict[str, Any], tid: str, branch: str, tenant: str | None
+    ) -> tuple[int, dict[str, Any]]:
+        """A control op; a pause's lease is capped by the branch's ``agent_hint.lease_until``
+        (an END forgets the trajectory's)."""
+        if op == "pause" and self._lease_until:
+            given = req.get("max_lease_s")
+            cap = self._lease_cap(tenant, tid, branch, float(given) if given is not None else None)
+            if cap is not None:
+                req = {**req, "max_lease_s": cap}
+        answer = super()._apply(op, req, tid, branch, tenant)
+        if op == "end" and self._lease_until:
+            with self.lock:
+                for key in [k for k in self._lease_until if k[:2] == (tenant, tid)]:
+                    del self._lease_until[key]
+        return answer
 
     def lookup(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         self._live.add(request.request_id)
@@ -312,7 +438,12 @@ class SchedulerSide(ControlOps):
             request,
             num_computed,
         )
-        if request.kv_transfer_params is None and request.request_id not in self._params:
+        if (
+            request.kv_transfer_params is None
+            and request.request_id not in self._params
+            and getattr(request, "session_id", None) is None
+            and getattr(request, "kv_hints", None) is None
+        ):
             return 0, False
         start = time.thread_time_ns()
         try:
@@ -328,6 +459,7 @@ class SchedulerSide(ControlOps):
                     zone_of=(lambda t: _zone_at(zones, t)) if zones else None,
                     tenant=getattr(request, "cache_salt", None),  # its trajectory namespace
                     prefetch=params.prefetch,
+                    arrived_at=self._arrived_at(request),
                 ),
                 request.prompt_token_ids or [],
                 request.block_hashes,
@@ -340,6 +472,15 @@ class SchedulerSide(ControlOps):
             return answer.tokens, answer.load_async
         finally:
             self.cpu.add("request", start)
+
+    def _arrived_at(self, request: Any) -> float | None:
+        """vLLM's ``arrival_time`` (wall clock, stamped by the API server when the request came
+        in) on the manager's clock: a request queued before a DELETE is told apart from one
+        sent after its 200 (``RequestTable.mark_deleted``). None when vLLM gives none."""
+        arrival = getattr(request, "arrival_time", None)
+        if not isinstance(arrival, int | float):
+            return None
+        return self.manager.clock.now() - max(0.0, time.time() - float(arrival))
 
     def plan_load(self, request: Any, blocks: Any, num_external: int) -> None:
         if self._unadmitted is not None and self._unadmitted[0] == request.request_id:
@@ -365,7 +506,9 @@ class SchedulerSide(ControlOps):
     def finish(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._live.discard(request.request_id)
         self.preemptions.drop(request.request_id)
+        self._vanilla.discard(request.request_id)
         params = self._params.pop(request.request_id, None)
+        source = self._sources.pop(request.request_id, None)
         if params is None:
             return False, None
         start = time.thread_time_ns()
@@ -389,6 +532,8 @@ class SchedulerSide(ControlOps):
                 block_hashes=request.block_hashes,
                 aborted=aborted,
             )
+            if stats is not None and source is not None:
+                stats = {**stats, "identified_by": source.value}
             if stats is not None and params.pause_after is not None and not aborted:
                 stats = {**stats, "pause": self._pause_after(request, params)}
             return False, ({"agentkv": stats} if stats is not None else None)
@@ -406,7 +551,12 @@ class SchedulerSide(ControlOps):
             params.branch,
             spec.tool_names,
             spec.expected_wait_s,
-            max_lease_s=spec.max_lease_s,
+            max_lease_s=self._lease_cap(
+                getattr(request, "cache_salt", None),
+                params.trajectory_id,
+                params.branch,
+                spec.max_lease_s,
+            ),
             tenant=getattr(request, "cache_salt", None),
         )
         self.counters["request_pauses" if code == 200 else "request_pause_failures"] += 1
@@ -426,19 +576,42 @@ class SchedulerSide(ControlOps):
             self.manager.on_preempt(req_id, ids, computed_tokens=computed, block_hashes=hashes)
 
     def build_step(self, scheduler_output: Any = None) -> AgentKVStepMetadata:
+        """The step's jobs. A fault in the parts before ``take_step`` (the step sample, the
+        preemption saves, the admission picture, the KV events) still ships the manager's
+        outbox with this step: its layerwise loads run in this step's forward and its
+        preemption saves read blocks vLLM may reallocate next step, so a later step is wrong
+        KV, not a delay. The parts' work is lost for the step (counted ``step_faults``)."""
         start = time.thread_time_ns()
         try:
-            self._sample_step(scheduler_output)  # before admission_of: this step's fill
-            self._save_preempted(scheduler_output)
-            admission = self.admission_of(scheduler_output)
-            if self.events is None and self.manager.idle_step(admission):
-                return AgentKVStepMetadata(StepPlan())  # plain traffic: nothing to plan
-            self.manager.set_admission(admission)
-            if self.events is not None:
-                self._watch_cache_reset()
-            return AgentKVStepMetadata(self.manager.take_step())
+            try:
+                self._sample_step(scheduler_output)  # before admission_of: this step's fill
+                self._save_preempted(scheduler_output)
+                admission = self.admission_of(scheduler_output)
+                if self.events is None and self.manager.idle_step(admission):
+                    return AgentKVStepMetadata(StepPlan())  # plain traffic: nothing to plan
+                self.manager.set_admission(admission)
+                if self.events is not None:
+                    self._watch_cache_reset()
+            except Exception:
+                log.exception("agentkv: preparing the step failed; its queued jobs still go out")
+                with self.lock:
+                    self.counters["step_faults"] += 1
+            return AgentKVStepMetadata(self._take_step())
         finally:
             self.cpu.add("step", start)
+
+    def _take_step(self) -> StepPlan:
+        """``take_step``, or, should it raise past its own guard, the outbox as it stands: the
+        jobs already promised to vLLM go out with this step either way."""
+        try:
+            return self.manager.take_step()
+        except Exception:
+            log.exception("agentkv: the manager's step failed; its queued jobs still go out")
+            with self.lock:
+                self.counters["step_faults"] += 1
+            with self.manager.lock:
+                plan, self.manager.outbox = self.manager.outbox, StepPlan()
+            return plan
 
     def admission_of(self, scheduler_output: Any) -> Admission:
         """This step's admission picture, from counts the hooks already hold: the request vLLM
@@ -616,6 +789,12 @@ class SchedulerSide(ControlOps):
                 # Requests looked up and not finished: while any is, control ops do not wake
                 # the engine loop (``wake_needed``).
                 "live_requests": len(self._live),
+            }
+            # Whether tier copies are shared with other replicas and restarts (issue 40).
+            body["identity"] = {
+                "weights": self.weights.name,
+                "shared": self.weights.shared,
+                "why": self.weights.why or None,
             }
             body["connector_cpu"] = self.cpu.view()
             body["pool"]["last_unblocked"] = self.last_unblocked

@@ -27,6 +27,10 @@ class LoadMode(enum.StrEnum):
     LAYERWISE = "layerwise"  # host blocks copied layer by layer inside the prefill step
 
 
+# The environment variable of the operator view's key (``ConnectorSettings.operator_key``).
+OPERATOR_KEY_ENV = "AGENTKV_OPERATOR_KEY"
+
+
 def _default_run_dir() -> str:
     return os.environ.get("AGENTKV_RUN_DIR") or str(
         Path(tempfile.gettempdir()) / f"agentkv-{os.getuid()}"
@@ -156,6 +160,25 @@ class ConnectorSettings(BaseModel):
     remote_ttl_s: float = Field(
         default=3600.0, gt=0, description="Remote blocks expire this long after their last use."
     )
+    readonly_rpcs: list[str] = Field(
+        default_factory=list,
+        description="Worker RPC method names (collective_rpc) that never change the weights, "
+        "beyond vLLM's own (agentkv_vllm.weight_sync.READ_ONLY_RPCS). Every other RPC is taken "
+        "as a weight change: each tier copy written before it becomes unloadable.",
+    )
+    reset_invalidates_tiers: bool = Field(
+        default=False,
+        description="A plain reset_prefix_cache() (without reset_external / reset_connector) "
+        "invalidates the tiers too, as RL trainers that reset after a weight sync need (OpenRLHF, "
+        "ROLL, SkyRL). Off: a plain reset keeps tier copies (vLLM's own cache is reset).",
+    )
+    operator_api_key: SecretStr | None = Field(
+        default=None,
+        description="Key of the cross-tenant operator view of GET /agentkv/v1/status (every "
+        "tenant's trajectory ids, the learned tool waits): sent in the X-AgentKV-Operator-Key "
+        "header, with the API key. Default: the AGENTKV_OPERATOR_KEY environment variable; "
+        "without either, every caller gets its own tenant's view only.",
+    )
     debug_load_delay_s: float = Field(
         default=0.0,
         ge=0,
@@ -190,6 +213,12 @@ class ConnectorSettings(BaseModel):
             ttl_s=self.remote_ttl_s,
             auth_key=self.remote_key.get_secret_value() if self.remote_key else None,
         )
+
+    def operator_key(self) -> str | None:
+        """The operator view's key: ``operator_api_key``, else ``AGENTKV_OPERATOR_KEY``."""
+        if self.operator_api_key is not None:
+            return self.operator_api_key.get_secret_value() or None
+        return os.environ.get(OPERATOR_KEY_ENV) or None
 
     def control_endpoint(self, engine_id: str | None = None, dp_rank: int = 0) -> str:
         """One channel per server and per DP rank: the API server and its engine cores share

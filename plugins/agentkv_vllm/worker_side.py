@@ -15,8 +15,11 @@ Primitives:
                                              it could not serve (miss / corrupt / error)
   WorkerSide.load_error_block_ids()          engine block ids whose load failed -> recompute
 
-Each TP rank keeps its own store under ``<disk_dir>/rank<r>`` with keys salted by its rank
-fingerprint, so shards never mix. Loads of a request are reported finished only when every block
+Each TP rank of each DP rank keeps its own store under ``<disk_dir>/dp<d>/rank<r>`` with keys
+salted by its rank fingerprint, so shards never mix and DP engines never count or delete each
+other's files. After a restart the worker deletes nothing on its own: the first step's plan
+carries its manager's keep plan (the keys it restored, ``jobs.KeepPlan``), applied once before
+any other job. Loads of a request are reported finished only when every block
 has a result; a failed block is also reported through ``load_error_block_ids`` so vLLM recomputes
 it instead of reading garbage.
 
@@ -51,18 +54,21 @@ import numpy as np
 from agentkv.errors import CorruptBlockError
 from agentkv.kv_identity import KVIdentity
 from agentkv.manager.jobs import (
+    KeepPlan,
     LoadJob,
     MoveJob,
     MoveKind,
+    Rejection,
+    StepPlan,
     StoreJob,
     TransferKind,
     TransferRef,
     WorkerReport,
 )
-from agentkv.manager.recovery import prune_rank_files
 from agentkv.tier import Tier
 from agentkv.tiers import BlockResult, BlockStatus, TieredStore, TransferHandle
 from agentkv.tiers.batched import StagedBlocks, staging_budget
+from agentkv.tiers.disk import rank_dir, remove_stale_rank_dirs
 from agentkv.tiers.keys import BlockKey, rank_key
 from agentkv_vllm.block_copy import BlockViews
 from agentkv_vllm.layerwise_loads import LayerwiseLoads, LayerwiseStep
@@ -157,6 +163,9 @@ class WorkerSide(LayerwiseLoads):
     store: TieredStore | None = None
     identity: KVIdentity | None = None  # from vLLM's config; the rank's layout is added here
     fingerprint: KVIdentity | None = None
+    dp_rank: int = 0  # vLLM's data-parallel rank: names this engine's disk folder
+    dp_size: int = 1
+    _kept: bool = False  # the restart's keep plan applied (once: later stores are the manager's)
     _jobs: list[_Pending] = field(default_factory=list)
     _loads: list[_Pending] = field(default_factory=list)
     _recving_done: set[str] = field(default_factory=set)
@@ -169,6 +178,12 @@ class WorkerSide(LayerwiseLoads):
     # this step's layerwise load job ids, and those that failed
     _layerwise_jobs: tuple[list[int], set[int]] = field(default_factory=lambda: ([], set()))
     _fetcher: ThreadPoolExecutor | None = None
+    # id() of this step's plan jobs already started or reported (``fail_step`` fails the rest)
+    _settled: set[int] = field(default_factory=set)
+    # the remote client's (bad_tags, corrupt) already reported, and whether a transfer that may
+    # have read the remote tier was collected since
+    _remote_seen: tuple[int, int] = (0, 0)
+    _remote_read: bool = False
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.views = BlockViews(kv_caches, self.num_blocks)
@@ -182,24 +197,13 @@ class WorkerSide(LayerwiseLoads):
         )
         disk_dir = None
         if self.settings.disk_dir:
-            disk_dir = Path(self.settings.disk_dir) / f"rank{self.tp_rank}"
+            root = Path(self.settings.disk_dir)
+            # Folders of DP or TP ranks this deployment no longer runs: nobody restores them.
+            remove_stale_rank_dirs(root, self.dp_rank, self.dp_size, self.tp_rank, self.tp_size)
+            disk_dir = rank_dir(root, self.dp_rank, self.tp_rank)
             disk_dir.mkdir(parents=True, exist_ok=True)
-            # Restart: the scheduler restores the trajectories its manifest lists; this rank
-            # keeps exactly their files (under its own identity) and deletes every other one.
-            kept, removed = prune_rank_files(
-                self.settings.disk_dir,
-                disk_dir,
-                self.views.block_bytes,
-                self.rank_key,
-                self.fingerprint.digest(),
-            )
-            if kept or removed:
-                log.info(
-                    "agentkv rank %d: disk tier kept %d blocks, removed %d files",
-                    self.tp_rank,
-                    kept,
-                    removed,
-                )
+            # What of it survives a restart is the manager's call: the first step's keep plan
+            # (its scheduler is built after this, vLLM's EngineCore order).
         remote_config = self.settings.remote_config()
         remote = None
         if remote_config is not None:
@@ -242,16 +246,48 @@ class WorkerSide(LayerwiseLoads):
 
     def start_step(self, meta: AgentKVStepMetadata) -> None:
         """Start this step's jobs: drops first (their slots are free for this step's stores), then
-        stores, moves and loads. Must not block. A job that cannot start is reported failed."""
+        stores, moves and loads. Must not block. Never raises: a job that cannot start is
+        reported failed, and a fault anywhere in the step fails every job it had not started
+        yet (``fail_step``), so vLLM recomputes instead of reading blocks nothing wrote or
+        waiting for a load nobody runs."""
         entered = time.perf_counter()
         plan = meta.plan
-        if self.store is None or self.views is None:
-            for load in plan.loads:  # never leave vLLM waiting on a load we cannot run
-                self._load_errors.update(b.block_id for b in load.blocks)
-                if not load.layerwise:
-                    self._recving_done.add(load.req_id)
-                self._done(load.job_id, ok=False)
-            return
+        self._settled = set()
+        try:
+            if plan.keep is not None:
+                self._apply_keep_plan(plan.keep)
+            if self.store is None or self.views is None:
+                self.fail_step(plan)  # never leave vLLM waiting on a load we cannot run
+                return
+            self._start_plan(plan, entered)
+        except Exception:
+            log.exception("agentkv: worker step failed; the loads it did not start recompute")
+            self.fail_step(plan)
+
+    def fail_step(self, plan: StepPlan) -> None:
+        """Fail every job of ``plan`` not started or reported yet (``_settled``), once: a load's
+        blocks become load errors and an async load is reported finished (vLLM recomputes,
+        never waits), and every job is reported failed so the manager releases its pins and
+        tier slots. Idempotent within the step."""
+        settled = self._settled
+        jobs: list[StoreJob | MoveJob] = [*plan.stores, *plan.moves]
+        for job in jobs:
+            if id(job) not in settled:
+                settled.add(id(job))
+                self._done(job.job_id, ok=False)
+        for load in plan.loads:
+            if id(load) not in settled:
+                settled.add(id(load))
+                self._fail_load(load)
+
+    def _fail_load(self, load: LoadJob) -> None:
+        self._load_errors.update(b.block_id for b in load.blocks)
+        if not load.layerwise:  # a layerwise request is not waiting: vLLM runs it this step
+            self._recving_done.add(load.req_id)
+        self._done(load.job_id, ok=False)
+
+    def _start_plan(self, plan: StepPlan, entered: float) -> None:
+        assert self.store is not None and self.views is not None
         for drop in plan.drops:
             self.store.drop([self.rank_key(k) for k in drop.keys], tier=drop.tier)
         now = time.monotonic()
@@ -261,11 +297,40 @@ class WorkerSide(LayerwiseLoads):
         layerwise = [load for load in plan.loads if load.layerwise]
         if layerwise:
             self._start_layerwise(layerwise, entered)
+            self._settled.update(id(load) for load in layerwise)  # finish_step reports them
         for load in plan.loads:
             if not load.layerwise:
                 self._start_load(load, now)
+                self._settled.add(id(load))
         if layerwise and self._layerwise is not None:
             self._layerwise.stamps.returned = time.perf_counter()
+
+    def _apply_keep_plan(self, keep: KeepPlan) -> None:
+        """The restart's keep plan, once (a later plan would delete what was stored since):
+        this rank's disk holds exactly the restored keys it has files for, under its identity,
+        and the keys it lacks are reported missing. A fault keeps the files (the next loads
+        miss or verify them): never fails the step."""
+        if self._kept or self.store is None:
+            return
+        self._kept = True
+        store = self.store
+        try:
+            kept, removed = store.prune_disk({self.rank_key(k) for k in keep.keys})
+            # Listed but not here (a crash after the manifest's last write cut or never made
+            # the file, another identity's file): the manager forgets them now, not at a load.
+            for logical in keep.keys:
+                if store.tier_of(self.rank_key(logical)) is None:
+                    self._report.bad_keys[logical] = "miss"
+        except Exception:
+            log.exception("agentkv rank %d: applying the disk keep plan failed", self.tp_rank)
+            return
+        if kept or removed:
+            log.info(
+                "agentkv rank %d: disk tier kept %d blocks, removed %d files",
+                self.tp_rank,
+                kept,
+                removed,
+            )
 
     def _start_stores(self, jobs: list[StoreJob], now: float) -> None:
         """Device -> tier copies of the step's store jobs (a silent rank's test knob skips its
@@ -277,6 +342,7 @@ class WorkerSide(LayerwiseLoads):
         # Preemption saves read blocks vLLM already freed (maybe reallocated this step): they
         # are copied before anything of this step writes the device (loads below, the forward).
         before_forward: list[TransferHandle] = []
+        self._settled.update(id(job) for job in jobs if self._silent(job))  # never reported
         for job in stores:
             keys = [self.rank_key(b.key) for b in job.blocks]
             staging = staged.pop(job.job_id, None)
@@ -289,8 +355,10 @@ class WorkerSide(LayerwiseLoads):
                     before_forward.append(handle)
             except Exception as exc:  # a tier fault must never take the engine down
                 log.warning("agentkv: store job %d failed to start: %s", job.job_id, exc)
+                self._settled.add(id(job))
                 self._done(job.job_id, ok=False)
                 continue
+            self._settled.add(id(job))
             self._jobs.append(
                 _Pending(
                     handle,
@@ -325,8 +393,10 @@ class WorkerSide(LayerwiseLoads):
                 moving = store.copy_to_disk(keys)
         except Exception as exc:
             log.warning("agentkv: %s job %d failed to start: %s", move.kind, move.job_id, exc)
+            self._settled.add(id(move))
             self._done(move.job_id, ok=False)
             return
+        self._settled.add(id(move))
         self._jobs.append(
             _Pending(
                 moving,
@@ -363,9 +433,8 @@ class WorkerSide(LayerwiseLoads):
                 pending = store.submit_load(keys, targets)
         except Exception as exc:
             log.warning("agentkv: load for %s failed to start: %s", load.req_id, exc)
-            self._load_errors.update(b.block_id for b in load.blocks)
-            self._recving_done.add(load.req_id)
-            self._done(load.job_id, ok=False)
+            self._settled.add(id(load))
+            self._fail_load(load)
             return
         self._loads.append(
             _Pending(
@@ -422,10 +491,30 @@ class WorkerSide(LayerwiseLoads):
             self._report.bad_keys.setdefault(logical, "miss")
         elif isinstance(error, CorruptBlockError):
             self._report.bad_keys[logical] = "corrupt"
+            tier = getattr(result, "tier", None)
+            if tier is not None and Tier(tier) != Tier.REMOTE:  # remote: its client counts them
+                self._reject(Tier(tier), Rejection.CORRUPT, 1)
         elif getattr(result, "status", None) is BlockStatus.MISS:
             self._report.bad_keys.setdefault(logical, "miss")
         else:
             self._report.bad_keys.setdefault(logical, "error")
+
+    def _reject(self, tier: Tier, why: Rejection, n: int) -> None:
+        if n > 0:
+            rejected = self._report.rejected
+            rejected[(tier, why)] = rejected.get((tier, why), 0) + n
+
+    def _count_remote_rejections(self) -> None:
+        """The remote client's bad tags and corrupt values since the last call, into the report:
+        a bad tag reads as a plain miss, so only the client knows it happened. Read after the
+        fetches and loads that read the remote tier are collected (one lock, only then)."""
+        if not self._remote_read or self.store is None or self.store.remote is None:
+            return
+        self._remote_read = False
+        stats = self.store.remote.stats()
+        seen, self._remote_seen = self._remote_seen, (stats.bad_tags, stats.corrupt)
+        self._reject(Tier.REMOTE, Rejection.BAD_TAG, stats.bad_tags - seen[0])
+        self._reject(Tier.REMOTE, Rejection.CORRUPT, stats.corrupt - seen[1])
 
     def poll(self) -> set[str]:
         """Collect finished transfers; returns request ids whose async loads are complete.
@@ -434,38 +523,57 @@ class WorkerSide(LayerwiseLoads):
         now = time.monotonic()
         still: list[_Pending] = []
         for p in self._jobs:
-            if not p.handle.done():
-                still.append(p)
-                continue
-            results = p.handle.result()
-            if p.move is MoveKind.FETCH:
-                self._fetch_done(p, results, now)
-            elif p.move is MoveKind.UPLOAD:
-                self._upload_done(p, results, now)
-            else:
-                self._job_done(p, results, now)
+            try:
+                if not p.handle.done():
+                    still.append(p)
+                    continue
+                results = p.handle.result()
+                if p.move is MoveKind.FETCH:
+                    self._fetch_done(p, results, now)
+                elif p.move is MoveKind.UPLOAD:
+                    self._upload_done(p, results, now)
+                else:
+                    self._job_done(p, results, now)
+            except Exception:  # collected once, as failed: never retried into the same fault
+                log.exception("agentkv: collecting job %d failed; reported failed", p.job_id)
+                self._collect_failed(p)
         self._jobs = still
         still = []
         for p in self._loads:
             assert p.load is not None
-            if not p.handle.done():
-                if now < p.deadline:
-                    still.append(p)
+            try:
+                if not p.handle.done():
+                    if now < p.deadline:
+                        still.append(p)
+                        continue
+                    log.warning("agentkv: load for %s timed out; vLLM recomputes", p.load.req_id)
+                    p.handle.cancel()
+                    self._collect_failed(p)
                     continue
-                log.warning("agentkv: load for %s timed out; vLLM recomputes", p.load.req_id)
-                p.handle.cancel()
-                self._load_errors.update(b.block_id for b in p.load.blocks)
-                self._recving_done.add(p.load.req_id)
-                self._done(p.job_id, ok=False)
-                continue
-            self._load_done(p, p.handle.result(), now)
+                self._load_done(p, p.handle.result(), now)
+            except Exception:
+                log.exception("agentkv: collecting the load for %s failed", p.load.req_id)
+                self._collect_failed(p)
         self._loads = still
+        self._count_remote_rejections()
         done, self._recving_done = self._recving_done, set()
         return done
+
+    def _collect_failed(self, p: _Pending) -> None:
+        """A transfer that timed out or could not be collected: failed, reported once (a load's
+        blocks are load errors and its request finished, so vLLM recomputes, never waits)."""
+        if p.load is not None:
+            self._load_errors.update(b.block_id for b in p.load.blocks)
+            self._recving_done.add(p.load.req_id)
+        if p.job_id in self._report.jobs_done:  # the fault came after it was counted
+            self._report.jobs_failed.add(p.job_id)
+        else:
+            self._done(p.job_id, ok=False)
 
     def _fetch_done(self, p: _Pending, results: list[Any], now: float) -> None:
         """Best effort: blocks the remote tier lacks are this rank's misses, not a failed job
         (the manager indexes the rest)."""
+        self._remote_read = True
         missing = [k for r, k in zip(results, p.keys, strict=True) if not r.ok]
         if missing:
             self._report.fetch_missing[p.job_id] = missing
@@ -505,6 +613,7 @@ class WorkerSide(LayerwiseLoads):
         """A finished load: failed blocks go to ``load_error_block_ids`` (vLLM recomputes them),
         CUDA staging is scattered into the blocks, and the request is reported finished."""
         assert p.load is not None
+        self._remote_read = True  # a load may have read blocks local tiers lacked remotely
         if results is None:  # cancelled before it started
             self._load_errors.update(b.block_id for b in p.load.blocks)
             self._done(p.job_id, ok=False)

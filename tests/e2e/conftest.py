@@ -36,6 +36,9 @@ import httpx
 import pytest
 
 API_KEY = "agentkv-test-key"
+# The status route's cross-tenant operator view (``Server.status`` asks for it).
+OPERATOR_KEY = "agentkv-test-operator-key"
+OPERATOR_HEADER = "X-AgentKV-Operator-Key"
 NUM_BLOCKS = 192  # x 128 tokens = 24,576 tokens of device KV
 BLOCK_TOKENS = 128  # vLLM's CPU block size for this model
 
@@ -139,7 +142,8 @@ class Server:
         return list(r.json()["tokens"])
 
     def status(self) -> dict[str, Any]:
-        r = self.client.get("/agentkv/v1/status")
+        """The operator's view (every tenant's ids, the learned waits)."""
+        r = self.client.get("/agentkv/v1/status", headers={OPERATOR_HEADER: OPERATOR_KEY})
         r.raise_for_status()
         return dict(r.json())
 
@@ -338,6 +342,7 @@ def start_server(
             "AGENTKV_RUN_DIR": str(work / "run"),
             "AGENTKV_PROFILE": str(work / "no-profile.json"),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "AGENTKV_OPERATOR_KEY": OPERATOR_KEY,
         }
     )
     full_env.update(env or {})
@@ -451,12 +456,14 @@ def server() -> Iterator[Server]:
     # own): the Responses API store (`previous_response_id` chains) and xgrammar without
     # free whitespace (with the random-weight model a forced tool's guided JSON arguments
     # otherwise run on as whitespace). Both act only on requests that ask for them.
+    # And vLLM's token-in/token-out route `/inference/v1/generate` (SkyRL's call; without
+    # --enable-scale-out vLLM answers 403 there): it only adds routes.
     outputs = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
     with start_server(
         work,
         connector,
         otlp=True,
-        vllm_args=("--structured-outputs-config", outputs),
+        vllm_args=("--structured-outputs-config", outputs, "--enable-scale-out"),
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
     ) as srv:
         yield srv

@@ -164,3 +164,103 @@ def test_a_turn_nobody_pauses_stays_in_vllms_cache_after_its_grace(tiny: Server)
     assert after["grace_expired"] - before["grace_expired"] == 1
     assert after["writebacks_deferred"] - before["writebacks_deferred"] == 1
     tiny.end("unpaused")
+
+
+def _plain(server: Server, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    body = {"model": server.model, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True}
+    r = server.client.post("/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def test_pause_keep_clearing_caches_succeeds_while_a_planned_load_waits(tiny: Server) -> None:
+    """Issue 40 item 4, the RL weight-sync path: a trajectory's turn whose lookup planned a host
+    load waits for blocks a plain request holds (vLLM could not allocate for it: nothing was
+    copied), and vLLM is paused with ``mode=keep`` and its caches cleared. Paused, vLLM never
+    looks the turn up again; counting its plan as a stale load made ``reset_cache()`` False, and
+    the pause failed ("Failed to reset the KV connector cache."). It succeeds, and after the
+    resume the turn loads nothing computed before the reset."""
+    tiny.clean()
+    tiny.reset_prefix_cache()
+    vocab = tiny.tokenize([{"role": "user", "content": long_text(3300, 4500)}], gen=False)
+    ctx = vocab[: 18 * BLOCK - 4]  # 17 full blocks
+    hog = vocab[18 * BLOCK : 38 * BLOCK]  # 20 blocks, then decodes for seconds
+    assert len(hog) == 20 * BLOCK
+    _complete(tiny, ctx, "paused-reset", 1)
+    decision = tiny.pause("paused-reset", "reset-tool", None)["decision"]  # unknown: copy now
+    assert decision["action"] == "offload_host", decision
+    tiny.wait_state("paused-reset", {"offloaded"})
+    tiny.reset_prefix_cache()  # only the host tier has the context now
+    turn2 = [*ctx, *vocab[40 * BLOCK : 42 * BLOCK]]  # 20 blocks: more than the hog leaves free
+    generation = tiny.status()["engine"]["kv_generation"]
+    with ThreadPoolExecutor(2) as pool:
+        hog_f = pool.submit(_plain, tiny, hog, 1000)
+        wait_until(lambda: tiny.status()["engine"]["live_requests"] == 1, "the plain request")
+        turn_f = pool.submit(_complete, tiny, turn2, "paused-reset", 1)
+
+        def planned_and_blocked() -> bool:
+            s = tiny.status()
+            return s["engine"]["live_requests"] == 2 and s["pool"]["admission"]["waiting"] >= 1
+
+        wait_until(planned_and_blocked, "the turn looked up and blocked on blocks")
+        assert not hog_f.done() and not turn_f.done()  # the turn's plan is still pending
+        try:
+            r = tiny.client.post("/pause", params={"mode": "keep", "clear_cache": "true"})
+            assert r.status_code == 200, r.text
+        finally:
+            tiny.client.post("/resume")
+        turn = turn_f.result(timeout=300)
+        hog_f.result(timeout=300)
+    assert tiny.status()["engine"]["kv_generation"] != generation
+    assert turn["usage"]["completion_tokens"] == 1
+    stats = turn["kv_transfer_params"]["agentkv"]
+    assert stats["tier_hit_tokens"] == 0, stats  # nothing of the old generation loaded
+    assert tiny.trajectory_code("paused-reset") == 404  # the reset ended it
+
+
+def _waiting_in_vllm(server: Server) -> float:
+    """vLLM's own count of requests in its waiting queue (its scheduler's, each step)."""
+    total = 0.0
+    for line in server.metrics_text().splitlines():
+        if line.startswith("vllm:num_requests_waiting"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_turn_queued_in_vllm_before_the_delete_does_not_bring_the_trajectory_back(
+    tiny: Server,
+) -> None:
+    """Issue 40 item 9: a plain request at the head of vLLM's queue waits for blocks a long one
+    holds, and a trajectory's turn waits behind it, never looked up, while the client DELETEs
+    the trajectory (200). Scheduled later, that turn arrived before the DELETE (vLLM's
+    ``arrival_time``): it runs as a vanilla request and the trajectory stays deleted. Before,
+    it re-created it (pins, a host copy, kept until idle_ttl_s)."""
+    tiny.clean()
+    tiny.reset_prefix_cache()
+    vocab = tiny.tokenize([{"role": "user", "content": long_text(3400, 4500)}], gen=False)
+    turn1 = vocab[: 4 * BLOCK]
+    hog = vocab[5 * BLOCK : 25 * BLOCK]  # 20 blocks, then decodes for seconds
+    head = vocab[25 * BLOCK : 45 * BLOCK] if len(vocab) >= 45 * BLOCK else hog[::-1]
+    _complete(tiny, turn1, "queued-delete", 1)
+    assert tiny.trajectory_code("queued-delete") == 200
+    with ThreadPoolExecutor(3) as pool:
+        hog_f = pool.submit(_plain, tiny, hog, 1500)
+        wait_until(lambda: tiny.status()["engine"]["live_requests"] == 1, "the long request")
+        head_f = pool.submit(_plain, tiny, head, 1)  # 20 blocks: more than the hog leaves
+        wait_until(lambda: tiny.status()["pool"]["admission"]["waiting"] >= 1, "a blocked head")
+        turn_f = pool.submit(_complete, tiny, [*turn1, *vocab[: BLOCK // 2]], "queued-delete", 1)
+        wait_until(lambda: _waiting_in_vllm(tiny) >= 2, "the turn queued behind the head")
+        # Looked up: the long request and the blocked head; the turn behind them never was.
+        assert tiny.status()["engine"]["live_requests"] == 2
+        assert tiny.client.delete("/agentkv/v1/trajectories/queued-delete").status_code == 200
+        assert not hog_f.done() and not turn_f.done()
+        turn = turn_f.result(timeout=300)
+        head_f.result(timeout=300)
+        hog_f.result(timeout=300)
+    assert not (turn.get("kv_transfer_params") or {}).get("agentkv"), turn  # a vanilla request
+    assert tiny.trajectory_code("queued-delete") == 404
+    assert tiny.status()["trajectories"] == 0
+    # A turn sent after the DELETE starts a fresh trajectory.
+    again = _complete(tiny, turn1, "queued-delete", 1)
+    assert again["kv_transfer_params"]["agentkv"]["turn"] == 1, again
+    tiny.end("queued-delete")

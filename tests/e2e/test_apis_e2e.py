@@ -285,3 +285,45 @@ def test_the_agent_loop_examples_run_and_reuse_their_prefix(
     assert len(hits) == turns, done.stdout
     assert all(int(device) + int(tier) > 0 for device, tier in hits[1:]), done.stdout
     assert api_server.trajectory_code(tid) == 404  # the wrapper's exit DELETEs the trajectory
+
+
+def test_another_tenants_response_chain_is_refused(api_server: Server) -> None:
+    """Issue 40 item 5: with the Responses store on, a salted chain's id (its first response
+    id) was served by ``GET /v1/responses/{id}`` and continued by ``previous_response_id`` for
+    anyone. Another tenant (or none) now gets vLLM's own 404; the chain's tenant still works."""
+    uid = _uid()
+    mine, theirs = f"resp-b-{uid}", f"resp-a-{uid}"
+    client = _openai(api_server)
+    r1 = client.responses.create(
+        model=api_server.model,
+        input="Secret plans. " + long_text(29100, 40),
+        max_output_tokens=2,
+        temperature=0,
+        extra_body={"cache_salt": mine},
+    )
+    try:
+        get = f"/v1/responses/{r1.id}"
+        for tenant in ({"X-AgentKV-Cache-Salt": theirs}, {}):
+            r = api_server.client.get(get, headers=tenant)
+            assert r.status_code == 404 and "not found" in r.text, r.text
+        assert api_server.client.get(get, params={"cache_salt": mine}).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(
+                model=api_server.model,
+                previous_response_id=r1.id,
+                input="what were the plans?",
+                max_output_tokens=2,
+                extra_body={"cache_salt": theirs},
+            )
+        r2 = client.responses.create(
+            model=api_server.model,
+            previous_response_id=r1.id,
+            input="go on",
+            max_output_tokens=2,
+            extra_body={"cache_salt": mine},
+        )
+        assert _agentkv(r2)["trajectory_id"] == r1.id
+    finally:
+        api_server.client.delete(
+            f"/agentkv/v1/trajectories/{r1.id}", headers={"X-AgentKV-Cache-Salt": mine}
+        )

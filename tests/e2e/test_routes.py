@@ -216,3 +216,69 @@ def test_routes_are_in_openapi(server: Server) -> None:
     paths = server.client.get("/openapi.json").json()["paths"]
     assert "/agentkv/v1/status" in paths
     assert "/agentkv/v1/trajectories/{trajectory_id}/pause" in paths
+
+
+# --- tenants (issue 40 items 5 and 7) ---------------------------------------------------------
+
+SALT = "X-AgentKV-Cache-Salt"
+
+
+def test_status_shows_a_tenant_nothing_of_another(server: Server) -> None:
+    """Item 5: /status listed every tenant's trajectory ids and the tools learned from all of
+    them to any API-key holder; the cross-tenant view needs the operator key."""
+    uid = f"{time.monotonic_ns():x}"
+    tid, tool = f"b-secret-{uid}", f"b-secret-tool-{uid}"
+    b = {SALT: f"tenant-b-{uid}"}
+    try:
+        server.chat(_ctx(2400), trajectory=tid, salt=b[SALT])
+        r = server.client.post(
+            f"/agentkv/v1/trajectories/{tid}/pause",
+            json={"tool": tool, "expected_wait_s": 1.0},
+            headers=b,
+        )
+        assert r.status_code == 200, r.text
+        r = server.client.post(f"/agentkv/v1/trajectories/{tid}/resume", json={}, headers=b)
+        assert r.status_code == 200, r.text
+        for tenant in ({SALT: f"tenant-a-{uid}"}, {}):
+            r = server.client.get("/agentkv/v1/status", headers=tenant)
+            assert r.status_code == 200
+            assert tid not in r.text and tool not in r.text, r.text
+            assert r.json()["view"] == "tenant" and r.json()["trajectories"] >= 1  # counts stay
+        operator = server.status()  # the operator key (conftest): every tenant
+        assert operator["view"] == "operator" and tid in operator["trajectory_ids"]
+        assert operator["predictor"].get(tool) == 1
+        own = server.client.get("/agentkv/v1/status", headers=b).json()
+        assert own["trajectory_ids"] == [tid] and tool not in json.dumps(own)
+        wrong = {"X-AgentKV-Operator-Key": "guess"}
+        assert server.client.get("/agentkv/v1/status", headers=wrong).status_code == 403
+    finally:
+        server.client.delete(f"/agentkv/v1/trajectories/{tid}", headers=b)
+
+
+def test_a_pause_with_cache_salt_in_the_body_and_no_header_works(server: Server) -> None:
+    """Item 7: behind vllm-router the header is dropped and the bodies forbade cache_salt: a
+    salted trajectory could not be paused, read or deleted in a fleet."""
+    uid = f"{time.monotonic_ns():x}"
+    tid, salt = f"body-salt-{uid}", f"tenant-body-{uid}"
+    server.chat(_ctx(2500), trajectory=tid, salt=salt)
+    base = f"/agentkv/v1/trajectories/{tid}"
+    r = server.client.post(
+        f"{base}/pause",
+        json={"tool": f"body-tool-{uid}", "expected_wait_s": 1.0, "cache_salt": salt},
+    )
+    assert r.status_code == 200 and r.json()["trajectory_id"] == tid, r.text
+
+    def paused() -> bool:
+        r = server.client.get(base, params={"cache_salt": salt})
+        assert r.status_code == 200, r.text
+        return bool(r.json()["branches"]["main"]["state"] != "active")
+
+    wait_until(paused, "the body-salted pause to apply")
+    assert server.client.get(base).status_code == 404  # the unsalted namespace has no such id
+    r = server.client.request(
+        "DELETE", base, json={"cache_salt": salt}, headers={SALT: f"other-{uid}"}
+    )
+    assert r.status_code == 400  # header and body name two tenants
+    r = server.client.request("DELETE", base, json={"cache_salt": salt})
+    assert r.status_code == 200 and r.json()["trajectory_id"] == tid, r.text
+    assert server.client.get(base, params={"cache_salt": salt}).status_code == 404

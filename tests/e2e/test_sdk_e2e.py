@@ -219,3 +219,32 @@ async def test_wrong_api_key_raises(server: Any) -> None:
     ) as traj:
         with pytest.raises(AuthenticationError):
             await traj.complete("hi")
+
+
+async def test_a_salted_trajectory_is_paused_and_deleted(server: Any) -> None:
+    """Issue 40 item 6: the SDK's pause, resume, GET and DELETE went without the tenant, got 404
+    and swallowed it: a salted trajectory was never paused or deleted. ``cache_salt`` (one
+    option) now rides on every call."""
+    salt = f"sdk-tenant-{uuid.uuid4().hex[:8]}"
+    traj = new_traj(server, 6, cache_salt=salt)
+    tid = traj.trajectory_id
+    await traj.complete("Hello.")
+    async with raw_client(server) as client:
+        path = f"/agentkv/v1/trajectories/{tid}"
+        assert (await client.get(path)).status_code == 404  # not in the unsalted namespace
+        tool = f"salted_suite_{uuid.uuid4().hex[:6]}"
+        async with traj.tool(tool, expected_s=2) as call:
+            assert call.pause_response is not None and call.decision is not None
+            deadline = time.monotonic() + 15
+            while True:  # the pause reached the salted trajectory on the server
+                state = await traj.server_state()
+                assert state is not None  # the SDK's GET names the tenant too
+                if state["branches"]["main"].get("tool") == tool:
+                    break
+                assert time.monotonic() < deadline, state
+                await asyncio.sleep(0.1)
+        assert call.resume_response is not None and call.resume_response["trajectory_id"] == tid
+        released = await traj.close()
+        assert released is not None and released["trajectory_id"] == tid
+        r = await client.get(path, headers={"X-AgentKV-Cache-Salt": salt})
+        assert r.status_code == 404  # deleted in its own namespace

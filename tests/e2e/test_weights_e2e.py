@@ -33,7 +33,10 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def rl_server() -> Iterator[Server]:
-    with own_server("weights") as srv:
+    # A trainer's own weight-sync RPC (tests/e2e/trainer_ext.py) next to vLLM's.
+    with own_server(
+        "weights", vllm_args=("--worker-extension-cls", "tests.e2e.trainer_ext.TrainerWeightSync")
+    ) as srv:
         yield srv
 
 
@@ -78,7 +81,7 @@ def test_reset_external_drops_tier_copies_and_a_plain_reset_keeps_them(rl_server
     server.end(tid)
 
 
-def _perturbed_copy(model_dir: Path, out: Path) -> Path:
+def _perturbed_copy(model_dir: Path, out: Path, seed: int = 1234) -> Path:
     """A copy of the tiny model whose every weight moved: other weights, same architecture."""
     import shutil
 
@@ -88,7 +91,7 @@ def _perturbed_copy(model_dir: Path, out: Path) -> Path:
     shutil.copytree(model_dir, out)
     weights = out / "model.safetensors"
     tensors = load_file(str(weights))
-    generator = torch.Generator().manual_seed(1234)
+    generator = torch.Generator().manual_seed(seed)
     moved = {
         name: (t.float() + 0.05 * torch.randn(t.shape, generator=generator)).to(t.dtype)
         for name, t in tensors.items()
@@ -133,6 +136,36 @@ def test_weight_update_makes_older_tier_copies_unloadable(rl_server: Server) -> 
     assert tokens_and_logprobs(new_ref) != tokens_and_logprobs(old_ref), (
         "the weights did not change"
     )
+    server.end(tid)
+
+
+def test_a_trainers_own_weight_rpc_and_a_plain_reset_load_nothing_older(rl_server: Server) -> None:
+    """OpenRLHF's sync (issue 41): its own worker method ``update_weight`` through
+    ``/collective_rpc``, then a plain ``/reset_prefix_cache``, no pause. On a name list of vLLM's
+    methods the RPC passed unseen and the plain reset kept the tier copies: the next turn loaded
+    the old weights' KV from host (1,408 tokens) and its greedy text differed."""
+    from agentkv import modelgen
+
+    server = rl_server
+    first, second = two_turns(40)
+    tid = "rl-trainer-rpc"
+    _offloaded_to_host(server, tid, first)
+    new_weights = _perturbed_copy(
+        modelgen.default_model_dir("tiny"), Path(tempfile.mkdtemp()) / "tiny-v3", seed=4321
+    )
+    generation = server.status()["engine"]["kv_generation"]
+    _post(
+        server,
+        "/collective_rpc",
+        json={"method": "update_weight", "kwargs": {"weights_path": str(new_weights)}},
+    )
+    server.reset_prefix_cache()
+    assert server.status()["engine"]["kv_generation"] != generation
+    got = server.chat(second, trajectory=tid)
+    stats = got["kv_transfer_params"]["agentkv"]
+    assert stats["tier_hit_tokens"] == 0, stats
+    fresh = server.chat(second, salt="ref-trainer-weights")
+    assert tokens_and_logprobs(got) == tokens_and_logprobs(fresh)
     server.end(tid)
 
 

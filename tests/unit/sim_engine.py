@@ -131,7 +131,9 @@ class SimEngine:
             branch,
             list(prompt),
             max_new,
-            RequestParams(traj_id, branch, tenant=salt, **kw),  # the salt is its namespace
+            # the salt is its namespace; arrived_at as the adapter stamps it (vLLM's
+            # arrival_time): the request arrives now, however long it queues before its lookup
+            RequestParams(traj_id, branch, tenant=salt, arrived_at=self.mgr.clock.now(), **kw),
         )
         req.salt = salt
         self.requests[rid] = req

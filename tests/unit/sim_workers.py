@@ -64,6 +64,7 @@ class SimWorkers:
         # the manager's upload jobs, read by its fetch jobs; a key it has keeps its copy
         self.remote: list[dict[bytes, bytes | None]] = [{} for _ in range(tp_size)]
         self.pending: list[Pending] = []
+        self.kept = False  # the restart's keep plan applied (once, as the worker does)
         self.silent: set[int] = set()
         # A silent rank's reports of copies it made before a forward (sent when it wakes).
         self.withheld: dict[int, list[WorkerReport]] = {}
@@ -80,8 +81,18 @@ class SimWorkers:
 
     # ---------------------------------------------------------------- plans
     def deliver(self, plan: StepPlan, now: float = 0.0) -> None:
-        """start_step on every rank: drops first, then stores, loads (layerwise ones run in this
+        """start_step on every rank: the restart's keep plan (once, as the worker applies it:
+        ``TieredStore.prune_disk``), drops, then stores, loads (layerwise ones run in this
         step's forward) and moves."""
+        if plan.keep is not None and not self.kept:
+            self.kept = True
+            for store in self.stores:
+                for key in [k for k in store.disk if k not in plan.keep.keys]:
+                    del store.disk[key]  # in place: the folder outlives this process
+                store.damaged &= set(store.disk)
+                lacking = {k: "miss" for k in plan.keep.keys if k not in store.disk}
+                if lacking:
+                    self.reports.append(WorkerReport(bad_keys=lacking))  # type: ignore[arg-type]
         for rank in range(self.tp):
             for drop in plan.drops:
                 self.stores[rank].drop(drop.keys, drop.tier)

@@ -37,6 +37,7 @@ class ControlRules:
     """The control-channel rules; the machine's setup builds the state they read."""
 
     mgr: Any
+    eng: Any
     deleted: list[Any]
     deleted_ids: set[tuple[str, str | None]]
     looked_up_before_delete: set[str]
@@ -45,6 +46,8 @@ class ControlRules:
     if TYPE_CHECKING:  # the machine's helper
 
         def _pick_traj(self, i: int, deleted: bool = False) -> tuple[str, str | None] | None: ...
+
+        def deleted_durably(self, trajectory_key: str) -> None: ...
 
     @rule(**PAUSE_ARGS)
     def pause(
@@ -95,11 +98,22 @@ class ControlRules:
         self.looked_up_before_delete |= {
             rid for rid, key in self.mgr.reqs._waiting.items() if key == gone.trajectory_id
         } | {rid for rid, r in self.mgr.requests.items() if r.traj is gone}
+        # Turns queued in vLLM and never looked up yet (issue 40 item 9): they arrived before
+        # the DELETE, so they must never re-create the trajectory either.
+        self.looked_up_before_delete |= {
+            rid
+            for rid, r in self.eng.requests.items()
+            if r.status == "WAITING"
+            and r.params.prefetch is None
+            and rid not in self.mgr.requests
+            and scoped_id(r.traj_id, r.salt) == gone.trajectory_id
+        }
         self.jobs_at_delete[id(gone)] = {
             j for j, job in self.mgr.jobs.items() if job.trajectory is gone
         }
         code, _ = self.mgr.delete(tid, tenant=salt)
         assert code == 200
+        self.deleted_durably(gone.trajectory_id)  # the control op's, before its 200
         self.deleted.append(gone)
         self.deleted_ids.add(picked)
         assert self.mgr.get(tid, tenant=salt)[0] == 404

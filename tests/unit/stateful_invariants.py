@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis.stateful import invariant
 
 from agentkv.manager import BranchState
-from agentkv.manager.state import scoped_id, tenant_digest
+from agentkv.manager.state import Branch, Trajectory, scoped_id, tenant_digest
 from tests.unit.sim_engine import GARBAGE, key_of, pinned_content_breaches
 
 HOST = 10
@@ -62,9 +62,33 @@ class ManagerInvariants:
         cached = {ref: b for ref, (_, b) in wb.cached.items()}
         for ref in wb.due:
             assert ref in cached and cached[ref].state.value == "cached", ref
-        for due, _, traj, branch, token in wb.heap:
-            if branch.state.value == "cached" and branch.timer_token == token and not traj.deleted:
-                assert wb.due.get((id(traj), branch.name)) == due, (branch.name, due)
+        for entry in wb.heap:
+            live = wb.live(entry)
+            if live is not None:
+                assert wb.due.get((id(live[0]), live[1].name)) == entry[0], entry
+
+    @invariant()
+    def deleted_branches_hold_no_write_back(self) -> None:
+        """8c. (issue 40 item 11) a deleted or ended trajectory is referenced by no write-back
+        structure, under every write-back mode: not CACHED-tracked, no due, no place in the free
+        queue, and no heap entry holds it or its branches (a stale entry names its branch by id
+        only, so the trajectory's memory goes at the DELETE) or is live for it."""
+        if self.mgr is None:
+            return
+        wb = self.mgr.writebacks
+        live_ids = {id(t) for t in self.mgr.table.values()}
+        for ref, (traj, _) in wb.cached.items():
+            assert not traj.deleted and ref[0] in live_ids, ref
+        for ref in list(wb.due) + list(wb.placed.places):
+            assert ref[0] in live_ids, ref
+        live_branches = {id(b) for t in self.mgr.table.values() for b in t.branches.values()}
+        for entry in wb.heap:
+            for part in entry:
+                assert not isinstance(part, Trajectory) or not part.deleted, entry
+                assert not isinstance(part, Branch) or id(part) in live_branches, entry
+            live = wb.live(entry)
+            if live is not None:
+                assert id(live[0]) in live_ids, entry
 
     @invariant()
     def placed_branches_sit_unpinned_in_the_free_queue(self) -> None:

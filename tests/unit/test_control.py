@@ -155,3 +155,72 @@ def test_the_pool_keeps_at_most_pool_max_idle_sockets(
 
     asyncio.run(burst())
     client.close()
+
+
+# --- the status op's views (issue 40 item 5) --------------------------------------------------
+
+
+def _status_side() -> tuple[Any, Any]:
+    """ControlOps over a real manager on the simulated engine: tenant A ("tenant-a") and the
+    unsalted namespace each hold a paused trajectory (A's pause teaches the tool "a-secret-tool")."""
+    from agentkv.idempotency import ReplayCache
+    from agentkv_vllm.control_ops import ControlOps
+    from tests.unit.sim_engine import make_rig
+
+    rig = make_rig()
+
+    class Side(ControlOps):
+        manager = rig.mgr
+        replays = ReplayCache(rig.clock.now)
+
+        def status(self) -> dict[str, Any]:
+            return rig.mgr.status()
+
+        def wake_needed(self) -> bool:
+            return False
+
+    prompt = [7, 7, 7, 7, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1]
+    rig.run(rig.eng.new_request("a-private-run", "main", prompt, max_new=0, salt="tenant-a"))
+    rig.run(rig.eng.new_request("plain-run", "main", prompt, max_new=0))
+    side = Side()
+    for tid, salt in (("a-private-run", "tenant-a"), ("plain-run", None)):
+        req = {"op": "pause", "trajectory_id": tid, "tool": f"{tid}-tool", "expected_wait_s": 1.0}
+        assert side.handle({**req, **({"cache_salt": salt} if salt else {})})[0] == 200
+        resume = {"op": "resume", "trajectory_id": tid, **({"cache_salt": salt} if salt else {})}
+        assert side.handle(resume)[0] == 200  # the predictor learns the tool's wait
+    return side, rig
+
+
+def test_status_shows_a_tenant_only_its_own_trajectories_and_no_learned_tools() -> None:
+    """Issue 40 item 5: /status listed every tenant's trajectory ids and the tools learned from
+    all of them to any caller."""
+    side, _ = _status_side()
+    _, full = side.handle({"op": "status", "operator": True})
+    assert set(full["trajectory_ids"]) == {"a-private-run", "plain-run"}
+    assert "a-private-run-tool" in full["predictor"] and full["view"] == "operator"
+    for salt, own in (("tenant-a", ["a-private-run"]), ("tenant-b", []), (None, ["plain-run"])):
+        req = {"op": "status", **({"cache_salt": salt} if salt else {})}
+        status, body = side.handle(req)
+        assert status == 200 and body["view"] == "tenant"
+        assert body["trajectory_ids"] == own
+        text = repr(body)
+        for other in {"a-private-run", "plain-run"} - set(own):
+            assert other not in text  # neither its id nor its tool's name
+        assert "predictor" not in body and "per_tool" not in body["device_prefetch"]
+        assert body["trajectories"] == 2  # aggregates stay
+        assert body["counters"] == full["counters"]
+
+
+def test_status_operator_flag_must_be_true_not_just_present() -> None:
+    side, _ = _status_side()
+    _, body = side.handle({"op": "status", "operator": "yes"})
+    assert body["view"] == "tenant" and body["trajectory_ids"] == ["plain-run"]
+
+
+def test_tenant_view_drops_the_last_unblocked_request_id() -> None:
+    from agentkv_vllm.control_ops import tenant_view
+
+    body = {"pool": {"last_unblocked": {"request_id": "resp_x", "blocked_at_step": 3}}}
+    out = tenant_view(body, [])
+    assert out["pool"]["last_unblocked"] == {"blocked_at_step": 3}
+    assert body["pool"]["last_unblocked"]["request_id"] == "resp_x"  # the input is not changed

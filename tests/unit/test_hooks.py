@@ -417,7 +417,9 @@ async def test_json_tool_call_pauses_before_the_body_goes_out() -> None:
     h = Harness(FakeApp([chat_json("run_tests", "grep")]))
     await h.request({"model": "m", **ctx(session_id="t1", expected_resume=4)})
     kinds = [e[0] if e[0] == "pause" else e[1]["type"] for e in h.events]
-    assert kinds == ["http.response.start", "pause", "http.response.body"]
+    # a hint-named JSON reply is held to its end (it gets ``identified_by``): the pause goes
+    # out before any of it
+    assert kinds == ["pause", "http.response.start", "http.response.body"]
     # several calls pause with all their tools (the engine predicts the longest)
     assert h.pauses() == [("pause", "t1", "main", ["run_tests", "grep"], 4.0)]
     assert h.state.counters["auto_pauses"] == 1
@@ -603,3 +605,127 @@ async def test_explicit_params_are_parsed_only_for_a_tool_call(
     h = Harness(FakeApp([chat_json("t")]))
     await h.request({"kv_transfer_params": {"agentkv": {"trajectory_id": "a b"}}})
     assert not h.pauses()
+
+
+# ------------------------------------------------- issue 42: what a framework already sends
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "want", "source"),
+    [
+        # every hint that names a session by intent outranks the cache-routing key
+        ({"session_id": "s1", "prompt_cache_key": "k1"}, {}, "s1", "session_id"),
+        ({"prompt_cache_key": "k1"}, {"x-session-id": "h1"}, "h1", "x-session-id"),
+        ({**ctx(session_id="c1"), "prompt_cache_key": "k1"}, {}, "c1", "agentic_context"),
+        (
+            {"vllm_xargs": {"session_id": "x1"}, "prompt_cache_key": "k1"},
+            {},
+            "x1",
+            "vllm_xargs.session_id",
+        ),
+        ({"prompt_cache_key": "agents-sdk:run:abc"}, {}, "agents-sdk:run:abc", "prompt_cache_key"),
+    ],
+)
+def test_prompt_cache_key_is_a_hint_below_the_session_ids(
+    body: dict[str, Any], headers: dict[str, str], want: str, source: str
+) -> None:
+    ident, problems = resolve_identity(body, headers)
+    assert not problems and ident is not None
+    assert (ident.trajectory_id, ident.branch, ident.source, ident.inject) == (
+        want,
+        "main",
+        source,
+        True,
+    )
+
+
+def test_prompt_cache_key_outranks_the_responses_chain() -> None:
+    """A Responses run that resends its input (no ``previous_response_id``) stays one
+    trajectory: the key names it, not a new chain per request."""
+    from agentkv_vllm.chains import ResponseChains
+
+    chains = ResponseChains()
+    for _ in range(2):
+        ident, _ = resolve_identity({"prompt_cache_key": "conv-1", "input": "x"}, {}, chains)
+        assert ident is not None and (ident.trajectory_id, ident.source) == (
+            "conv-1",
+            "prompt_cache_key",
+        )
+        assert ident.request_id is None  # no chain started
+    ident, _ = resolve_identity({"input": "x"}, {}, chains)
+    assert ident is not None and ident.source == "responses_chain"
+
+
+def test_a_malformed_prompt_cache_key_is_vanilla_with_a_problem() -> None:
+    ident, problems = resolve_identity({"prompt_cache_key": "user 42/task"}, {})
+    assert ident is None
+    assert [(p.source, p.kind, p.vanilla) for p in problems] == [
+        ("prompt_cache_key", "character", True)
+    ]
+
+
+def test_the_byte_test_knows_the_cache_key() -> None:
+    assert hooks.might_carry_hint(b'{"model":"m","prompt_cache_key":"k"}', {})
+    assert hooks.might_carry_hint(b'{"model":"m","prompt_cache_retention":"24h"}', {})
+    assert not hooks.might_carry_hint(b'{"model":"m","prompt_cache":"k"}', {})
+
+
+@pytest.mark.parametrize(
+    ("retention", "ttl", "cap"),
+    [("in_memory", None, 3600.0), ("24h", None, 86400.0), ("24h", 600, 600.0)],
+)
+def test_prompt_cache_retention_caps_the_lease(
+    retention: str, ttl: float | None, cap: float
+) -> None:
+    extra = ctx(kv_retention_ttl_seconds=ttl) if ttl is not None else {}
+    body = {"prompt_cache_key": "k", "prompt_cache_retention": retention, **extra}
+    ident, problems = resolve_identity(body, {})
+    assert not problems and ident is not None and ident.lease_cap_s == cap
+    # whichever source named the trajectory (explicit params too)
+    explicit = {"kv_transfer_params": {"agentkv": {"trajectory_id": "t"}}, **body}
+    ident, _ = resolve_identity(explicit, {})
+    assert ident is not None and ident.lease_cap_s == cap
+
+
+async def test_an_unknown_retention_is_ignored_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ident, problems = resolve_identity({"prompt_cache_key": "k", "prompt_cache_retention": 7}, {})
+    assert ident is not None and ident.trajectory_id == "k" and ident.lease_cap_s is None
+    assert [(p.source, p.kind, p.vanilla) for p in problems] == [
+        ("prompt_cache_retention", "value", False)
+    ]
+    h = Harness(FakeApp([chat_json("run_tests", stats=True)]))
+    with caplog.at_level(logging.WARNING, logger="agentkv.hooks"):
+        sent = await h.request({"prompt_cache_key": "k", "prompt_cache_retention": "forever"})
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "'forever'" in msgs[0] and "keeps its trajectory" in msgs[0]
+    assert h.pauses() == [("pause", "k", "main", "run_tests", None)] and h.caps == [None]
+    agentkv = json.loads(sent[-1]["body"])["kv_transfer_params"]["agentkv"]
+    assert "error" not in agentkv  # the request was not vanilla
+    assert h.state.counters["malformed.prompt_cache_retention"] == 1
+
+
+async def test_a_cache_key_request_is_rewritten_paused_and_says_its_hint() -> None:
+    h = Harness(FakeApp([chat_json("run_tests", stats=True)]))
+    sent = await h.request({"model": "m", "prompt_cache_key": "pck-1", "messages": []})
+    assert json.loads(h.app.body)["kv_transfer_params"] == {
+        "agentkv": {"trajectory_id": "pck-1", "branch": "main"}
+    }
+    assert h.pauses() == [("pause", "pck-1", "main", "run_tests", None)]
+    assert h.state.counters["identified.prompt_cache_key"] == 1
+    start, body = sent
+    assert (b"x-agentkv-identified-by", b"prompt_cache_key") in start["headers"]
+    agentkv = json.loads(body["body"])["kv_transfer_params"]["agentkv"]
+    assert agentkv == {"cached_tokens": 0, "identified_by": "prompt_cache_key"}
+    assert dict(start["headers"])[b"content-length"] == str(len(body["body"])).encode()
+    # a stream says it in the header
+    h = Harness(FakeApp(sse_events("run_tests"), sse=True))
+    sent = await h.request({"model": "m", "stream": True}, {"x-session-id": "s1"})
+    assert (b"x-agentkv-identified-by", b"x-session-id") in sent[0]["headers"]
+    # explicit params name themselves: nothing added
+    h = Harness(FakeApp([chat_json(stats=True)]))
+    raw = chat_json(stats=True)
+    sent = await h.request({"kv_transfer_params": {"agentkv": {"trajectory_id": "t9"}}})
+    assert sent[-1]["body"] == raw
+    assert all(k != b"x-agentkv-identified-by" for k, _ in sent[0]["headers"])

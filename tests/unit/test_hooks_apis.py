@@ -156,7 +156,11 @@ async def test_no_tool_call_no_pause_on_the_new_apis() -> None:
     for path, reply in ((RESPONSES, responses_json()), (MESSAGES, messages_json())):
         h = Harness(FakeApp([reply]))
         sent = await h.request({"model": "m"}, {"x-session-id": "n"}, path=path)
-        assert not h.pauses() and sent[-1]["body"] == reply
+        assert not h.pauses()
+        got, want = json.loads(sent[-1]["body"]), json.loads(reply)
+        if "kv_transfer_params" in want:  # the stats say which hint named the trajectory
+            want["kv_transfer_params"]["agentkv"]["identified_by"] = "x-session-id"
+        assert got == want
 
 
 # ------------------------------------------------------------------------- escaped hint keys
@@ -337,3 +341,87 @@ async def test_a_held_reply_too_large_to_rewrite_goes_out_intact(
     sent = await h.request({"kv_transfer_params": {"agentkv": {"trajectory_id": "a b"}}})
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     assert sent[-1]["body"] == reply
+
+
+# ------------------------------------------------------------------- tenants of stored responses
+
+
+async def test_another_tenants_stored_response_is_not_found() -> None:
+    """Issue 40 item 5: vLLM serves a stored response (GET /v1/responses/{id}) and continues it
+    (previous_response_id, rendering its conversation into the prompt) for anyone; a salted
+    chain is its tenant's only: another tenant gets vLLM's own 404 and vLLM never sees it."""
+    state = HookState(enabled=True, responses_chains=True)
+
+    async def served(
+        body: dict[str, Any] | None, *, method: str = "POST", path: str = RESPONSES, **kw: Any
+    ) -> tuple[int, bool]:
+        """(status, whether vLLM got the request)."""
+        app = FakeApp([responses_json(rid=str((body or {}).get("request_id") or "resp_n"))])
+        h = Harness(app)
+        h.state = h.mw.state = state
+        raw = json.dumps(body).encode() if body is not None else b""
+        headers = [(k.lower().encode(), v.encode()) for k, v in kw.get("headers", {}).items()]
+        scope = {
+            "type": "http",
+            "method": method,
+            "path": path,
+            "headers": headers,
+            "query_string": kw.get("query", b""),
+        }
+        sent: list[dict[str, Any]] = []
+        incoming = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await h.mw(scope, receive, send)
+        return int(sent[0]["status"]), bool(app.scope)
+
+    ok, refused = (200, True), (404, False)
+    salted = {"model": "m", "input": "go", "request_id": "resp_a", "cache_salt": "tenant-a"}
+    assert await served(salted) == ok
+    plain = {"model": "m", "input": "go", "request_id": "resp_plain"}
+    assert await served(plain) == ok
+    for salt in ("tenant-b", None):
+        cont = {"model": "m", "previous_response_id": "resp_a", "request_id": "resp_n"}
+        cont = {**cont, "cache_salt": salt} if salt else cont
+        assert await served(cont) == refused
+        # Whatever names the trajectory: an explicit one or a hint refers to the same store.
+        assert await served({**cont, "session_id": "mine"}) == refused
+        tenant = {"X-AgentKV-Cache-Salt": salt} if salt else {}
+        assert await served(None, method="GET", path=f"{RESPONSES}/resp_a", headers=tenant) == (
+            refused
+        )
+        cancel = f"{RESPONSES}/resp_a/cancel"
+        assert await served(None, path=cancel, headers=tenant) == refused
+    own = {"model": "m", "previous_response_id": "resp_a", "cache_salt": "tenant-a"}
+    assert await served({**own, "request_id": "resp_a2"}) == ok
+    get = f"{RESPONSES}/resp_a"
+    assert await served(None, method="GET", path=get, query=b"cache_salt=tenant-a") == ok
+    mine = {"X-AgentKV-Cache-Salt": "tenant-a"}
+    assert await served(None, method="GET", path=get, headers=mine) == ok
+    # A salted response outside any trajectory (an id the chain cannot name) is kept too.
+    assert await served({"model": "m", "request_id": "bad id", "cache_salt": "tenant-a"}) == ok
+    assert state.chains.foreign("bad id", "tenant-b") and state.chains.lookup("bad id") is None
+    # The continuation is A's too; an unsalted response is everyone's, as in vLLM.
+    assert await served(None, method="GET", path=f"{RESPONSES}/resp_a2") == refused
+    assert await served(None, method="GET", path=f"{RESPONSES}/resp_plain") == ok
+    hdr = {"X-AgentKV-Cache-Salt": "tenant-b"}
+    assert await served(None, method="GET", path=f"{RESPONSES}/resp_plain", headers=hdr) == ok
+    assert state.counters["foreign_chain_refused"] == 4
+    assert state.counters["foreign_response_refused"] == 5
+
+
+def test_the_chain_table_keeps_a_tenant_digest_never_the_salt() -> None:
+    from agentkv_vllm.chains import ResponseChains
+
+    chains = ResponseChains()
+    chains.record("r1", "t1", "main", "s3cret-salt")
+    chains.record("r2", None, "", "s3cret-salt")  # a vanilla salted response: its tenant only
+    assert chains.lookup("r1") == ("t1", "main") and chains.lookup("r2") is None
+    assert not chains.foreign("r1", "s3cret-salt") and chains.foreign("r2", "other")
+    assert chains.foreign("r1", None) and not chains.foreign("unknown", "x")
+    assert "s3cret-salt" not in repr(chains._of)

@@ -15,6 +15,7 @@ A model of the cache says, for each keyed call, what must happen:
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any
 
 import hypothesis.strategies as st
@@ -53,6 +54,7 @@ class IdempotencyMachine(RuleBasedStateMachine):
         side.manager = self.rig.mgr
         side.replays = ReplayCache(self.rig.clock.now, window_s=WINDOW_S, max_keys=MAX_KEYS)
         side._live = set()
+        side._lease_until = OrderedDict()
         self.side = _as_routes_see_it(side)
         # (key, salt) -> (request, status, body, remembered at); insertion order = age
         self.model: dict[tuple[str, str | None], tuple[dict[str, Any], int, dict[str, Any], float]]

@@ -109,6 +109,36 @@ def test_a_load_in_flight_makes_the_invalidation_unclean_until_it_ends() -> None
     }
 
 
+def test_a_planned_load_vllm_could_not_allocate_for_leaves_the_invalidation_clean() -> None:
+    """Issue 40 item 4: a lookup planned a host load, vLLM could not allocate for it (the pool is
+    full) and, paused (pause_generation wait/keep), never asks again: nothing was copied, so the
+    reset is clean (``reset_cache()`` True; counting the plan as stale refused every reset while
+    paused). The plan's read pins go, and the request's next lookup derives its keys under the
+    new generation: it loads nothing stale."""
+    rig = make_rig()
+    _switch_generation(rig, b"g0")
+    _offloaded(rig, "t1")
+    rig.flush()
+    assert rig.eng.spike(rig.pool.num_free() - 1)  # other traffic: no room for the request
+    req = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4])
+    assert not rig.eng.schedule(req)  # looked up (a host hit planned), not allocated
+    planned = rig.mgr.requests[req.req_id]
+    assert planned.load_state == "planned" and planned.plan is not None
+    assert any(e.readers for k in planned.plan.keys if (e := rig.mgr.index.get(k)) is not None)
+    with rig.mgr.lock:
+        _switch_generation(rig, b"g1")
+        result = invalidate_tiers(rig.mgr, "reset")
+    assert result.clean and result.stale_loads == 0
+    assert planned.plan is None and planned.load_state == "none"
+    rig.settle()
+    assert rig.host_keys() == set() and len(rig.mgr.index) == 0  # the planned copies went too
+    rig.eng.release_spike()
+    rig.run(req, steps=30)
+    assert req.status == "FINISHED" and req.load_n == 0  # recomputed, nothing stale loaded
+    assert rig.mgr.counters["loads"] == 0 and not rig.eng.violations
+    assert rig.mgr.counters["loads_cancelled"] == 1
+
+
 def test_an_upload_queued_before_an_invalidation_publishes_its_own_generations_kv() -> None:
     """The engine idle past the job timeout: an upload queued before the switch times out in the
     manager and ships after it. Its copies stay pinned (invalidate_tiers leaves them to the job),

@@ -123,7 +123,9 @@ class InvalidationMachine(base.ManagerMachine):
             for p in self.workers.pending
         ):
             return False  # timed out in the manager, still running on a (late) rank
-        return not any(req.load_state in ("planned", "in_flight") for req in mgr.requests.values())
+        # A planned load (looked up, not allocated) is cancelled by the invalidation: clean
+        # (issue 40 item 4); only a load copying keeps it unclean.
+        return not any(req.load_state == "in_flight" for req in mgr.requests.values())
 
     @precondition(lambda self: self._no_transfer_in_flight())
     @rule()

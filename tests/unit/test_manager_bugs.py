@@ -246,3 +246,27 @@ def test_a_pause_on_parallel_tools_predicts_and_learns_the_longest() -> None:
     code, body = rig.mgr.pause("t1", "main", "grep", None)
     assert code == 200 and "tools" not in body and branch(rig).tool == "grep"
     assert counted(rig) == {"store_blocks": 4, "stores": 1}
+
+
+def test_b10_an_aborted_turn_behind_a_finished_one_holds_that_turn_s_pins() -> None:
+    """Two turns of one branch: the first waits for its host load, the second (device only)
+    finishes and pins its context; the first is then aborted with its load unconfirmed. The
+    branch keeps the finished turn's context, pinned: it is HELD (its grace runs, then its
+    default action), not DROPPED still holding those pins (a paused branch placed in vLLM's
+    free queue with pins of its own: stateful invariant 8b)."""
+    rig = make_rig(grace=0.5)
+    offloaded(rig)
+    rig.flush()  # only host has the context
+    waiting = rig.eng.new_request("t1", "main", [*P1, 4, 4, 4], max_new=1)
+    assert rig.eng.schedule(waiting) and waiting.status == "WAITING_FOR_REMOTE_KVS"
+    rig.eng.step()  # its load is out, not reported
+    other = rig.run(rig.eng.new_request("t1", "main", [3, 3, 3, 3, 3, 1]), jobs=False)
+    assert other.status == "FINISHED"
+    b = branch(rig)
+    assert b.state is BranchState.ACTIVE and b.pinned  # the first turn still runs
+    rig.eng.abort(waiting)
+    assert b.state is BranchState.HELD and b.pinned and len(b.pinned) == len(b.keys)
+    assert b.keys[:1] == keys_of(rig, [3, 3, 3, 3])  # the finished turn's context
+    rig.clock.advance(1.0)
+    rig.settle()
+    assert b.state is not BranchState.HELD and not rig.eng.violations

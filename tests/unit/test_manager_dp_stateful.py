@@ -1,8 +1,11 @@
 """The manager state machine (test_manager_stateful.ManagerMachine) with two DP ranks behind the
 routes' fan-out, as a data-parallel server runs them: each DP rank is its own engine core with its
 own manager, device pool, workers and disk manifest (manifest-dp<rank>.json); they share the
-clock, the remote tier and the agents (a trajectory's turns may land on either rank, so the same
-id holds state on both).
+clock, the remote tier, the agents (a trajectory's turns may land on either rank, so the same
+id holds state on both) and one disk root: each rank's workers keep their files in that rank's
+folders of it (``tiers.disk.rank_dir``), so one rank's store, DELETE or restart never counts or
+deletes the other's files (issue 40 item 12: the invariants check each rank's stores against
+its own index).
 
 Rules: everything ManagerMachine does, on the rank ``switch_rank`` selected (requests, jobs,
 restarts of that rank, its own control calls); plus control calls through the production
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,18 +58,20 @@ PER_RANK = (
 )
 
 
-class _RankControl:
-    """One DP rank's engine side of the control channel: the production ``handle``."""
+class _RankControl(scheduler_side.SchedulerSide):  # type: ignore[misc]
+    """One DP rank's engine side of the control channel: the production ``handle`` (a
+    SchedulerSide without vLLM: only what the control ops read is set)."""
 
-    handle = scheduler_side.SchedulerSide.handle
-    _handle = scheduler_side.SchedulerSide._handle
-    _apply = scheduler_side.SchedulerSide._apply
-    wake_needed = scheduler_side.SchedulerSide.wake_needed
-
-    def __init__(self, manager: Any) -> None:
-        self.manager = manager
-        self.replays = ReplayCache(manager.clock.now)
+    def __init__(self, machine: DPMachine, rank: int) -> None:  # no super(): no vLLM config
+        self.machine, self.rank = machine, rank
+        self.manager = machine.ranks[rank]["mgr"]
+        self.replays = ReplayCache(self.manager.clock.now)
         self._live: set[str] = set()
+        self._lease_until: OrderedDict[Any, float] = OrderedDict()
+
+    def delete_durable(self, trajectory_key: str) -> None:
+        """The production side's ManifestKeeper.durable_delete, checked (the rank's own)."""
+        self.machine.deleted_durably(trajectory_key)
 
 
 class _RankClient:
@@ -117,7 +123,7 @@ class DPMachine(base.ManagerMachine):
     def _control(self, rank: int) -> _RankControl:
         ctl = self.control.get(rank)
         if ctl is None or ctl.manager is not self.ranks[rank]["mgr"]:  # a restart: a new one
-            ctl = self.control[rank] = _RankControl(self.ranks[rank]["mgr"])
+            ctl = self.control[rank] = _RankControl(self, rank)
         return ctl
 
     def teardown(self) -> None:

@@ -23,14 +23,16 @@ Invariants after every step (numbers from agentkv/manager/core.py's docstring):
      unpins; all balance to zero at the end (teardown); every pinned block holds its keys'
      true KV on every rank (a branch's context blocks, a store job's sources)
   4. only live trajectories own indexed keys (and know it); deleted ones hold nothing, answer
-     404, never come back through their running requests; tombstones only while running
+     404, never come back through their running requests, nor through a turn queued before the
+     DELETE and looked up after it (issue 40 item 9); tombstones only while running
   5. pressure weighs only RETAINED branches, and every one it picks leaves RETAINED; a demotion
      that covered its excess is not followed by another unless usage grew or a store completed
   6. index == stores: what the index lists complete is on every rank; the ranks hold nothing the
      index does not know (drops still in the outbox aside); no tier is written past capacity
   7. the KV-event change log replays to exactly the index
   8. deferred write-backs: a recorded eviction due belongs to a CACHED branch, and its live
-     heap entry carries the same due
+     heap entry carries the same due; no write-back structure references a deleted trajectory
+     (8c, under eager and forecast write-back: issue 40 item 11)
 They are in stateful_invariants.py (ManagerInvariants, a mixin of the machine). The rules: the
 control channel's in stateful_control.py (ControlRules), the restarts in stateful_restart.py
 (RestartRules), both mixins; the requests, engine loop, workers, clock and pressure here.
@@ -167,6 +169,7 @@ class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedSta
         # What a KV-event consumer believes each tier holds, from the change log alone.
         self.announced: dict[str, set[bytes]] = {"host": set(), "disk": set()}
         self.workers = workers
+        self.attach_disk(workers)  # its disk folders (RestartRules): they outlive the process
         self.eng = SimEngine(self.mgr, self.pool, self.workers)
         self.eng.finished_contexts = contexts  # the agents remember their contexts
         self.deleted: list[Trajectory] = []
@@ -295,6 +298,37 @@ class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedSta
         if len(ctx) > 28:
             ctx = ctx[:20]
         self.eng.new_request(tid, branch, ctx + tail, max_new=max_new, salt=salt)
+
+    @precondition(lambda self: len(self.eng.requests) < 4 and bool(self.mgr.table))
+    @rule(
+        traj=st.integers(0, 5),
+        tail=st.lists(st.integers(1, 3), min_size=1, max_size=9),
+        gap=st.sampled_from([0.0, 0.0, 0.01, 0.6]),
+        after=st.booleans(),
+    )
+    def turn_queued_then_deleted(self, traj: int, tail: list[int], gap: float, after: bool) -> None:
+        """Issue 40 item 9: a turn sits in vLLM's waiting queue, not yet looked up, while its
+        trajectory is DELETEd (200); ``gap`` seconds pass between its arrival and the DELETE.
+        Scheduled later, it runs as a vanilla request (invariant 4: the deleted trajectory never
+        comes back, holds nothing); with ``after``, a turn that arrives after the DELETE starts
+        a fresh trajectory as before."""
+        assert self.mgr is not None
+        picked = self._pick_traj(traj)
+        assert picked is not None
+        tid, salt = picked
+        ctx = self.eng.finished_contexts.get((tid, "main")) or list(SYSTEM)
+        queued = self.eng.new_request(tid, "main", ctx[:20] + tail, max_new=1, salt=salt)
+        self.clock.advance(gap)
+        self.delete(self._live_ids().index(picked))  # bookkeeping for invariant 4 included
+        fresh = None
+        if after:
+            self.clock.advance(0.01)
+            fresh = self.eng.new_request(tid, "main", ctx[:20] + tail, max_new=1, salt=salt)
+        self._engine_loop(3, 0xFFFF, 0.01)
+        if queued.status == "FINISHED":
+            assert queued.stats is None, queued.stats  # vanilla: no turn of any trajectory
+        if fresh is not None and fresh.req_id in self.mgr.requests:
+            assert not self.mgr.requests[fresh.req_id].traj.deleted
 
     @precondition(lambda self: len(self.eng.requests) < 4)
     @rule(

@@ -250,3 +250,120 @@ async def test_a_trajectory_op_answers_without_waiting_for_the_engine_step(
     engine.step_done.set()
     await asyncio.gather(*routes._State.background)
     assert not routes._State.background
+
+
+# --- tenants in the bodies and the status views (issue 40 items 5 and 7) ---------------------
+
+
+@pytest.mark.parametrize("op", ["pause", "resume", "end"])
+def test_a_body_cache_salt_names_the_tenant_as_the_header_does(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    """Item 7: behind vllm-router the header is dropped; the body forbade ``cache_salt``, so a
+    salted trajectory could not be paused, resumed or deleted in the fleet."""
+    rank = _FakeRank({"s": {"t1"}})
+    monkeypatch.setattr(routes._State, "clients", [rank])
+    monkeypatch.setattr(routes._State, "client", rank)
+    body: dict[str, Any] = {"tool": "pytest"} if op == "pause" else {}
+    path = f"{BASE}/t1" if op == "end" else f"{BASE}/t1/{op}"
+    r = client.request(
+        "DELETE" if op == "end" else "POST",
+        path,
+        json={**body, "cache_salt": "s", "model": "m", "agent_hint": {"session_id": "t1"}},
+    )
+    assert r.status_code == 200, r.text
+    assert rank.calls[-1][1]["cache_salt"] == "s" and "model" not in rank.calls[-1][1]
+
+
+@pytest.mark.parametrize("how", ["body", "query"])
+def test_get_takes_the_tenant_from_its_body_or_query(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    rank = _FakeRank({"s": {"t1"}})
+    monkeypatch.setattr(routes._State, "clients", [rank])
+    monkeypatch.setattr(routes._State, "client", rank)
+    if how == "body":
+        r = client.request("GET", f"{BASE}/t1", json={"cache_salt": "s", "model": "m"})
+    else:
+        r = client.get(f"{BASE}/t1", params={"cache_salt": "s"})
+    assert r.status_code == 200, r.text
+    assert rank.calls[-1] == ("get", {"trajectory_id": "t1", "cache_salt": "s"})
+    assert client.get(f"{BASE}/t1").status_code == 404  # the unsalted namespace
+
+
+@pytest.mark.parametrize("op", ["pause", "resume", "end", "get", "status"])
+def test_a_tenant_that_differs_between_header_and_body_is_400(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    rank = _FakeRank({"a": {"t1"}, "b": {"t1"}})
+    calls: list[dict[str, Any]] = []
+    plain = rank.call
+
+    async def call(op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+        calls.append(fields)
+        return await plain(op, **fields)
+
+    monkeypatch.setattr(rank, "call", call)
+    monkeypatch.setattr(routes._State, "clients", [rank])
+    monkeypatch.setattr(routes._State, "client", rank)
+    body: dict[str, Any] = {"cache_salt": "b", **({"tool": "x"} if op == "pause" else {})}
+    method, path = {
+        "pause": ("POST", f"{BASE}/t1/pause"),
+        "resume": ("POST", f"{BASE}/t1/resume"),
+        "end": ("DELETE", f"{BASE}/t1"),
+        "get": ("GET", f"{BASE}/t1"),
+        "status": ("GET", "/agentkv/v1/status"),
+    }[op]
+    r = client.request(method, path, json=body, headers={routes.TENANT_HEADER: "a"})
+    assert r.status_code == 400 and "tenant differs" in r.json()["detail"], r.text
+    assert calls == []  # nothing reached the engine
+    # The same salt twice is one tenant.
+    r = client.request(
+        method, path, json={**body, "cache_salt": "a"}, headers={routes.TENANT_HEADER: "a"}
+    )
+    assert r.status_code != 400 and calls[-1]["cache_salt"] == "a", r.text
+
+
+class _StatusRank:
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    async def call(self, op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+        self.calls.append({"op": op, **fields})
+        return 200, {"trajectory_ids": []}
+
+
+def test_status_names_the_tenant_and_the_operator_view_needs_its_own_key(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 5: any API-key holder got the cross-tenant view."""
+    rank = _StatusRank()
+    monkeypatch.setattr(routes._State, "client", rank)
+    monkeypatch.setattr(routes._State, "clients", [rank])
+    monkeypatch.setattr(routes._State, "operator_key", "op-key")
+    assert client.get("/agentkv/v1/status", headers={routes.TENANT_HEADER: "s"}).status_code == 200
+    assert rank.calls[-1] == {"op": "status", "operator": False, "cache_salt": "s"}
+    assert client.get("/agentkv/v1/status").status_code == 200
+    assert rank.calls[-1] == {"op": "status", "operator": False}
+    wrong = {routes.OPERATOR_HEADER: "guess"}
+    assert client.get("/agentkv/v1/status", headers=wrong).status_code == 403
+    right = {routes.OPERATOR_HEADER: "op-key"}
+    assert client.get("/agentkv/v1/status", headers=right).status_code == 200
+    assert rank.calls[-1] == {"op": "status", "operator": True}
+    # A server without an operator key has no operator view at all.
+    monkeypatch.setattr(routes._State, "operator_key", None)
+    assert client.get("/agentkv/v1/status", headers=right).status_code == 403
+    assert len(rank.calls) == 3
+
+
+def test_the_operator_key_comes_from_the_setting_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agentkv_vllm.settings import OPERATOR_KEY_ENV, ConnectorSettings
+
+    monkeypatch.delenv(OPERATOR_KEY_ENV, raising=False)
+    assert ConnectorSettings().operator_key() is None
+    monkeypatch.setenv(OPERATOR_KEY_ENV, "from-env")
+    assert ConnectorSettings().operator_key() == "from-env"
+    settings = ConnectorSettings.model_validate({"operator_api_key": "op-s3cret"})
+    assert settings.operator_key() == "op-s3cret" and "op-s3cret" not in repr(settings)

@@ -235,3 +235,231 @@ def test_sync_tool_waits_keep_one_otel_context(caplog: pytest.LogCaptureFixture)
         "tool_wait run_tests",
         "tool_wait grep",
     ]
+
+
+def test_a_wrapped_client_names_its_tenant_on_every_request() -> None:
+    """Issue 40 item 6: the ``cache_salt`` option goes in each request's body and on each
+    agentkv route call (header and body), so the salted trajectory is paused and deleted."""
+    server = Recorder()
+    with sync_client(server, cache_salt="tenant-a", send_params=False) as client:
+        client.chat.completions.create(model="tiny", messages=MSGS)
+        with client.tool("pytest", expected_s=1.0):
+            pass
+    chat = server.chats()[-1]
+    assert chat["cache_salt"] == "tenant-a" and "kv_transfer_params" not in chat
+    control = [
+        (m, p, b, h)
+        for (m, p, b), h in zip(server.calls, server.headers, strict=False)
+        if p.startswith("/agentkv/")
+    ]
+    assert [m for m, *_ in control] == ["POST", "POST", "DELETE"]
+    assert all(b["cache_salt"] == h["x-agentkv-cache-salt"] == "tenant-a" for _, _, b, h in control)
+
+
+# ------------------------------------------- issue 42: the call paths agent frameworks use
+
+CHAT_REPLY = {
+    "id": "c",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "tiny",
+    "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+    ],
+}
+MESSAGE_REPLY = {
+    "id": "msg_1",
+    "type": "message",
+    "role": "assistant",
+    "model": "tiny",
+    "content": [{"type": "text", "text": "hi"}],
+    "stop_reason": "end_turn",
+    "stop_sequence": None,
+    "usage": {"input_tokens": 1, "output_tokens": 1},
+}
+RESPONSES_SSE = (
+    "event: response.completed\n"
+    'data: {"type":"response.completed","sequence_number":0,"response":{"id":"resp_1",'
+    '"object":"response","created_at":0,"model":"tiny","output":[],"status":"completed",'
+    '"parallel_tool_calls":false,"tool_choice":"auto","tools":[]}}\n\n'
+)
+
+
+class PathRecorder:
+    """A fake vLLM + agentkv for every generation path: records (path, headers, body)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, httpx.Headers, Any]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        self.seen.append((request.url.path, request.headers, body))
+        path = request.url.path
+        if path.startswith("/agentkv/"):
+            return httpx.Response(200, json={"released_blocks": 0})
+        if path.endswith("/responses"):
+            return httpx.Response(
+                200, text=RESPONSES_SSE, headers={"content-type": "text/event-stream"}
+            )
+        if path.endswith("/messages"):
+            return httpx.Response(200, json=MESSAGE_REPLY)
+        return httpx.Response(200, json=CHAT_REPLY)
+
+    def generations(self) -> list[tuple[str, httpx.Headers, Any]]:
+        return [s for s in self.seen if not s[0].startswith("/agentkv/")]
+
+    def assert_all_carry(self, tid: str, n: int, *, params: bool = True) -> None:
+        gens = self.generations()
+        assert len(gens) == n, [p for p, _, _ in gens]
+        for path, headers, body in gens:
+            assert headers.get("x-session-id") == tid, path
+            if params:
+                assert body["kv_transfer_params"]["agentkv"] == {
+                    "trajectory_id": tid,
+                    "branch": "main",
+                }, path
+
+
+def _transports(server: PathRecorder, is_async: bool) -> tuple[Any, httpx.AsyncClient]:
+    mock = httpx.MockTransport(server)
+    http = httpx.AsyncClient(transport=mock) if is_async else httpx.Client(transport=mock)
+    return http, httpx.AsyncClient(transport=mock)
+
+
+def test_openai_framework_paths_carry_the_trajectory() -> None:
+    """LangChain's ChatOpenAI (``with_raw_response``), the Agents SDK's streamed Responses
+    (``with_streaming_response``), retries (``with_options``) and the client-level views: each
+    request carries the header and the params, and ``close`` DELETEs the trajectory."""
+    server = PathRecorder()
+    http, routes = _transports(server, is_async=False)
+    raw = openai.OpenAI(base_url=BASE, api_key="k", http_client=http)
+    client = wrap(raw, "fw-1", http_client=routes)
+    reply = client.chat.completions.with_raw_response.create(model="tiny", messages=MSGS)
+    assert reply.parse().choices[0].message.content == "hi"
+    with client.responses.with_streaming_response.create(
+        model="tiny", input="hi", stream=True
+    ) as streamed:
+        assert b"response.completed" in streamed.read()
+    retried = client.with_options(max_retries=3, timeout=5.0)
+    assert retried.trajectory_id == "fw-1" and retried.client is not raw
+    retried.chat.completions.create(model="tiny", messages=MSGS)
+    client.with_raw_response.chat.completions.create(model="tiny", messages=MSGS).parse()
+    client.copy(max_retries=0).with_streaming_response.chat.completions.create(
+        model="tiny", messages=MSGS
+    ).__enter__().read()
+    server.assert_all_carry("fw-1", 5)
+    assert client.requests == 5  # counted together: close() knows the trajectory was used
+    # A path the wrapper does not know still names the trajectory (the default header).
+    client.post("/chat/completions", body={"model": "tiny"}, cast_to=httpx.Response)
+    assert server.generations()[-1][1]["x-session-id"] == "fw-1"
+    assert "x-session-id" not in raw.default_headers  # the caller's client is untouched
+    retried.close()
+    client.close()  # the same trajectory: closed once
+    assert [p for p, _, _ in server.seen if p.startswith("/agentkv/")] == [
+        "/agentkv/v1/trajectories/fw-1"
+    ]
+
+
+async def test_async_openai_framework_paths_carry_the_trajectory() -> None:
+    server = PathRecorder()
+    http, routes = _transports(server, is_async=True)
+    raw = openai.AsyncOpenAI(base_url=BASE, api_key="k", http_client=http)
+    client = wrap(raw, "fw-2", http_client=routes)
+    reply = await client.chat.completions.with_raw_response.create(model="tiny", messages=MSGS)
+    assert reply.parse().choices[0].message.content == "hi"
+    async with client.responses.with_streaming_response.create(
+        model="tiny", input="hi", stream=True
+    ) as streamed:
+        assert b"response.completed" in await streamed.read()
+    await client.with_options(max_retries=2).chat.completions.create(model="tiny", messages=MSGS)
+    await client.with_raw_response.responses.create(model="tiny", input="hi", stream=True)
+    server.assert_all_carry("fw-2", 4)
+    await client.close()
+    assert server.seen[-1][0] == "/agentkv/v1/trajectories/fw-2"
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_anthropic_beta_messages_and_views_carry_the_trajectory(is_async: bool) -> None:
+    """pydantic-ai's Anthropic model calls ``client.beta.messages.create``."""
+    import asyncio
+
+    anthropic = pytest.importorskip("anthropic")
+    from harness_sdk.anthropic import wrap as wrap_anthropic
+    from tests.unit.test_sdk_apis import httpx2_transport
+
+    server = PathRecorder()
+    _, routes = _transports(server, is_async)
+    http = httpx2_transport(server, asynchronous=is_async)  # type: ignore[arg-type]
+    cls = anthropic.AsyncAnthropic if is_async else anthropic.Anthropic
+    raw = cls(base_url="http://127.0.0.1:8000", auth_token="k", http_client=http)
+    kw: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "messages": MSGS}
+
+    async def run() -> None:
+        client = wrap_anthropic(raw, "fw-3", http_client=routes)
+
+        async def done(x: Any) -> Any:
+            return await x if is_async else x
+
+        msg = await done(client.beta.messages.create(**kw))
+        assert msg.content[0].text == "hi"
+        await done(client.messages.with_raw_response.create(**kw))
+        await done(client.beta.messages.with_raw_response.create(**kw))
+        await done(client.with_options(max_retries=1).beta.messages.create(**kw))
+        if is_async:
+            await client.close()
+
+    if is_async:
+        asyncio.run(run())
+    else:
+        sync_client = wrap_anthropic(raw, "fw-3", http_client=routes)
+        sync_client.beta.messages.create(**kw)
+        sync_client.messages.with_raw_response.create(**kw)
+        sync_client.beta.messages.with_raw_response.create(**kw)
+        sync_client.with_options(max_retries=1).beta.messages.create(**kw)
+        sync_client.close()
+    server.assert_all_carry("fw-3", 4)
+    assert server.seen[-1][0] == "/agentkv/v1/trajectories/fw-3"
+
+
+def test_a_wrapper_that_decorated_nothing_says_so() -> None:
+    from harness_sdk import openai as sdk_openai
+
+    sdk_openai._warned.discard("unused:OpenAITrajectory")
+    server = PathRecorder()
+    http, routes = _transports(server, is_async=False)
+    raw = openai.OpenAI(base_url=BASE, api_key="k", http_client=http)
+    client = wrap(raw, "fw-4", http_client=routes)
+    with pytest.warns(DegradedWarning, match="without decorating a request"):
+        client.close()
+
+
+def test_a_view_that_cannot_be_rebuilt_warns_once() -> None:
+    from harness_sdk import openai as sdk_openai
+
+    class Picky:
+        def __init__(self, resource: Any, extra: Any) -> None:  # not the SDK's one-arg shape
+            raise AssertionError("unreachable")
+
+    class Resource:
+        with_raw_response = Picky.__new__(Picky)
+
+        def create(self, **kw: Any) -> Any:
+            return kw
+
+    class Client:
+        base_url = BASE
+        api_key = "k"
+        chat = type("Chat", (), {"completions": Resource()})()
+
+    sdk_openai._warned.clear()
+    client = wrap(Client(), "fw-5")
+    with pytest.warns(DegradedWarning, match="could not be wrapped"):
+        view = client.chat.completions.with_raw_response
+    assert isinstance(view, Picky)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        client.chat.completions.with_raw_response  # noqa: B018 - once only
+    client.chat.completions.create(model="tiny")  # a request decorated: close() is quiet
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no routes behind this duck-typed client
+        client.close()

@@ -21,6 +21,7 @@ from harness_sdk import (
     AuthenticationError,
     ConfigError,
     DegradedWarning,
+    HarnessWarning,
     InvalidIdError,
     LayoutError,
     NotFoundError,
@@ -29,6 +30,7 @@ from harness_sdk import (
     SyncTrajectory,
     Trajectory,
     TrajectoryClosedError,
+    TrajectoryNotFoundWarning,
     TransportError,
     VolatileContentWarning,
 )
@@ -637,3 +639,81 @@ async def test_applied_pause_does_not_warn() -> None:
         async with traj.tool("pytest", expected_s=1):
             pass
     await traj.close()
+
+
+# --- the tenant (issue 40 items 6 and 7) ---------------------------------------------------
+
+
+class TenantServer(FakeServer):
+    """FakeServer whose control routes know the trajectory only in its tenant's namespace (the
+    ``X-AgentKV-Cache-Salt`` header or the body's ``cache_salt``), as the plugin does."""
+
+    def __init__(self, salt: str | None) -> None:
+        super().__init__()
+        self.salt = salt
+        self.tenants: list[tuple[str, str | None, str | None]] = []  # (method path, hdr, body)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if not path.startswith("/agentkv/v1/trajectories/"):
+            return super().__call__(request)
+        body = json.loads(request.content) if request.content else {}
+        header = request.headers.get("x-agentkv-cache-salt")
+        self.tenants.append((f"{request.method} {path}", header, body.get("cache_salt")))
+        if (header or body.get("cache_salt")) != self.salt:
+            self.calls.append((request.method, path, body))
+            return httpx.Response(
+                404, json={"detail": f"unknown trajectory {path.split('/')[4]!r}"}
+            )
+        return super().__call__(request)
+
+
+async def test_the_cache_salt_option_names_the_tenant_on_every_call() -> None:
+    """Item 6: turns could carry cache_salt (extra_body) but pause, resume, GET and DELETE went
+    without it, got 404 and the SDK swallowed it: the salted trajectory was never paused or
+    deleted."""
+    server = TenantServer("tenant-a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HarnessWarning)
+        async with make(server, cache_salt="tenant-a") as traj:
+            assert traj.cache_salt == "tenant-a"
+            await traj.complete("go")
+            async with traj.tool("pytest", expected_s=1.0) as call:
+                pass
+            assert call.decision is not None and call.resume_response is not None
+            await traj.server_state()
+            closed = await traj.close()
+    assert closed is not None and closed["released_blocks"] == 3
+    assert [c["cache_salt"] for c in server.chats()] == ["tenant-a"]
+    assert [t[0].split()[0] for t in server.tenants] == ["POST", "POST", "GET", "DELETE"]
+    assert all(hdr == body == "tenant-a" for _, hdr, body in server.tenants)
+
+
+async def test_a_404_of_a_call_the_sdk_expected_to_apply_warns() -> None:
+    """The trajectory's turns went to another tenant than its control calls (the salt only in
+    extra_body is refused now; here the server forgot it): a 404 is not silence."""
+    server = TenantServer("other")
+    traj = make(server, cache_salt="tenant-a")
+    await traj.complete("go")
+    with pytest.warns(TrajectoryNotFoundWarning, match="cache_salt 'tenant-a'"):
+        async with traj.tool("pytest", expected_s=1.0) as call:
+            pass
+    assert call.pause_response is None
+    with pytest.warns(TrajectoryNotFoundWarning, match="DELETE"):
+        assert await traj.close() is None
+    assert traj.routes_available is not False  # a 404 of a known route is not "no routes"
+
+
+async def test_a_salt_only_in_extra_body_or_a_different_one_is_a_config_error() -> None:
+    server = TenantServer("tenant-a")
+    traj = make(server)
+    with pytest.raises(ConfigError, match="cache_salt= option"):
+        await traj.complete("go", extra_body={"cache_salt": "tenant-a"})
+    salted = make(server, cache_salt="tenant-a")
+    with pytest.raises(ConfigError, match="differs"):
+        await salted.complete("go", extra_body={"cache_salt": "tenant-b"})
+    await salted.complete("go", extra_body={"cache_salt": "tenant-a", "top_k": 1})
+    assert server.chats()[-1]["top_k"] == 1
+    with pytest.raises(ConfigError, match="non-empty"):
+        make(server, cache_salt="")
+    assert not [c for c in server.calls if c[1].startswith("/agentkv/")]

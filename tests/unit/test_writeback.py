@@ -281,7 +281,7 @@ def test_each_resume_moves_only_the_deferred_contexts_behind_it(
             ahead = sum(4 for g in gone if "abc".index(g) < "abc".index(other))
             now = wb.due[ref[other]] - trend.filled_total
             assert now == pytest.approx(left[other] - ahead, abs=float(len(gone))), other
-        live = [e for e in wb.heap if e[3].state is BranchState.CACHED and e[3].timer_token == e[4]]
+        live = [e for e in wb.heap if wb.live(e) is not None]
         assert sorted(e[0] for e in live) == sorted(wb.due.values())
     assert rig.eng.violations == []
 
@@ -558,4 +558,36 @@ def test_a_placed_context_pinned_again_leaves_the_ones_behind_it_where_they_were
     assert rig.mgr.table["a"].branches["main"].state is BranchState.RETAINED
     assert ref["a"] not in wb.placed
     assert left("b") == pytest.approx(before)
+    assert rig.eng.violations == []
+
+
+def test_a_deleted_cached_branch_behind_the_heap_head_is_not_kept() -> None:
+    """Issue 40 item 11: a, b, c deferred (CACHED) in that order under forecast, the pool roomy
+    (no tick copies anything); b, not at the heap's head, is deleted. Nothing of b's is left in
+    any write-back structure (cached, dues, heap, free-queue places): its trajectory is freed at
+    once, and a and c keep their dues and are copied as before once the queue blocks."""
+    import gc
+    import weakref
+
+    rig = _rig()
+    for name, ctx in _CONTEXTS.items():
+        rig.turn(name, ctx)
+        rig.eng.step()
+        assert rig.mgr.pause(name, "main", "pytest", 2.0)[1]["decision"]["writeback_deferred"]
+    rig.settle()
+    wb = rig.mgr.writebacks
+    ref = {n: (id(rig.mgr.table[n]), "main") for n in _CONTEXTS}
+    head = min(wb.due, key=wb.due.__getitem__)
+    assert head == ref["a"] and len(wb.heap) == 3
+    due = dict(wb.due)
+    gone = weakref.ref(rig.mgr.table["b"])
+    rig.mgr.delete("b")
+    rig.settle()
+    assert ref["b"] not in wb.cached and ref["b"] not in wb.due and ref["b"] not in wb.placed
+    assert wb.due == {ref["a"]: due[ref["a"]], ref["c"]: due[ref["c"]]}
+    gc.collect()
+    assert gone() is None, gc.get_referrers(gone())
+    assert not rig.eng.spike(rig.pool.num_free() + 1)  # a blocked queue copies cached branches
+    rig.settle()
+    assert rig.mgr.counters["writebacks_deferred_copied"] == 2 and len(rig.host_keys()) == 8
     assert rig.eng.violations == []
