@@ -360,6 +360,22 @@ async def _parse(request: Request, model: type[M], optional: bool = False) -> M 
         )
 
 
+C = TypeVar("C", bound=ControlBody)
+
+
+async def _body_and_tenant(
+    request: Request, model: type[C], optional: bool = False
+) -> tuple[C, dict[str, str]] | JSONResponse:
+    """The validated body and the caller's tenant as control fields, or the 422/400."""
+    body = await _parse(request, model, optional=optional)
+    if isinstance(body, JSONResponse):
+        return body
+    tenant = _tenant(request, body)
+    if isinstance(tenant, JSONResponse):
+        return tenant
+    return body, tenant
+
+
 K = TypeVar("K", bound=Keyed)
 
 
@@ -371,15 +387,13 @@ async def _keyed_op(
     and the key field left out), the tenant and the key, and nudge the engine."""
     if bad := _check_id(trajectory_id):
         return bad
-    body = await _parse(request, model, optional=optional)
-    if isinstance(body, JSONResponse):
-        return body
+    parsed = await _body_and_tenant(request, model, optional=optional)
+    if isinstance(parsed, JSONResponse):
+        return parsed
+    body, tenant = parsed
     key = _idempotency(request, body)
     if isinstance(key, JSONResponse):
         return key
-    tenant = _tenant(request, body)
-    if isinstance(tenant, JSONResponse):
-        return tenant
     return await _call(
         op,
         nudge=True,
@@ -431,24 +445,19 @@ async def get(request: Request, trajectory_id: str = TrajectoryId) -> JSONRespon
     # An optional body (routing hints, cache_salt) as the SDK sends; or ?cache_salt=.
     if bad := _check_id(trajectory_id):
         return bad
-    body = await _parse(request, ControlBody, optional=True)
-    if isinstance(body, JSONResponse):
-        return body
-    tenant = _tenant(request, body)
-    if isinstance(tenant, JSONResponse):
-        return tenant
-    return await _call("get", nudge=True, trajectory_id=trajectory_id, **tenant)
+    parsed = await _body_and_tenant(request, ControlBody, optional=True)
+    if isinstance(parsed, JSONResponse):
+        return parsed
+    return await _call("get", nudge=True, trajectory_id=trajectory_id, **parsed[1])
 
 
 @router.get("/status", summary="Pool use, tiers, decisions and prefetch outcomes")
 async def status(request: Request) -> JSONResponse:
     # The caller's tenant's view; the operator's (every tenant) with X-AgentKV-Operator-Key.
-    body = await _parse(request, ControlBody, optional=True)
-    if isinstance(body, JSONResponse):
-        return body
-    tenant = _tenant(request, body)
-    if isinstance(tenant, JSONResponse):
-        return tenant
+    parsed = await _body_and_tenant(request, ControlBody, optional=True)
+    if isinstance(parsed, JSONResponse):
+        return parsed
+    tenant = parsed[1]
     operator = _operator(request)
     if isinstance(operator, JSONResponse):
         return operator
