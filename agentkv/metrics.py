@@ -230,6 +230,14 @@ PREEMPT_SAVED_TOKENS = MetricSpec(
     "Tokens of KV those preemption saves copied to host.",
 )
 
+CONCURRENT_TURNS = MetricSpec(
+    "agentkv_concurrent_turns",
+    "counter",
+    "Trajectory requests that started while another request of the same branch still ran: "
+    "several runs sharing one session id (a client-level header), merged into one trajectory "
+    "(docs/sdk.md, Agent frameworks).",
+)
+
 REJECTED_BLOCKS = MetricSpec(
     "agentkv_rejected_blocks",
     "counter",
@@ -243,6 +251,7 @@ METRICS: tuple[MetricSpec, ...] = (
     DECISIONS,
     PREEMPT_SAVES,
     PREEMPT_SAVED_TOKENS,
+    CONCURRENT_TURNS,
     PREFETCH_OUTCOMES,
     DEVICE_PREFETCH_OUTCOMES,
     PREFETCH_RETURN_ERROR,

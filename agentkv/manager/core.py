@@ -11,6 +11,10 @@ are requests.RequestTable's methods under the manager's lock, their docstrings t
                                      engine recomputes those blocks (for adapter errors)
   on_finish(req_id, ...)             pin the finished context (only blocks fully computed or
                                      loaded), start its grace period, return the turn's stats
+  pause_finished(tid, branch, tool)  the implicit pause of a turn on_finish just returned (a
+                                     caller that never pauses): pause with the learned wait of
+                                     ``tool``, unless its next request already runs or waits or
+                                     a pause came meanwhile
   on_preempt(req_id, block_ids, ...) vLLM preempted a running request: copy its trusted
                                      computed blocks to host before this step's forward, so its
                                      rescheduled lookup loads them instead of recomputing
@@ -22,6 +26,8 @@ are requests.RequestTable's methods under the manager's lock, their docstrings t
                                      (plain traffic): True, and the plan is empty
   on_report(report)                  jobs finished / failed per rank -> unpin, index, states
   has_work()                         the engine must keep stepping (jobs in flight, pins queued)
+  prefix_cache_reset(reset)          the engine's plain prefix-cache reset, run so that deferred
+                                     (CACHED) contexts are copied to host, not lost (writeback.py)
   record_tier_changes, take_tier_changes, tier_keys
                                      the residency index's copy changes, for the KV events
 Any-thread primitives (the control channel): pause, resume, delete, get, status, tick,
@@ -342,6 +348,36 @@ class TrajectoryManager:
             plan, self.outbox = self.outbox, StepPlan()
             return plan
 
+    def prefix_cache_reset(self, reset: Callable[[], Any]) -> Any:
+        """Engine thread: run ``reset``, the engine's plain prefix-cache reset (tier copies
+        stay), so that no CACHED branch loses its context to it: their deferred copies are made
+        from the blocks the reset unhashed (writeback.py). Returns what ``reset`` returns (truthy:
+        it reset) and lets its errors through; agentkv's own faults never fail the reset."""
+        try:
+            with self.lock:
+                kept = self.writebacks.before_reset()
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("agentkv: reading the deferred copies before a cache reset failed")
+            kept = []
+        result = reset()
+        if not result or not kept:
+            return result  # refused (blocks in use): nothing was dropped
+        try:
+            with self.lock:
+                copied, blocks = self.writebacks.after_reset(kept)
+            if copied:
+                log.info(
+                    "agentkv: prefix-cache reset: %d paused context(s) whose host copy was "
+                    "deferred are being copied to host now (%d blocks)",
+                    copied,
+                    blocks,
+                )
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("agentkv: copying the deferred contexts after a cache reset failed")
+        return result
+
     def on_report(self, report: WorkerReport) -> None:
         """Engine thread: a step's merged worker reports. Contract: never raises on unknown or
         late jobs. A store or move that timed out keeps its tier slots and its keys unwritable
@@ -503,6 +539,34 @@ class TrajectoryManager:
             reply["tools"] = tools
             reply["predicted_tool"] = tool
         return code, reply
+
+    def pause_finished(
+        self,
+        trajectory_id: str,
+        branch_name: str,
+        tool: str,
+        *,
+        max_lease_s: float | None = None,
+        tenant: str | None = None,
+    ) -> dict[str, Any]:
+        """The implicit pause of a turn that just finished (``on_finish``), for callers that
+        never pause (an in-process RL rollout): ``pause`` with no declared wait, so the wait
+        learned for ``tool`` (the trajectory's environment) decides. Skipped (the reply's
+        ``skipped``, counted ``implicit_pause_skipped.<why>``: ``pauses.ImplicitSkip``) when
+        the branch's next request is already running or waiting, or a pause came since the
+        turn started (explicit wins; a later explicit pause or resume overrides this one).
+        Check and pause under one hold of the lock: no control op slips between them."""
+        with self.lock:
+            skip = self.pauses.implicit_skip(scoped_id(trajectory_id, tenant), branch_name)
+            if skip is not None:
+                self.counters[f"implicit_pause_skipped.{skip.value}"] += 1
+                return {"implicit": True, "skipped": skip.value}
+            code, reply = self.pause(
+                trajectory_id, branch_name, tool, None, max_lease_s=max_lease_s, tenant=tenant
+            )
+            self.counters["implicit_pauses" if code == 200 else "implicit_pause_failures"] += 1
+        reply = {"implicit": True, **reply}
+        return reply if code == 200 else {"status": code, **reply}
 
     def resume(
         self, trajectory_id: str, branch_name: str, *, tenant: str | None = None

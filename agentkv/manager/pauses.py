@@ -8,16 +8,20 @@ Primitives:
   Pauses.resume       the client says the tool returned: an OFFLOADED branch is promoted
   Pauses.note_resume  a pause ends (resume or a new turn): the observed wait trains the
                       predictor; the prefetch outcome (early, late, wasted) is counted
+  Pauses.implicit_skip  why a finished turn is not an implicit pause (ImplicitSkip), or None:
+                      ``TrajectoryManager.pause_finished`` pauses it then
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 from typing import TYPE_CHECKING, Any
 
 from agentkv import metrics as m
+from agentkv.manager.decision_log import DecisionLog
 from agentkv.manager.state import Branch, BranchState, Trajectory
 from agentkv.policy import Action, Decision, PolicyParams, Writeback, decide
 from agentkv.predict import WaitEstimate, classify_prefetch
@@ -29,9 +33,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentkv.manager")
 
 
+class ImplicitSkip(enum.StrEnum):
+    """Why a finished turn was not taken as an implicit pause (the counters' suffix and the
+    reply's ``skipped``)."""
+
+    UNKNOWN = "unknown"  # no such trajectory or branch (deleted meanwhile)
+    RUNNING = "running"  # another request of the branch runs: its next turn is already here
+    QUEUED = "queued"  # a request of the trajectory is looked up and waits (remote, admission)
+    PAUSED = "paused"  # a pause came in since the turn started: the explicit one wins
+
+
 class Pauses:
     def __init__(self, mgr: TrajectoryManager) -> None:
         self.m = mgr
+        self.decision_log = DecisionLog()  # one INFO line per decision, rate-limited
 
     def pause(
         self,
@@ -85,6 +100,22 @@ class Pauses:
         if note:
             reply["reason"] = note
         return 200, reply
+
+    def implicit_skip(self, key: str, branch_name: str) -> ImplicitSkip | None:
+        """Why the branch's just-finished turn is not a pause, or None when it is: nothing
+        runs or waits for the trajectory and no pause was given since the turn started
+        (``note_resume`` clears ``paused_at`` when a turn starts; a pause sets it)."""
+        traj = self.m.table.get(key)
+        branch = traj.branches.get(branch_name) if traj is not None else None
+        if traj is None or branch is None or traj.deleted:
+            return ImplicitSkip.UNKNOWN
+        if branch.running or branch.state is BranchState.ACTIVE:
+            return ImplicitSkip.RUNNING
+        if self.m.reqs.waiting_for(key):
+            return ImplicitSkip.QUEUED
+        if branch.paused_at is not None:
+            return ImplicitSkip.PAUSED
+        return None
 
     def _decide(self, branch: Branch, estimate: WaitEstimate) -> Decision:
         bb = self.m.config.block_bytes
@@ -150,14 +181,8 @@ class Pauses:
                     "agentkv.rationale": decision.rationale,
                 },
             )
-        log.info(
-            "agentkv: pause %s/%s tool=%s -> %s (%s)",
-            traj.trajectory_id,
-            branch.name,
-            tool,
-            action,
-            decision.rationale,
-        )
+        # The client's id, not the table key (a tenant's key holds a NUL and a digest).
+        self.decision_log.pause(now, traj.name, branch.name, tool, estimate, action, decision)
 
     def resume(self, trajectory_id: str, branch_name: str) -> tuple[int, dict[str, Any]]:
         traj = self.m.table.get(trajectory_id)

@@ -230,6 +230,11 @@ class RequestTable:
                 self._orphans.add(req_id)
                 self.m.counters["requests_of_deleted_trajectories"] += 1
 
+    def waiting_for(self, key: str) -> bool:
+        """A request of the trajectory ``key`` was looked up and waits to start (PENDING: a
+        remote fetch or an admission wait). O(waiting requests), a short list."""
+        return key in self._waiting.values()
+
     def mark_deleted(self, key: str) -> None:
         """A DELETE named the trajectory ``key`` (answered 200 or 404: on another DP rank a
         request of it may still be queued): every request that arrived until now and is looked
@@ -287,6 +292,8 @@ class RequestTable:
             branch.pending = None  # a decision for the pause that this turn ends
         resumed, branch.resumed_prefetch = branch.resumed_prefetch, None
         turn.prefetch = self.m.pauses.note_resume(traj, branch, now) or resumed
+        if branch.running:
+            self._note_concurrent(traj, turn, len(branch.running))
         branch.running.add(req_id)
         self.m.transitions.set_state(traj, branch, BranchState.ACTIVE)
         if branch.token_ids:
@@ -295,6 +302,25 @@ class RequestTable:
                 turn.first_divergence_token = lcp
                 turn.divergence_zone = params.zone_of(lcp) if params.zone_of else None
         return req
+
+    def _note_concurrent(self, traj: Trajectory, turn: TurnStats, running: int) -> None:
+        """A request of a branch while ``running`` others of it run: not a next turn but
+        another run under the same session id. It still counts as a turn of the trajectory (its
+        prompt, hits and pauses apply to the branch as ever, the last to finish keeps the
+        context); the turn's stats, a counter and one warning per trajectory tell it."""
+        turn.concurrent_turns = running
+        self.m.counters["concurrent_turns"] += 1
+        self.m.metrics.add(m.CONCURRENT_TURNS)
+        if not traj.warned_concurrent:
+            traj.warned_concurrent = True
+            log.warning(
+                "agentkv: concurrent turns of trajectory %s branch %s: a request started while %d "
+                "other(s) of the branch still ran; several runs share one session id and are merged (give each "
+                "run its own id; docs/sdk.md, Agent frameworks). Warned once per trajectory.",
+                traj.name,
+                turn.branch,
+                running,
+            )
 
     def plan_load(
         self, req: Request, prompt_len: int, block_hashes: Sequence[bytes], num_computed: int

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from agentkv.predict import WaitEstimate
 
 MAX_TURNS_KEPT = 256
+CONCURRENT_WARNING = (
+    "another request of this trajectory's branch was still running: several runs share one "
+    "session id (a client-level header?); give each run its own id, set per run "
+    "(docs/sdk.md, Agent frameworks)"
+)
 
 
 class BranchState(str, enum.Enum):
@@ -72,6 +77,9 @@ class TurnStats:
     divergence_zone: str | None = None
     # The device prefetch of the pause this turn ended: on_time, late (prefetch.py), or None.
     prefetch: str | None = None
+    # Requests of the same branch still running when this one was looked up: > 0 means several
+    # runs share one session id (merged into one trajectory), never a real next turn.
+    concurrent_turns: int = 0
 
     @property
     def hit_tokens(self) -> int:
@@ -92,6 +100,12 @@ class TurnStats:
             "first_divergence_token": self.first_divergence_token,
             "divergence_zone": self.divergence_zone,
             "prefetch": self.prefetch,
+            # Only when it happened: the stats of an ordinary turn keep their shape.
+            **(
+                {"concurrent_turns": self.concurrent_turns, "warning": CONCURRENT_WARNING}
+                if self.concurrent_turns
+                else {}
+            ),
         }
 
 
@@ -212,6 +226,7 @@ class Trajectory:
     # (a local 0600 file, ``recovery``), so a restored trajectory prefetches in its namespace.
     salt: str | None = field(default=None, repr=False)
     owned: set[bytes] = field(default_factory=set)  # tier keys this trajectory holds a reference on
+    warned_concurrent: bool = False  # the server log warned of concurrent turns (once each)
     _seen_branches: set[str] = field(default_factory=set)
 
     def branch(self, name: str) -> Branch:

@@ -184,11 +184,15 @@ class Transitions:
         self.m.writebacks.note(traj, branch)
         self.m.counters["writebacks_deferred"] += 1
 
-    def write_back(self, traj: Trajectory, branch: Branch, tier: Tier = Tier.HOST) -> None:
+    def write_back(
+        self, traj: Trajectory, branch: Branch, tier: Tier = Tier.HOST, cached: int | None = None
+    ) -> None:
         """Engine thread: a CACHED branch's deferred copy. The leading blocks vLLM still caches
         are pinned and stored as any offload (pins move to the store job); when none is left,
-        the branch falls back to its tier copies or to DROPPED (a miss recomputes)."""
-        n = self.m.pins.still_cached(branch)
+        the branch falls back to its tier copies or to DROPPED (a miss recomputes).
+        ``cached``: how many the pool held just before a plain prefix-cache reset took their
+        hashes (their KV is intact until vLLM allocates them again: writeback.py)."""
+        n = self.m.pins.still_cached(branch) if cached is None else cached
         if n < len(branch.block_ids):
             self.m.counters["writebacks_deferred_lost_blocks"] += len(branch.block_ids) - n
         if n == 0:

@@ -48,9 +48,11 @@ REPORTED_COUNTERS = (
     "writebacks_deferred",
     "writebacks_deferred_copied",
     "writebacks_deferred_lost_blocks",
+    "writebacks_reset_copied",
     "preempt_saves",
     "preempt_saved_blocks",
     "preempt_saved_tokens",
+    "concurrent_turns",  # requests of a branch that started while another of it ran
     "prefetches",
     "evictions_host",
     "evictions_disk",

@@ -11,6 +11,9 @@ Primitives:
                              which moves only the branches behind it; the ones ahead keep their
                              place, and the hit is kept out of the trend's rates (``take_hits``)
   DeferredWritebacks.take_hits  the placed hits since the last step, for ``PoolTrend.observe``
+  DeferredWritebacks.before_reset / after_reset
+                             a plain prefix-cache reset (vLLM's own cache only): every CACHED
+                             branch's copy is made at once from the blocks the reset unhashed
   DeferredWritebacks.check   each tick: queue the write-back of every branch whose eviction is
                              forecast within ``PolicyParams.writeback_horizon_s``, unless its
                              resume is still predicted first (``policy.defer_writeback`` on the
@@ -26,6 +29,16 @@ all at once when stale ones outnumber live ones (bounded memory). An entry names
 ``cached`` holds the branch and ``_seq`` that number, so a deleted trajectory is held by no entry
 (its memory goes at the DELETE, issue 40), and an id reused by a later trajectory matches no
 stale entry.
+
+Why a plain reset copies after vLLM's reset, not before: vLLM refuses a reset while any block is
+referenced (``BlockPool.reset_prefix_cache``; the route answers ``{"success": false}``), and a
+copy needs its blocks pinned until a later step's worker work has read them. But a reset only
+drops the pool's hashes: the KV stays in the blocks until vLLM allocates them again, and nothing
+allocates between the reset and the hook, which runs on the same engine thread. So the branches'
+still-cached counts are read before the reset and, once it succeeded, those blocks are pinned by
+id and stored as any deferred write-back (``writebacks_reset_copied``); the next turn loads them
+from host. Without the copy the paused context would be lost while its branch still said
+``cached``. Blocks already evicted before the reset count in ``writebacks_deferred_lost_blocks``.
 
 Why placed contexts do not count as headroom: a paused context ahead of a deferred one is either
 resumed first (its hit takes it out of the queue) or evicted first, so what stands between the
@@ -172,6 +185,30 @@ class DeferredWritebacks:
         are not placed contexts', over the rate of new KV."""
         trend = self.m.pool_trend
         return trend.seconds_to_write(due - trend.filled_total - self.ahead(due))
+
+    def before_reset(self) -> list[tuple[Trajectory, Branch, int]]:
+        """Engine thread, just before a plain prefix-cache reset: each CACHED branch and how many
+        of its leading blocks the pool still holds (afterwards no block holds a hash)."""
+        return [
+            (traj, branch, self.m.pins.still_cached(branch))
+            for traj, branch in self.cached.values()
+            if branch.state is BranchState.CACHED and not traj.deleted
+        ]
+
+    def after_reset(self, kept: list[tuple[Trajectory, Branch, int]]) -> tuple[int, int]:
+        """Engine thread, right after the reset succeeded and before vLLM allocates anything: the
+        deferred copy of each branch ``before_reset`` saw, from the same block ids (their KV is
+        still there). Returns (branches copied, blocks copied)."""
+        copied = blocks = 0
+        for traj, branch, n in kept:
+            if traj.deleted or branch.state is not BranchState.CACHED:
+                continue  # moved on between the two (a DELETE from the control thread)
+            self.m.transitions.write_back(traj, branch, Tier.HOST, cached=n)
+            if n > 0:
+                copied += 1
+                blocks += n
+        self.m.counters["writebacks_reset_copied"] += copied
+        return copied, blocks
 
     def check(self, now: float) -> None:
         if not self.heap:

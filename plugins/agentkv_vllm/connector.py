@@ -15,7 +15,7 @@ vLLM's parallel state or start-up fails.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -332,6 +332,15 @@ class AgentKVConnector(KVConnectorBase_V1):
         except Exception:
             log.exception("agentkv: cache reset failed")
             return False
+
+    def agentkv_prefix_cache_reset(self, reset: Callable[[], Any]) -> Any:
+        """Scheduler: run vLLM's plain prefix-cache reset (``weight_sync`` wraps
+        ``Scheduler.reset_prefix_cache``) so that paused contexts whose host copy was deferred
+        are copied, not lost: see ``TrajectoryManager.prefix_cache_reset``. Returns the reset's
+        answer; agentkv's faults never fail it (vLLM's own errors pass through)."""
+        if self._scheduler is None:
+            return reset()
+        return self._scheduler.manager.prefix_cache_reset(reset)
 
     def agentkv_weights_changed(self, reason: str) -> None:
         """Scheduler: the weights changed or are changing (``weight_sync`` hooks vLLM's weight

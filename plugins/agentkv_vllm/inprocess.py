@@ -3,7 +3,8 @@ OpenRLHF, ROLL) gets the per-request params, the turn's prefix stats and the tra
 (pause, resume, end, get, status) without an API server.
 
 Primitives:
-  trajectory_params(trajectory_id, branch="main", *, pause_after=None, zones=None) -> dict
+  trajectory_params(trajectory_id, branch="main", *, pause_after=None, zones=None,
+                    implicit_pause=None, env=None) -> dict
       the ``kv_transfer_params`` value ``{"agentkv": {...}}`` (validated here: a bad id raises
       ValueError at the caller, not a vanilla request later). verl 0.9.1 takes it as is:
       ``server.generate(..., kv_transfer_params=...)`` is merged into
@@ -57,15 +58,25 @@ def trajectory_params(
     *,
     pause_after: PauseSpec | Mapping[str, Any] | None = None,
     zones: Sequence[Mapping[str, Any]] | None = None,
+    implicit_pause: bool | None = None,
+    env: str | None = None,
 ) -> dict[str, Any]:
     """``{"agentkv": {...}}`` naming the request's trajectory and branch. ``pause_after``: the
     pause that follows this turn (``{"tool": ..., "expected_wait_s": ..., "max_lease_s": ...}``):
     the engine pauses the branch when the turn finishes and the next turn resumes it, with no
-    control call. Raises ValueError (pydantic's) for an id outside ``agentkv.ids``' grammar."""
+    control call. ``implicit_pause=True``: the same with no declared wait, so the wait learned
+    for ``env`` (the trajectory's environment; default ``params.IMPLICIT_PAUSE_ENV``) decides,
+    and not when the branch's next request is already queued (None: the connector's
+    ``implicit_pause`` setting). Raises ValueError (pydantic's) for an id outside
+    ``agentkv.ids``' grammar."""
     body: dict[str, Any] = {"trajectory_id": trajectory_id, "branch": branch}
     if pause_after is not None:
         spec = pause_after if isinstance(pause_after, PauseSpec) else PauseSpec(**dict(pause_after))
         body["pause_after"] = spec.model_dump(exclude_none=True)
+    if implicit_pause is not None:
+        body["implicit_pause"] = implicit_pause
+    if env is not None:
+        body["env"] = env
     if zones:
         body["zones"] = [dict(z) for z in zones]
     AgentKVParams.model_validate(body)  # the engine's own check, at the caller's edge
@@ -78,13 +89,24 @@ def extra_args(
     *,
     pause_after: PauseSpec | Mapping[str, Any] | None = None,
     zones: Sequence[Mapping[str, Any]] | None = None,
+    implicit_pause: bool | None = None,
+    env: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``SamplingParams(extra_args=...)``: ``extra`` with ``kv_transfer_params.agentkv`` set
     (other keys of ``extra`` and of its ``kv_transfer_params`` kept)."""
     out = dict(extra or {})
     ktp = dict(out.get("kv_transfer_params") or {})
-    ktp.update(trajectory_params(trajectory_id, branch, pause_after=pause_after, zones=zones))
+    ktp.update(
+        trajectory_params(
+            trajectory_id,
+            branch,
+            pause_after=pause_after,
+            zones=zones,
+            implicit_pause=implicit_pause,
+            env=env,
+        )
+    )
     out["kv_transfer_params"] = ktp
     return out
 

@@ -1,7 +1,9 @@
 """The per-request contract: ``kv_transfer_params = {"agentkv": {...}}``.
 
 Primitives:
-  AgentKVParams      validated params (trajectory_id, branch, zones, pause_after)
+  AgentKVParams      validated params (trajectory_id, branch, zones, pause_after, and the
+                     implicit pause's implicit_pause and env)
+  IMPLICIT_PAUSE_ENV the implicit pause's tool name when a request names no ``env``
   PauseSpec          a pause's fields (tool or tools, expected_wait_s, max_lease_s): the pause
                      route's body and a request's ``pause_after``
   TrajectoryIdStr, BranchStr   pydantic string types in the id grammar of ``agentkv.ids``
@@ -70,6 +72,10 @@ class Zone(BaseModel):
 
 ToolName = Annotated[str, Field(min_length=1, max_length=128)]
 MAX_WAIT_S = 30 * 86400
+# The tool name implicit pauses are learned under when a request names no ``env``: one key for
+# every trajectory (a rollout's environment steps share a distribution; a per-trajectory key
+# would learn from a handful of samples).
+IMPLICIT_PAUSE_ENV = "env"
 
 
 class PauseSpec(BaseModel):
@@ -130,6 +136,20 @@ class AgentKVParams(BaseModel):
     # a tool wait costs no control call at all (two HTTP calls, the API server's route work and
     # an engine wake-up each, otherwise).
     pause_after: PauseSpec | None = None
+    # The implicit pause (issue 41: RL rollouts never call pause): this turn's finish is a pause
+    # unless the branch's next request is already queued, predicted with no declared wait, so
+    # the wait learned under ``env`` decides. None: the connector's ``implicit_pause`` setting.
+    implicit_pause: bool | None = None
+    env: ToolName | None = Field(
+        default=None,
+        description="The environment (or tool) the trajectory's steps run in: the key the "
+        f"waits of its implicit pauses are learned under (default {IMPLICIT_PAUSE_ENV!r}).",
+    )
+
+    @property
+    def pause_env(self) -> str:
+        """The tool name of this request's implicit pause."""
+        return self.env or IMPLICIT_PAUSE_ENV
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ agentkv params, before any lock):
                                           PENDING: a remote fetch or an admission wait)
   plan_load(request, blocks, n_ext)    -> the load job for the allocated blocks
   fail_load(request, blocks, n_ext)    -> fail closed: those blocks are reported as load errors
-  finish(request, block_ids)           -> (False, {"agentkv": turn stats})
+  finish(request, block_ids)           -> (False, {"agentkv": turn stats}); with the request's
+                                          ``pause_after``, or an implicit pause (its
+                                          ``implicit_pause``, else the setting), the pause's
+                                          answer in the stats' ``pause``
   snapshot_for_preemption()            vLLM could not allocate and may preempt: note the blocks
                                        of this connector's running requests (preemption.py: vLLM
                                        0.32 has no connector hook in _preempt_request)
@@ -536,6 +539,8 @@ class SchedulerSide(ControlOps):
                 stats = {**stats, "identified_by": source.value}
             if stats is not None and params.pause_after is not None and not aborted:
                 stats = {**stats, "pause": self._pause_after(request, params)}
+            elif stats is not None and not aborted and self._implicit_pause(params):
+                stats = {**stats, "pause": self._pause_finished(request, params)}
             return False, ({"agentkv": stats} if stats is not None else None)
         finally:
             self.cpu.add("request", start)
@@ -561,6 +566,24 @@ class SchedulerSide(ControlOps):
         )
         self.counters["request_pauses" if code == 200 else "request_pause_failures"] += 1
         return reply if code == 200 else {"status": code, **reply}
+
+    def _implicit_pause(self, params: AgentKVParams) -> bool:
+        """The request's ``implicit_pause``, else the connector's setting."""
+        own = params.implicit_pause
+        return self.settings.implicit_pause if own is None else own
+
+    def _pause_finished(self, request: Any, params: AgentKVParams) -> dict[str, Any]:
+        """The implicit pause of the finished turn (``TrajectoryManager.pause_finished``): the
+        decision, the reason it was skipped, or the error, in the response's
+        ``kv_transfer_params.agentkv.pause`` as ``pause_after``'s."""
+        tenant = getattr(request, "cache_salt", None)
+        return self.manager.pause_finished(
+            params.trajectory_id,
+            params.branch,
+            params.pause_env,
+            max_lease_s=self._lease_cap(tenant, params.trajectory_id, params.branch, None),
+            tenant=tenant,
+        )
 
     def snapshot_for_preemption(self) -> None:
         start = time.thread_time_ns()

@@ -138,6 +138,15 @@ class ConnectorSettings(BaseModel):
         description="A trajectory's reply that ends in tool calls pauses it by itself (tool = the "
         "called function, wait = its learned wait); an explicit pause or resume overrides.",
     )
+    implicit_pause: bool = Field(
+        default=False,
+        description="Every finished turn of a trajectory is a pause (for in-process RL rollouts "
+        "that never call the pause route and parse tool calls from tokens): decided with no "
+        "declared wait, so the wait learned for the request's `env` (default `env`) decides "
+        "retain or offload, and the next turn resumes it. Skipped when the branch's next request "
+        "is already queued, the request carries `pause_after`, or a pause came meanwhile; an "
+        "explicit pause or resume overrides. A request's `implicit_pause` field wins over this.",
+    )
     remote_url: str | None = Field(
         default=None,
         description="Shared remote tier (Valkey/Redis), e.g. valkey://host:6379/0, valkeys:// for "

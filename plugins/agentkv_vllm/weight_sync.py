@@ -23,7 +23,11 @@ vLLM's pause or sleep with clear_cache) invalidates *before* vLLM resets its own
 retained) are released first, so vLLM's reset is not refused for blocks agentkv holds; the
 connector's ``reset_cache`` then reports whether anything stale can still load. With the
 connector's ``reset_invalidates_tiers`` setting on, a plain ``reset_prefix_cache()`` (what
-OpenRLHF, ROLL and SkyRL call after their syncs) invalidates the tiers too.
+OpenRLHF, ROLL and SkyRL call after their syncs) invalidates the tiers too. Otherwise a plain
+reset (``POST /reset_prefix_cache``) runs through ``AgentKVConnector.agentkv_prefix_cache_reset``:
+tier copies stay, and a paused context whose host copy was deferred (``cached``, its blocks only
+in vLLM's prefix cache) is copied to host from the blocks the reset unhashed, instead of being
+lost while its branch still says ``cached`` (agentkv/manager/writeback.py).
 
 Invalidation is ``AgentKVConnector.agentkv_weights_changed`` (a new KV generation and every
 trajectory ended). Independent of whether the trainer also resets the prefix cache. Engines
@@ -162,7 +166,11 @@ def _wrap_reset() -> None:
         reset_connector = kwargs.get("reset_connector", args[1] if len(args) > 1 else False)
         if reset_connector or getattr(_settings(self), "reset_invalidates_tiers", False):
             notify_scheduler(self, "reset")
-        return reset(self, *args, **kwargs)
+            return reset(self, *args, **kwargs)
+        keep = getattr(getattr(self, "connector", None), "agentkv_prefix_cache_reset", None)
+        if keep is None:
+            return reset(self, *args, **kwargs)
+        return keep(lambda: reset(self, *args, **kwargs))
 
     Scheduler.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
 

@@ -100,6 +100,32 @@ def test_a_roomy_pause_unpins_without_a_copy_and_resumes_from_the_device(tiny: S
     assert tiny.counters()["writebacks_unread"] == counters["writebacks_unread"]
 
 
+def test_a_plain_prefix_cache_reset_copies_a_deferred_context_and_the_turn_loads_it(
+    tiny: Server,
+) -> None:
+    """Issue 42: a roomy pause defers its host copy (``cached``: the blocks only in vLLM's prefix
+    cache); a plain ``POST /reset_prefix_cache`` dropped them while the branch still said
+    ``cached`` and nothing counted the loss, so the next turn recomputed. Now the reset makes the
+    deferred copy from the blocks it unhashed, and the next turn loads it from host."""
+    tiny.clean()
+    msgs = _messages(tiny, 3150, 8)
+    tiny.chat(msgs, trajectory="flushed", max_tokens=32)
+    out = tiny.pause("flushed", "flush-build", 0.5)
+    assert out["decision"]["writeback_deferred"] is True, out
+    tiny.wait_state("flushed", {"cached"})
+    before = tiny.counters()
+    tiny.reset_prefix_cache()
+    branch = tiny.wait_state("flushed", {"offloaded"})
+    assert branch["tier"] == "host" and branch["pinned_blocks"] == 0, branch
+    after = tiny.counters()
+    assert after["writebacks_reset_copied"] - before["writebacks_reset_copied"] == 1, after
+    assert after["writebacks_deferred_lost_blocks"] == before["writebacks_deferred_lost_blocks"]
+    resumed = tiny.chat([*msgs, {"role": "user", "content": "result: ok"}], trajectory="flushed")
+    stats = resumed["kv_transfer_params"]["agentkv"]
+    assert stats["device_hit_tokens"] == 0 and stats["tier_hit_tokens"] >= 7 * BLOCK, stats
+    tiny.end("flushed")
+
+
 def _complete(server: Server, ids: list[int], tid: str, max_tokens: int) -> dict[str, Any]:
     body = {
         "model": server.model,

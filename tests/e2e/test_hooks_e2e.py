@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, full_blocks, lcp, long_text
+from tests.e2e.conftest import Server, full_blocks, lcp, long_text, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -293,3 +293,67 @@ def test_a_malformed_pause_after_serves_the_request_as_vanilla_and_says_why(
     error = r.json()["kv_transfer_params"]["agentkv"]["error"]
     assert "pause_after" in error and r.headers["x-agentkv-error"]
     assert server.trajectory_code(tid) == 404  # served as vanilla: no trajectory made
+
+
+def _log_with(server: Server, marker: str) -> str | None:
+    """The server log's text once it holds ``marker`` (the engine's lines arrive a bit later)."""
+    text = server.log_path.read_text(errors="replace")
+    return text if marker in text else None
+
+
+def test_concurrent_runs_under_one_session_id_are_told_not_merged_silently(server: Server) -> None:
+    """Frameworks share one client across runs, so a client-level ``x-session-id`` makes two
+    concurrent runs one trajectory (issue 42). The request that starts while another of its
+    branch still runs says so in its stats, the status counter rises, the server log warns once
+    per trajectory; a request after the other ended is an ordinary next turn."""
+    sid = f"hooks-conc-{_uid()}"
+    hdr = {"x-session-id": sid}
+    before = server.counters().get("concurrent_turns", 0)
+    slow = server.chat_body(_ctx(17701, 60), max_tokens=4000, stream=True)
+    slow.pop("logprobs")
+
+    def running() -> int:
+        if server.trajectory_code(sid) != 200:
+            return 0
+        return int(server.trajectory(sid)["branches"]["main"]["running_requests"])
+
+    with (
+        httpx.Client(base_url=server.base_url, headers={**server.headers, **hdr}, timeout=120) as c,
+        c.stream("POST", "/v1/chat/completions", json=slow) as r,
+    ):
+        assert r.status_code == 200
+        wait_until(lambda: running() == 1, "the slow run to be running")
+        stats = _post(server, server.chat_body(_ctx(17702, 60)), hdr)["kv_transfer_params"]
+        # 4000 tokens to go: the slow run still ran when the other was looked up
+        assert running() == 1, "the slow run ended before the overlap was checked"
+    agentkv = stats["agentkv"]
+    assert agentkv["trajectory_id"] == sid and agentkv["concurrent_turns"] == 1, agentkv
+    assert "session id" in agentkv["warning"]
+    assert server.counters()["concurrent_turns"] == before + 1
+
+    wait_until(lambda: running() == 0, "the slow run to end (its stream closed)")
+    later = _post(server, server.chat_body(_ctx(17703, 60)), hdr)["kv_transfer_params"]["agentkv"]
+    assert "concurrent_turns" not in later and "warning" not in later, later
+    assert server.counters()["concurrent_turns"] == before + 1
+    marker = f"concurrent turns of trajectory {sid} "
+    log = wait_until(
+        lambda: _log_with(server, marker), "the concurrent-turns warning in the server log"
+    )
+    assert log.count(marker) == 1
+    server.end(sid)
+
+
+def test_each_pause_decision_is_one_info_line_in_the_server_log(server: Server) -> None:
+    """At vLLM's default log level (INFO) an auto-pause's decision shows in the server log:
+    one compact line with the trajectory, the tool, the predicted wait, the action and why."""
+    tid, tool = f"hooks-log-{_uid()}", f"logged_lookup_{_uid()}"
+    server.chat(_ctx(17801), trajectory=tid, max_tokens=8, **_forced(tool))
+    action = server.trajectory(tid)["branches"]["main"]["decision"]["action"]
+    marker = f"agentkv: pause {tid}/main tool={tool} predicted_wait="
+    log = wait_until(
+        lambda: _log_with(server, marker), "the pause decision's line in the server log"
+    )
+    lines = [line for line in log.splitlines() if marker in line]
+    assert len(lines) == 1, lines
+    assert " INFO " in lines[0] and f"-> {action}; why: " in lines[0], lines[0]
+    server.end(tid)

@@ -571,6 +571,11 @@ class Rig:
         if self.eng.spike(self.pool.num_free()):
             self.pool.free(self.eng.spikes.pop())
 
+    def reset_prefix_cache(self) -> bool:
+        """``POST /reset_prefix_cache`` (plain): vLLM's reset, run through the manager as the
+        plugin's wrapped ``Scheduler.reset_prefix_cache`` runs it."""
+        return bool(self.mgr.prefix_cache_reset(self.pool.reset_prefix_cache))
+
     def host_keys(self, rank: int = 0) -> set[bytes]:
         return set(self.workers.tiers[rank]["host"])
 

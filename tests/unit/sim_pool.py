@@ -168,6 +168,15 @@ class SimPool:
         self.hash[b] = h
         self.cached.setdefault(h, {})[b] = None
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's plain reset (``BlockPool.reset_prefix_cache``): refused while any block is
+        referenced; else every hash goes (no block hits again) and the KV stays in the blocks."""
+        if any(self.ref):
+            return False
+        self.hash = [None] * self.n
+        self.cached.clear()
+        return True
+
     def write(self, b: int, content: bytes | None, rank: int | None = None) -> None:
         for r in range(self.tp) if rank is None else (rank,):
             self.content[r][b] = content

@@ -591,4 +591,6 @@ def test_a_branch_with_two_requests_running_is_held_only_when_both_finished() ->
     rig.run(second)
     assert branch(rig).state is BranchState.HELD and not branch(rig).running
     assert len(branch(rig).keys) == 5 and rig.mgr.table["t1"].turn_count == 2
-    assert rig.eng.violations == [] and counted(rig) == {}
+    # Two requests of one branch at once: told, not merged silently (issue 42)
+    assert second.stats is not None and second.stats["concurrent_turns"] == 1
+    assert rig.eng.violations == [] and counted(rig) == {"concurrent_turns": 1}

@@ -480,6 +480,31 @@ class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedSta
 
     @precondition(lambda self: self.quiet)
     @rule(i=st.integers(0, 3))
+    def finish_implicit(self, i: int) -> None:
+        """A finish taken as an implicit pause (an in-process rollout that never pauses):
+        never while a request of the branch runs, never over a pause the turn already had."""
+        req = self._pick_request(i, self.eng.can_finish)
+        if req is None or req.params.prefetch is not None or self.eng.finish(req) is None:
+            return
+        p, mgr = req.params, self.mgr
+        assert mgr is not None
+        traj = mgr.table.get(p.key)
+        b = traj.branches.get(p.branch) if traj is not None else None
+        busy = b is not None and bool(b.running)
+        paused = b is not None and b.paused_at is not None
+        reply = mgr.pause_finished(p.trajectory_id, p.branch, "env", tenant=p.tenant)
+        assert reply["implicit"], reply
+        if b is None:
+            assert reply.get("skipped") == "unknown", reply
+        elif busy:
+            assert reply.get("skipped") == "running", reply
+        elif paused:
+            assert reply.get("skipped") in ("queued", "paused"), reply
+        elif "skipped" not in reply:
+            assert b.tool == "env" and b.paused_at is not None, reply
+
+    @precondition(lambda self: self.quiet)
+    @rule(i=st.integers(0, 3))
     def abort(self, i: int) -> None:
         req = self._pick_request(i, lambda r: not r.aborted_waiting)
         if req is not None:

@@ -146,6 +146,35 @@ def test_which_prefix_cache_resets_invalidate_the_tiers(
     assert connector.reasons == (["reset"] if invalidated else [])
 
 
+class _KeepingConnector(_Connector):
+    """A connector with the plain-reset hook: it records the call, then runs vLLM's reset."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.plain_resets = 0
+
+    def agentkv_prefix_cache_reset(self, reset: Any) -> Any:
+        self.plain_resets += 1
+        return reset()
+
+
+@pytest.mark.parametrize(
+    ("settings", "kwargs", "through_hook"),
+    [
+        ({}, {}, True),  # issue 42: deferred contexts are copied across a plain reset
+        ({}, {"reset_connector": True}, False),  # everything is invalidated: nothing to keep
+        ({"reset_invalidates_tiers": True}, {}, False),
+    ],
+)
+def test_a_plain_reset_runs_vllms_reset_through_the_connector(
+    settings: dict[str, Any], kwargs: dict[str, Any], through_hook: bool
+) -> None:
+    connector = _KeepingConnector(**settings)
+    _reset(SimpleNamespace(connector=connector), **kwargs)  # vLLM's own reset still ran
+    assert connector.plain_resets == int(through_hook)
+    assert connector.reasons == ([] if through_hook else ["reset"])
+
+
 def test_changes_weights() -> None:
     assert weight_sync.changes_weights("update_weight")
     assert not weight_sync.changes_weights("check_health")

@@ -591,3 +591,52 @@ def test_a_deleted_cached_branch_behind_the_heap_head_is_not_kept() -> None:
     rig.settle()
     assert rig.mgr.counters["writebacks_deferred_copied"] == 2 and len(rig.host_keys()) == 8
     assert rig.eng.violations == []
+
+
+def test_a_plain_prefix_cache_reset_copies_the_deferred_context_and_the_next_turn_loads_it() -> (
+    None
+):
+    # Issue 42: a plain reset (vLLM's cache only) used to drop a CACHED branch's blocks while
+    # the branch still said cached and nothing counted the loss: the next turn recomputed.
+    rig = _rig()
+    _paused(rig)
+    rig.settle()
+    assert _branch(rig).state is BranchState.CACHED and rig.host_keys() == set()
+    assert rig.reset_prefix_cache()
+    assert rig.pool.cached == {}  # vLLM's own cache is gone, as the caller asked
+    rig.settle()
+    b = _branch(rig)
+    assert b.state is BranchState.OFFLOADED and b.tier == "host"
+    assert rig.host_keys() == {key_of(h) for h in rig.eng.hashes(P1)[:4]}
+    assert rig.mgr.pinned_blocks() == 0
+    nxt = rig.turn("t1", [*P1, 4, 4, 4])
+    assert nxt.device_hit == 0 and nxt.load_n == 4  # from host, not recomputed
+    assert rig.eng.violations == []
+    assert counted(rig) == {
+        "load_blocks": 4,
+        "loads": 1,
+        "store_blocks": 4,
+        "stores": 1,
+        "writebacks_deferred": 1,
+        "writebacks_deferred_copied": 1,
+        "writebacks_reset_copied": 1,
+    }
+
+
+def test_a_refused_reset_changes_nothing_and_an_evicted_context_is_told_lost() -> None:
+    rig = _rig()
+    _paused(rig)
+    rig.settle()
+    held = rig.eng.new_request("t2", "main", [5] * 9)
+    rig.eng.schedule(held)  # a running request holds blocks: vLLM refuses the reset
+    assert not rig.reset_prefix_cache()
+    assert _branch(rig).state is BranchState.CACHED and rig.mgr.counters["stores"] == 0
+    rig.eng.abort(held)
+    rig.flush()  # vLLM evicted the cached blocks before the reset
+    assert rig.reset_prefix_cache()
+    b = _branch(rig)
+    assert b.state is BranchState.DROPPED and b.demoted_by is DemotedBy.EVICTED
+    assert rig.mgr.counters["writebacks_deferred_lost_blocks"] == 4
+    assert rig.mgr.counters["writebacks_reset_copied"] == 0
+    rig.settle()
+    assert rig.eng.violations == [] and rig.mgr.pinned_blocks() == 0
