@@ -61,7 +61,9 @@ Invariants (checked by tests/unit/test_manager_stateful.py after every step):
      without pinning or storing anything; a request looked up before the DELETE and still
      PENDING, or queued in the engine before it and looked up after, runs as a vanilla
      request). Tenants: a trajectory is keyed by its id in its
-     cache_salt's namespace (``state.scoped_id``); nothing crosses namespaces.
+     cache_salt's namespace (``state.scoped_id``); nothing crosses namespaces, except that with
+     ``salt_generations`` (salts are weight versions) a request's id releases itself under
+     older salts, as DELETE does (``ownership.Namespace.supersede``).
   5. One pressure event demotes only as many retained trajectories as needed.
   5b. Pins are a loan: when the scheduler's queue is blocked on blocks (a shortfall in the step's
      admission picture), the same take_step demotes retained branches (policy order) and then
@@ -181,6 +183,11 @@ class ManagerConfig:
     # Prefetch into device blocks at the predicted return (prefetch.py): the adapter issues the
     # internal requests this manager orders (``take_prefetch_work``).
     device_prefetch: bool = False
+    # A cache_salt is a weight version, not a tenant (an RL trainer's per-version salt, SkyRL's
+    # ``use_cache_salt``): a trajectory id's first request under a new salt releases that id's
+    # trajectories under every other salt (ownership.Namespace.supersede). Off by default: on a
+    # multi-tenant server the same id under two salts is two tenants.
+    salt_generations: bool = False
 
     @property
     def disk_enabled(self) -> bool:
@@ -592,7 +599,7 @@ class TrajectoryManager:
     def delete_key(self, key: str, reason: str = "deleted") -> tuple[int, dict[str, Any]]:
         """``delete`` by table key (``scoped_id``), for the manager's own sweeps."""
         with self.lock:
-            traj = self.table.pop(key, None)
+            traj = self.names.pop(key)
             if traj is None:
                 return 404, {"detail": f"unknown trajectory {key!r}"}
             released = self.names.release(traj, reason)

@@ -11,6 +11,8 @@ Primitives:
                           planned by prefetch.py, without a turn; MISS for good (vanilla) for a
                           request that arrived before its trajectory's DELETE
   RequestTable.mark_deleted  a DELETE's mark, against requests queued in vLLM before it
+                          (a salt-generation release marks the old salt's trajectory too:
+                          ``Namespace.supersede``, before the request's first lookup)
   RequestTable.alloc      the lookup becomes a LOAD job on the blocks vLLM allocated
   RequestTable.fail_load  fail closed: a load every rank reports failed (vLLM recomputes)
   RequestTable.cancel_plan  an invalidation drops a planned (unallocated) load
@@ -178,6 +180,11 @@ class RequestTable:
                 return MISS
             if self._queued_before_delete(req_id, params, now):
                 return MISS
+            # Before any wait: the old salt's pins are given back before an admission wait
+            # weighs the pool, and its stale copies are gone before the request plans a load.
+            self.m.names.supersede(
+                params.key, now if params.arrived_at is None else params.arrived_at
+            )
             if self._waits_for_remote(
                 req_id, params, prompt_token_ids, block_hashes, num_computed
             ) or self._waits_for_admission(req_id, params, now):

@@ -53,6 +53,7 @@ REPORTED_COUNTERS = (
     "preempt_saved_blocks",
     "preempt_saved_tokens",
     "concurrent_turns",  # requests of a branch that started while another of it ran
+    "salt_generation_releases",  # salt_generations: an id's old-salt trajectory released
     "prefetches",
     "evictions_host",
     "evictions_disk",

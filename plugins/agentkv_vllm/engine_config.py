@@ -103,6 +103,7 @@ def manager_config(
         admission_wait=settings.admission_wait,
         writeback=settings.writeback,
         device_prefetch=settings.device_prefetch,
+        salt_generations=settings.salt_generations,
         remote_enabled=bool(settings.remote_url),
         remote_ttl_s=settings.remote_ttl_s,
     )

@@ -2,6 +2,9 @@
 
 Validated with pydantic at this edge; a bad value fails engine start with a message naming the
 field (an operator error, caught before any request is served).
+
+``rl`` (``agentkv serve --rl``) is the RL rollout engine's switch: it turns on ``RL_SETTINGS``
+(what an RL trainer needs by default, docs/rl.md); a setting given explicitly keeps its value.
 """
 
 from __future__ import annotations
@@ -10,9 +13,10 @@ import enum
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Self
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from agentkv.manager import ManagerConfig
 from agentkv.policy import DEFAULT_POLICY, HIGH_WATER, Action, Writeback
@@ -29,6 +33,15 @@ class LoadMode(enum.StrEnum):
 
 # The environment variable of the operator view's key (``ConnectorSettings.operator_key``).
 OPERATOR_KEY_ENV = "AGENTKV_OPERATOR_KEY"
+
+
+# What the ``rl`` switch turns on, each for an RL trainer's rollout engine (docs/rl.md):
+#   reset_invalidates_tiers  OpenRLHF, ROLL and SkyRL follow a sync with a plain reset
+#   implicit_pause           rollout loops never call the pause route (every finished turn pauses)
+#   salt_generations         SkyRL's per-weight-version cache_salt is a generation, not a tenant
+RL_SETTINGS = MappingProxyType(
+    {"reset_invalidates_tiers": True, "implicit_pause": True, "salt_generations": True}
+)
 
 
 def _default_run_dir() -> str:
@@ -181,6 +194,24 @@ class ConnectorSettings(BaseModel):
         "invalidates the tiers too, as RL trainers that reset after a weight sync need (OpenRLHF, "
         "ROLL, SkyRL). Off: a plain reset keeps tier copies (vLLM's own cache is reset).",
     )
+    salt_generations: bool = Field(
+        default=ManagerConfig.salt_generations,
+        description="A cache_salt is a weight version, not a tenant (SkyRL sends a salt per weight "
+        "version by default, `use_cache_salt`): the first request of a trajectory id under a new "
+        "salt releases that id's trajectory under every other salt (the unsalted one included) "
+        "as a DELETE would, before it is served (pins released, tier copies dropped; counted "
+        "`salt_generation_releases`, logged once per old salt). Only the id that comes back: "
+        "the old salt's other trajectories go when theirs do, or by lease and idle expiry. Off "
+        "by default because on a multi-tenant server the same id under two salts is two "
+        "tenants, and releasing one from the other would be a cross-tenant action.",
+    )
+    rl: bool = Field(
+        default=False,
+        description="An RL trainer's rollout engine (`agentkv serve --rl`): turns on "
+        "reset_invalidates_tiers, implicit_pause and salt_generations (RL_SETTINGS; docs/rl.md). "
+        "Any of them given explicitly keeps its value. Not for a multi-tenant server "
+        "(salt_generations).",
+    )
     operator_api_key: SecretStr | None = Field(
         default=None,
         description="Key of the cross-tenant operator view of GET /agentkv/v1/status (every "
@@ -200,6 +231,15 @@ class ConnectorSettings(BaseModel):
         description="Test knob: TP rank 1 never reports store jobs of trajectories whose id starts "
         "with this prefix (to test job timeouts). Never set in production.",
     )
+
+    @model_validator(mode="after")
+    def _rl_turns_on_its_settings(self) -> Self:
+        """``rl``: every setting of RL_SETTINGS not given explicitly takes its RL value."""
+        if self.rl:
+            for name, value in RL_SETTINGS.items():
+                if name not in self.model_fields_set:
+                    setattr(self, name, value)
+        return self
 
     @field_validator("remote_url")
     @classmethod

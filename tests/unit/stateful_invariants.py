@@ -218,6 +218,21 @@ class ManagerInvariants:
                     assert b.keys == want[: len(b.keys)], (traj.trajectory_id, b.name)
 
     @invariant()
+    def salt_generations_index_the_table(self) -> None:
+        """salt_generations: the id -> table keys index (what a turn under a new salt looks
+        its old salts up in) lists exactly the table's keys, per id; off, there is none."""
+        mgr = self.mgr
+        if mgr is None:
+            return
+        if not mgr.config.salt_generations:
+            assert mgr.names.by_name is None
+            return
+        want: dict[str, set[str]] = {}
+        for key, traj in mgr.table.items():
+            want.setdefault(traj.name, set()).add(key)
+        assert mgr.names.by_name == want
+
+    @invariant()
     def ownership(self) -> None:
         mgr = self.mgr
         if mgr is None:

@@ -59,6 +59,7 @@ import agentkv.manager.core as core
 from agentkv.kv_identity import BASE_GENERATION
 from agentkv.manager import BranchState, ManagerConfig, Trajectory, TrajectoryManager
 from agentkv.manager.recovery import ManifestKeeper, load_records, manifest_path, restore
+from agentkv.manager.state import scoped_id
 from agentkv.policy import CostModel, PolicyParams, Writeback
 from tests.unit.sim_engine import (
     FakeClock,
@@ -95,6 +96,7 @@ class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedSta
         admission_wait=st.sampled_from([False, False, True]),
         defer=st.booleans(),
         device_prefetch=st.booleans(),
+        salt_generations=st.booleans(),
     )
     def setup(
         self,
@@ -105,6 +107,7 @@ class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedSta
         admission_wait: bool,
         defer: bool = False,
         device_prefetch: bool = False,
+        salt_generations: bool = False,
     ) -> None:
         self.clock = FakeClock()
         self.pool = SimPool(POOL, tp)
@@ -125,6 +128,9 @@ class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedSta
             # issue 26: offload_host copies wait for an eviction forecast
             writeback=Writeback.FORECAST if defer else Writeback.EAGER,
             device_prefetch=device_prefetch,
+            # issue 41: a cache_salt is a weight version; a turn under a new salt releases the
+            # id's old-salt trajectory (every rule drawing a salt may then release one)
+            salt_generations=salt_generations,
         )
         # 1 MiB blocks: a 10-block context reloads from host in 0.1 s, from disk in 0.12 s, and
         # recomputes in 0.4 s; break-even waits are ~0.1-0.3 s, so declared waits from 0 to
@@ -329,6 +335,64 @@ class ManagerMachine(ManagerInvariants, ControlRules, RestartRules, RuleBasedSta
             assert queued.stats is None, queued.stats  # vanilla: no turn of any trajectory
         if fresh is not None and fresh.req_id in self.mgr.requests:
             assert not self.mgr.requests[fresh.req_id].traj.deleted
+
+    @precondition(
+        lambda self: (
+            self.config.salt_generations and len(self.eng.requests) < 3 and bool(self.mgr.table)
+        )
+    )
+    @rule(
+        traj=st.integers(0, 5),
+        tail=st.lists(st.integers(1, 3), min_size=1, max_size=9),
+        straggler=st.booleans(),
+    )
+    def turn_under_a_new_salt(self, traj: int, tail: list[int], straggler: bool) -> None:
+        """Issue 41, salt_generations: a weight sync moved the trajectory's id to another
+        cache_salt (SkyRL's per-version salt), and its next turn's lookup releases the old
+        salt's trajectory as DELETE does: from then on invariant 4 holds for it (it holds
+        nothing, answers 404, never comes back through a request looked up or queued before;
+        the release is not durable: a crash may restore it, as it restores an expiry).
+        ``straggler``: an old-salt turn was queued before the new one (vLLM kept it across the
+        sync): looked up after, it runs vanilla and never releases the newer trajectory."""
+        assert self.mgr is not None
+        picked = self._pick_traj(traj)
+        assert picked is not None
+        tid, salt = picked
+        new_salt = next(s for s in SALTS if s != salt)
+        gone = self.mgr.table[scoped_id(tid, salt)]
+        ctx = self.eng.finished_contexts.get((tid, "main")) or list(SYSTEM)
+        old_turn = None
+        if straggler:
+            old_turn = self.eng.new_request(tid, "main", ctx[:20] + tail, max_new=1, salt=salt)
+        self.clock.advance(0.01)
+        looked_up = {
+            rid for rid, key in self.mgr.reqs._waiting.items() if key == gone.trajectory_id
+        } | {rid for rid, r in self.mgr.requests.items() if r.traj is gone}
+        queued = {
+            rid
+            for rid, r in self.eng.requests.items()
+            if r.status == "WAITING"
+            and r.params.prefetch is None
+            and rid not in self.mgr.requests
+            and scoped_id(r.traj_id, r.salt) == gone.trajectory_id
+        }
+        jobs = {j for j, job in self.mgr.jobs.items() if job.trajectory is gone}
+        releases = self.mgr.counters["salt_generation_releases"]
+        new = self.eng.new_request(tid, "main", ctx[:20] + tail, max_new=1, salt=new_salt)
+        self.eng.schedule(new)  # its first lookup, whatever the pool then says
+        assert new.req_id not in self.mgr.reqs._orphans  # it arrived after every DELETE
+        assert gone.deleted and scoped_id(tid, salt) not in self.mgr.table
+        assert self.mgr.get(tid, tenant=salt)[0] == 404
+        assert self.mgr.counters["salt_generation_releases"] > releases
+        self.looked_up_before_delete |= looked_up | queued
+        self.jobs_at_delete[id(gone)] = jobs
+        self.deleted.append(gone)
+        self.deleted_ids.add(picked)
+        self._engine_loop(2, 0xFFFF, 0.01)
+        if old_turn is not None and old_turn.status == "FINISHED":
+            assert old_turn.stats is None, old_turn.stats  # vanilla: no turn of any trajectory
+        if new.req_id in self.mgr.requests:
+            assert not self.mgr.requests[new.req_id].traj.deleted
 
     @precondition(lambda self: len(self.eng.requests) < 4)
     @rule(
