@@ -1,7 +1,8 @@
 """How ``agentkv serve`` launches vLLM's OpenAI server with the agentkv plugin enabled.
 
 Primitives:
-  ServeOptions            what the operator asked for (model, host, port, KV space, extra args)
+  ServeOptions            what the operator asked for (model, host, port, KV space, the RL
+                          switch, extra args)
   build_server_command()  -> (argv, env) for the real server process; pure, so it is unit-tested
   preflight()             the checks that turn a doomed start into one clear line (model path,
                           port in use, vllm missing)
@@ -40,6 +41,10 @@ class ServeOptions:
     port: int = 8000
     kv_space_gib: int | None = None
     connector_config: dict[str, Any] = field(default_factory=dict)
+    # ``--rl``: the connector's ``rl`` setting, which turns on what an RL trainer's rollout
+    # engine needs (its list, RL_SETTINGS, lives with the settings: agentkv_vllm.settings); an
+    # explicit ``rl`` in connector_config wins, as explicit settings win over ``rl``.
+    rl: bool = False
     extra_args: Sequence[str] = ()
     python: str = sys.executable
 
@@ -71,7 +76,9 @@ def build_server_command(
         "kv_role": "kv_both",
         # A tier fault (missing or corrupt block) must cost a recompute, never the request.
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": dict(opts.connector_config),
+        "kv_connector_extra_config": (
+            {"rl": True, **opts.connector_config} if opts.rl else dict(opts.connector_config)
+        ),
     }
     argv = [
         opts.python,

@@ -31,6 +31,16 @@ def serve(
         "--connector-config",
         help='JSON object passed to the connector as kv_connector_extra_config (e.g. \'{"disk_dir": "/var/tmp/agentkv"}\').',
     ),
+    rl: bool = typer.Option(
+        False,
+        "--rl",
+        help="Serve an RL trainer's rollouts (verl, SkyRL, OpenRLHF, ROLL, AReaL): a plain "
+        "reset_prefix_cache() invalidates the tier copies too (reset_invalidates_tiers), every "
+        "finished turn of a trajectory is a pause (implicit_pause) and a trajectory id back under "
+        "a new cache_salt releases its old one (salt_generations). Sets the connector's rl "
+        "setting; any of these in --connector-config wins. Not for a multi-tenant server. "
+        "docs/rl.md.",
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the command and environment instead of starting the server."
     ),
@@ -62,6 +72,7 @@ def serve(
             port=port,
             kv_space_gib=kv_space_gib,
             connector_config=extra,
+            rl=rl,
             extra_args=extra_args,
         )
         if not dry_run:

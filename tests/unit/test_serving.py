@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -11,6 +12,7 @@ from agentkv import serving
 from agentkv.cli import app
 from agentkv.errors import ConfigError, EngineUnavailableError
 from agentkv.serving import ServeOptions, build_server_command, preflight
+from agentkv_vllm.settings import RL_SETTINGS, ConnectorSettings
 
 
 def test_command_wires_every_plugin_and_the_connector() -> None:
@@ -66,3 +68,75 @@ def test_serve_dry_run_passes_extra_args_after_double_dash(tmp_path: Path) -> No
     assert (
         argv[argv.index("--model") + 1] == str(tmp_path.resolve()) and argv[-1] == "--enforce-eager"
     )
+
+
+def _extra_config(argv: list[str]) -> dict[str, Any]:
+    """The connector's settings as the command line hands them to vLLM."""
+    cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    return dict(cfg["kv_connector_extra_config"])
+
+
+def test_serve_rl_turns_on_what_an_rl_trainer_needs(tmp_path: Path) -> None:
+    """`agentkv serve --rl`: the connector's rl setting, and through it reset_invalidates_tiers,
+    implicit_pause and salt_generations; without --rl none of them."""
+    (tmp_path / "config.json").write_text("{}")
+    result = CliRunner().invoke(app, ["serve", str(tmp_path), "--rl", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    extra = _extra_config(json.loads(result.output)["argv"])
+    assert extra == {"rl": True}
+    settings = ConnectorSettings.model_validate(extra)
+    on = {name: getattr(settings, name) for name in RL_SETTINGS}
+    assert on == {"reset_invalidates_tiers": True, "implicit_pause": True, "salt_generations": True}
+    argv, _ = build_server_command(ServeOptions(model="/m"), base_env={})
+    plain = ConnectorSettings.model_validate(_extra_config(argv))
+    assert not plain.rl and not any(getattr(plain, name) for name in RL_SETTINGS)
+
+
+def test_serve_rl_keeps_what_the_connector_config_says(tmp_path: Path) -> None:
+    """An explicit setting in --connector-config wins over the switch (here: a trainer that
+    salts per tenant, not per weight version), and so does an explicit rl."""
+    argv, _ = build_server_command(
+        ServeOptions(
+            model="/m", rl=True, connector_config={"salt_generations": False, "grace_s": 2.0}
+        ),
+        base_env={},
+    )
+    extra = _extra_config(argv)
+    assert extra == {"rl": True, "salt_generations": False, "grace_s": 2.0}
+    settings = ConnectorSettings.model_validate(extra)
+    assert settings.reset_invalidates_tiers and settings.implicit_pause
+    assert not settings.salt_generations
+    argv, _ = build_server_command(
+        ServeOptions(model="/m", rl=True, connector_config={"rl": False}), base_env={}
+    )
+    assert _extra_config(argv) == {"rl": False}
+    assert not ConnectorSettings.model_validate({"rl": False}).implicit_pause
+
+
+def test_serve_help_explains_rl() -> None:
+    result = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for what in ("--rl", "reset_invalidates_tiers", "implicit_pause", "salt_generations"):
+        assert what in text, what
+
+
+def test_the_rl_setting_reaches_the_manager() -> None:
+    """The engine builds its manager from the settings: ``rl`` makes cache_salt a weight
+    version there (salt_generations); off, a salt stays a tenant."""
+    from agentkv_vllm.engine_config import manager_config
+
+    def built(**settings: Any) -> bool:
+        cfg = manager_config(
+            ConnectorSettings(**settings),
+            block_size=16,
+            block_bytes=1 << 20,
+            tp_size=1,
+            host_blocks=8,
+            disk_blocks=0,
+            layerwise=False,
+        )
+        return cfg.salt_generations
+
+    assert built(rl=True) and built(salt_generations=True)
+    assert not built() and not built(rl=True, salt_generations=False)

@@ -136,6 +136,8 @@ def _reset(scheduler: Any, **kwargs: Any) -> None:
         ({}, {}, False),  # a plain reset keeps tier copies by default
         ({}, {"reset_connector": True}, True),
         ({"reset_invalidates_tiers": True}, {}, True),  # the RL switch
+        ({"rl": True}, {}, True),  # `agentkv serve --rl` turns it on
+        ({"rl": True, "reset_invalidates_tiers": False}, {}, False),  # explicit wins
     ],
 )
 def test_which_prefix_cache_resets_invalidate_the_tiers(
