@@ -4,7 +4,8 @@ Primitives:
   ControlOps.handle(req)   one op: ping, tick (fire due timers; says whether the engine must be
                            woken, when the next timer and the next PREFETCH timer are due, the
                            engine's step count, and the device prefetches to issue or cancel),
-                           status, metrics, pause, resume, end, get; any other op 400
+                           status, metrics, pause, resume, end, get, known (is a trajectory
+                           still held: 200 or 404); any other op 400
   REPLAYABLE_OPS           the ops a retry must not apply twice (pause, resume, end)
   REPLAYED_FIELD           set in an answer that replays an earlier one (the route turns it into
                            a header)
@@ -152,6 +153,12 @@ class ControlOps:
             return code, body
         if op == "get":
             return mgr.get(tid, tenant=tenant)
+        if op == "known":
+            # Whether the trajectory is still held (the hooks ask before a resent Responses
+            # conversation continues it): a get without the view it would build.
+            if mgr.knows(tid, tenant):
+                return 200, {"known": True}
+            return 404, {"detail": f"unknown trajectory {tid!r}"}
         return 400, {"detail": f"unknown op {op!r}"}
 
 

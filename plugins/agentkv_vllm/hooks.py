@@ -29,7 +29,10 @@ Messages):
    overrides it. The engine observes the resume at the trajectory's next request, so its
    per-tool predictor learns with no client code. A Responses reply's id is recorded in the
    chain table (``agentkv_vllm.chains``), so the next request naming it continues the
-   trajectory.
+   trajectory; and the digest of its whole conversation (request input, then output) in the
+   prefix index (``agentkv_vllm.prefixes``), so a next request without ``previous_response_id``
+   that resends that conversation (the Agents SDK's default) continues it too, unless the
+   engine no longer holds the trajectory (DELETEd, expired).
 
 3. **Tenants of stored responses.** vLLM's response store has no tenants: it serves a stored
    response to anyone who names its id (``GET /v1/responses/{id}``, ``.../cancel``) and renders
@@ -69,6 +72,7 @@ from agentkv.ids import TENANT_FIELD, TENANT_HEADER
 from agentkv_vllm.chains import ResponseChains
 from agentkv_vllm.identity import (
     SOURCES,
+    SRC_CHAIN,
     Identity,
     Problem,
     foreign_chain,
@@ -79,6 +83,12 @@ from agentkv_vllm.identity import (
     request_salt,
     resolve_deferred,
     resolve_identity,
+)
+from agentkv_vllm.prefixes import (
+    ConversationPrefixes,
+    continued,
+    conversation_digests,
+    extend,
 )
 from agentkv_vllm.tool_calls import Api, SSEToolScanner, tool_names_from_json
 
@@ -127,6 +137,10 @@ class HookState:
     before_metrics: Callable[[], Awaitable[None]] | None = None
     """Awaited before a ``GET /metrics`` reaches vLLM (``MetricsSnapshot.refresh``)."""
     chains: ResponseChains = field(default_factory=ResponseChains)
+    prefixes: ConversationPrefixes = field(default_factory=ConversationPrefixes)
+    known: Callable[[str, str | None], Awaitable[bool]] | None = None
+    """``await known(trajectory_id, cache_salt)``: whether an engine still holds it (a resent
+    conversation never continues a DELETEd or expired trajectory)."""
     counters: Counter[str] = field(default_factory=Counter)
     warned: set[tuple[str, str]] = field(default_factory=set)
 
@@ -165,6 +179,7 @@ class _Identified:
     body: bytes = b""  # the request body: read again only if the reply would auto-pause
     salt: str | None = None  # the body's cache_salt (parsed Responses bodies only)
     refused: str | None = None  # another tenant's previous_response_id: answered 404 here
+    conversation: bytes | None = None  # the digest of a Responses request's input (prefixes)
 
 
 # ---------------------------------------------------------------------------------- middleware
@@ -238,7 +253,7 @@ class AgentKVHooks:
         try:
             if messages[-1].get("type") == "http.request":
                 raw = b"".join(m.get("body", b"") for m in messages)
-                found = self._identify(scope, raw, api)
+                found = await self._identify(scope, raw, api)
                 found.body = raw
                 if found.new_raw is not None:
                     scope = _with_length(scope, len(found.new_raw))
@@ -281,7 +296,7 @@ class AgentKVHooks:
         self.state.counters["foreign_response_refused"] += 1
         return response_id
 
-    def _identify(self, scope: Scope, raw: bytes, api: Api) -> _Identified:
+    async def _identify(self, scope: Scope, raw: bytes, api: Api) -> _Identified:
         """The identity is ``raw`` itself (deferred) for a body with explicit params and no
         hint: its ids are parsed only if the reply needs them (tool calls, no agentkv stats),
         so plain trajectory requests cost a substring search, not a JSON parse."""
@@ -301,10 +316,20 @@ class AgentKVHooks:
             self.state.warn_once(p)
         fatal = [p for p in problems if p.vanilla]
         error = fatal[0].message if fatal else params_error(body)
+        conversation = None
+        if identity is not None and identity.source == SRC_CHAIN:
+            digests = conversation_digests(body, identity.cache_salt)
+            if digests is not None:  # a new chain: its input holds its whole history
+                st = self.state
+                identity = await continued(
+                    identity, digests, st.prefixes, st.known, st.counters, st.pause_timeout_s
+                )
+                conversation = digests[-1]
         if identity is None or not identity.inject:
             return _Identified(identity, None, error, salt=salt)
         self.state.counters[f"identified.{identity.source}"] += 1
-        return _Identified(identity, inject_identity(raw, body, identity), error, salt=salt)
+        new_raw = inject_identity(raw, body, identity)
+        return _Identified(identity, new_raw, error, salt=salt, conversation=conversation)
 
 
 class _Replay:
@@ -345,6 +370,7 @@ class _ResponseWatcher:
         self._fired = False
         self._body = found.body
         self._salt = found.salt
+        self._conversation = found.conversation
         ident = found.identity
         self._named_by = ident.source if isinstance(ident, Identity) and ident.inject else None
 
@@ -395,7 +421,8 @@ class _ResponseWatcher:
         if self._sse:
             self._scanner.feed(chunk)
             if not self._fired and (self._scanner.done or last):
-                await self._fire(self._scanner.names, self._scanner.response_id)
+                scanner = self._scanner
+                await self._fire(scanner.names, scanner.response_id, scanner.output)
             return [message]
         if not self._json_overflow:
             if len(self._json) + len(chunk) > MAX_JSON_RESPONSE:
@@ -414,8 +441,8 @@ class _ResponseWatcher:
             return [message]
         raw = b"" if self._json_overflow else bytes(self._json)
         names = tool_names_from_json(raw, self.api)
-        rid = _response_id(raw) if self._records_chain() else None
-        await self._fire(names, rid)
+        rid, output = _response_id(raw) if self._records_chain() else (None, None)
+        await self._fire(names, rid, output)
         if not self._holding:
             return [message]
         self._holding = False
@@ -437,7 +464,9 @@ class _ResponseWatcher:
     def _records_chain(self) -> bool:
         return self.api == Api.RESPONSES and self.state.responses_chains
 
-    async def _fire(self, names: list[str], response_id: str | None) -> None:
+    async def _fire(
+        self, names: list[str], response_id: str | None, output: list[Any] | None = None
+    ) -> None:
         self._fired = True
         if not names and response_id is None:
             return
@@ -447,6 +476,9 @@ class _ResponseWatcher:
             salt = ident.cache_salt if ident is not None else self._salt
             if ident is not None:
                 self.state.chains.record(response_id, ident.trajectory_id, ident.branch, salt)
+                if self._conversation is not None and output is not None:
+                    whole = extend(self._conversation, output)
+                    self.state.prefixes.record(whole, ident.trajectory_id, ident.branch)
             elif salt:
                 self.state.chains.record(response_id, None, "", salt)
         if ident is None:
@@ -515,13 +547,16 @@ def _names_its_pause(raw: bytes) -> bool:
     return isinstance(agentkv, dict) and agentkv.get("pause_after") is not None
 
 
-def _response_id(raw: bytes) -> str | None:
+def _response_id(raw: bytes) -> tuple[str | None, list[Any] | None]:
+    """A Responses reply's id and ``output``."""
     try:
         payload = json.loads(raw)
     except ValueError:
-        return None
-    rid = payload.get("id") if isinstance(payload, dict) else None
-    return rid if isinstance(rid, str) else None
+        return None, None
+    if not isinstance(payload, dict):
+        return None, None
+    rid, output = payload.get("id"), payload.get("output")
+    return rid if isinstance(rid, str) else None, output if isinstance(output, list) else None
 
 
 def _with_agentkv_fields(raw: bytes, fields: dict[str, str]) -> bytes:

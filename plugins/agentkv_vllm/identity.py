@@ -29,17 +29,20 @@ vanilla, a lower one is not tried instead):
      served; an id the table does not know names the trajectory itself); one without starts a
      chain whose trajectory id is its own response id (``request_id``, which vLLM uses as the
      response id; generated and added to the body when absent). ``store: false`` opts out.
+     At the same level, ``responses_prefix``: a request that would start a chain but whose
+     ``input`` resends a stored response's whole conversation (the Agents SDK's default: no
+     ``previous_response_id``, the full history each turn) continues that response's
+     trajectory instead (``agentkv_vllm.prefixes``; the hooks decide it, since it needs the
+     engine's word that the trajectory still exists).
 
 Why ``prompt_cache_key`` is 6: it is a *cache-routing* key, not a session id. OpenAI buckets
 requests by it for prefix-cache hits, and its guide suggests sharing one key across the requests
 that share a prefix (per user, per system prompt), so one key may span several concurrent
 conversations. Every source that names a session by intent (1-5) is therefore more specific and
 wins; a client that sends both a ``session_id``/``x-session-id`` and a shared cache key gets one
-trajectory per session. It still outranks the chain: it is what the client said, where the chain
-is inferred, and a Responses run that resends its whole input without ``previous_response_id``
-(the Agents SDK's default) would otherwise be one trajectory per request. With a chain and a key
-both present they agree when the chain's first request carried the same key (its trajectory is
-the key).
+trajectory per session. It still outranks the chain and the resent conversation: it is what the
+client said, where those are inferred. With a chain and a key both present they agree when the
+chain's first request carried the same key (its trajectory is the key).
 
 ``prompt_cache_retention`` (OpenAI: ``"in_memory"`` or ``"24h"``, a *maximum* retention) caps the
 lease of the trajectory's auto-pause like ``agentic_context.kv_retention_ttl_seconds`` does (the
@@ -74,7 +77,19 @@ SRC_CONTEXT = "agentic_context"
 SRC_XARGS = "vllm_xargs.session_id"
 SRC_CACHE_KEY = "prompt_cache_key"
 SRC_CHAIN = "responses_chain"
-SOURCES = (SRC_PARAMS, SRC_BODY, SRC_HEADER, SRC_CONTEXT, SRC_XARGS, SRC_CACHE_KEY, SRC_CHAIN)
+# Same level as the chain: a new chain whose input resends a stored response's conversation
+# continues that response's trajectory (``agentkv_vllm.prefixes``; decided by the hooks).
+SRC_PREFIX = "responses_prefix"
+SOURCES = (
+    SRC_PARAMS,
+    SRC_BODY,
+    SRC_HEADER,
+    SRC_CONTEXT,
+    SRC_XARGS,
+    SRC_CACHE_KEY,
+    SRC_CHAIN,
+    SRC_PREFIX,
+)
 RETENTION_FIELD = "prompt_cache_retention"
 # OpenAI's retention values -> the longest lease (seconds) a pause may keep the context for.
 # "in_memory": OpenAI keeps such prefixes 5-10 minutes idle, at most an hour; "24h": a day.

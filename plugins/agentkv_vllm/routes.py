@@ -507,6 +507,16 @@ async def _auto_pause(
         _nudge_soon()
 
 
+async def _known(trajectory_id: str, cache_salt: str | None = None) -> bool:
+    """The hooks' check before a resent Responses conversation continues a trajectory: does an
+    engine still hold it (not DELETEd, not expired)? Raises when none answers."""
+    if not _State.hooks_clients:
+        raise ControlUnavailable("agentkv connector is not enabled on this server")
+    salt = {"cache_salt": cache_salt} if cache_salt else {}
+    status, _ = await _fan_out(_State.hooks_clients, "known", trajectory_id=trajectory_id, **salt)
+    return status != 404
+
+
 def _nudge_soon() -> None:
     """Wake an idle engine loop (any utility call does; it then runs the transfers the op
     queued) without waiting for it: the utility call is answered between engine steps, so
@@ -569,6 +579,7 @@ class AgentKVRoutes:
         ]
         _State.hooks.auto_pause = _auto_pause_setting(settings, extra)
         _State.hooks.pause = _auto_pause
+        _State.hooks.known = _known
         _State.hooks.responses_chains = _responses_store_enabled()
         _State.hooks.enabled = True
         _register_metrics(_State.client)

@@ -5,7 +5,8 @@ Primitives:
   tool_names_from_payload(payload, api, streamed)   tool names in one parsed response / SSE event
   tool_names_from_json(raw, api)                    tool names of a non-streamed response body
   SSEToolScanner(api)         fed a response's SSE bytes: tool names (once per call), the
-                              Responses API's response id, and ``done`` at the API's last event
+                              Responses API's response id and final ``output``, and ``done`` at
+                              the API's last event
 
 Where each API puts a call (non-streamed / streamed):
   chat completions   ``choices[].message.tool_calls[].function.name`` /
@@ -128,6 +129,9 @@ class SSEToolScanner:
         self.api = api
         self.done = False
         self.response_id: str | None = None  # the Responses API's id (``response.created``)
+        # The Responses API's final ``output`` (the last event's response): what a client that
+        # resends its history replays (the streamed items may carry other call ids).
+        self.output: list[Any] | None = None
         self._calls: dict[object, str] = {}  # one name per call (output_index / block index)
         self._chat: list[str] = []
         self._buf = b""
@@ -163,6 +167,9 @@ class SSEToolScanner:
             self.response_id = rid if isinstance(rid, str) else None
         elif kind in _LAST_EVENTS[self.api]:
             self.done = True
+            response = event.get("response")
+            output = response.get("output") if isinstance(response, dict) else None
+            self.output = output if isinstance(output, list) else None
         elif self.api == Api.RESPONSES and kind in RESPONSES_ITEM_EVENTS:
             item = event.get("item")
             name = _name(item)
