@@ -13,6 +13,7 @@ from agentkv.cli import (
     bench_agents,
     bench_fleet,
     bench_overhead,
+    bench_rollout,
     bench_scale,
     bench_tiers,
     diagnose,
@@ -32,7 +33,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 bench_app = typer.Typer(
-    help="Benchmarks: tier bandwidth, agent workloads vs vanilla vLLM, idle-trajectory scale.",
+    help="Benchmarks: tier bandwidth, agent workloads and RL rollouts vs vanilla vLLM, idle-trajectory scale.",
     no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
@@ -49,6 +50,7 @@ bench_agents.register(bench_app)
 bench_scale.register(bench_app)
 bench_overhead.register(bench_app)
 bench_fleet.register(bench_app)
+bench_rollout.register(bench_app)
 
 
 def main() -> None:
