@@ -277,15 +277,17 @@ async def run_steps(
     sync: Sync,
     on_turn: Callable[[TurnResult], None] = lambda _: None,
     headers: dict[str, str] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> list[StepResult]:
     """Every rollout step of ``shape`` against the server at ``base_url``; ``sync(k)`` runs the
     trainer's weight sync after step k (not after the last) and answers (its seconds, the
-    agentkv tier blocks left after it, or None)."""
+    agentkv tier blocks left after it, or None). ``transport``: httpx's, for tests of the
+    driver's own logic."""
     limits = httpx.Limits(max_connections=max(64, shape.trajectories * 2))
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
     steps = []
     async with httpx.AsyncClient(
-        base_url=base_url, timeout=timeout, limits=limits, headers=headers
+        base_url=base_url, timeout=timeout, limits=limits, headers=headers, transport=transport
     ) as client:
         for k in range(shape.steps):
             plans = plan_step(shape, k)

@@ -11,6 +11,7 @@ Primitives:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from statistics import median
@@ -35,7 +36,7 @@ def _quantile(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
     ordered = sorted(xs)
-    rank = max(1, min(len(ordered), round(q * len(ordered) + 0.5)))
+    rank = max(1, min(len(ordered), math.ceil(q * len(ordered))))
     return ordered[rank - 1]
 
 

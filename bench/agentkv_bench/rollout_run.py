@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import math
+import secrets
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -43,6 +44,10 @@ CONFIGS = ("vanilla", "agentkv")
 TIGHT_FRACTION = 0.4  # of every trajectory's final context: paused contexts must leave the pool
 ROOMY_FACTOR = 2.0  # every trajectory's final context twice over: nothing is ever evicted
 RESET_TRIES = 50
+# The bench reads the learned waits, which /agentkv/v1/status shows the operator only; a key of
+# the run's own (the bench owns the server), never one from the caller's environment.
+OPERATOR_KEY = secrets.token_hex(16)
+OPERATOR_HEADER = "X-AgentKV-Operator-Key"
 
 
 @dataclass
@@ -103,7 +108,11 @@ def _spec(
             opts.max_model_len, (context_blocks(opts.shape, BLOCK_TOKENS) + 1) * BLOCK_TOKENS
         ),
         extra_args=("--worker-extension-cls", EXTENSION),
-        extra_env={"VLLM_SERVER_DEV_MODE": "1", "AGENTKV_PROFILE": str(work / "no-profile.json")},
+        extra_env={
+            "VLLM_SERVER_DEV_MODE": "1",
+            "AGENTKV_PROFILE": str(work / "no-profile.json"),
+            "AGENTKV_OPERATOR_KEY": OPERATOR_KEY,
+        },
         log_path=opts.out / f"server-{tag}.log",
         run_dir=work / f"run-{tag}",
     )
@@ -121,14 +130,17 @@ async def _reset(client: httpx.AsyncClient) -> None:
 
 
 def http_sync(
-    server: RunningServer, checkpoints: list[Path], with_agentkv: bool
+    base_url: str,
+    checkpoints: list[Path],
+    with_agentkv: bool,
+    headers: dict[str, str] | None = None,
 ) -> Callable[[int], Awaitable[tuple[float, int | None]]]:
     """The trainer's sync after step k: OpenRLHF's ``update_weight`` RPC loading checkpoint k,
     then a plain prefix-cache reset; answers its seconds and (agentkv) the host and disk blocks
     left in the tiers right after it."""
 
     async def sync(k: int) -> tuple[float, int | None]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=600.0) as client:
+        async with httpx.AsyncClient(base_url=base_url, timeout=600.0, headers=headers) as client:
             t0 = time.monotonic()
             r = await client.post("/collective_rpc", json=sync_body(checkpoints[k]))
             if r.status_code != 200:
@@ -155,7 +167,11 @@ def _learned(server: RunningServer) -> dict[str, Any]:
     """What agentkv decided over the run: its pause decisions, the implicit pauses and the
     environment's learned waits (``/agentkv/v1/status``)."""
     with contextlib.suppress(httpx.HTTPError, ValueError):
-        body = httpx.get(server.base_url + "/agentkv/v1/status", timeout=30).json()
+        body = httpx.get(
+            server.base_url + "/agentkv/v1/status",
+            headers={OPERATOR_HEADER: OPERATOR_KEY},
+            timeout=30,
+        ).json()
         counters = body.get("counters", {})
         return {
             "decisions": body.get("decisions", {}),
@@ -166,6 +182,16 @@ def _learned(server: RunningServer) -> dict[str, Any]:
             "waits_learned": body.get("predictor", {}).get(ENV_NAME, 0),
         }
     return {}
+
+
+def _write_turns(path: Path, steps: list[StepResult]) -> None:
+    """Every request's record, one JSON object a line (the report's figures come from these)."""
+    with path.open("w") as f:
+        for step in steps:
+            for t in step.turns:
+                row = asdict(t)
+                row["output_tokens"] = len(row.pop("output_ids"))
+                f.write(json.dumps(row) + "\n")
 
 
 def run_rollout(opts: RolloutOptions, progress: ProgressFn | None = None) -> dict[str, Any]:
@@ -212,10 +238,11 @@ def run_rollout(opts: RolloutOptions, progress: ProgressFn | None = None) -> dic
                         server.model,
                         shape,
                         name == "agentkv",
-                        http_sync(server, checkpoints, name == "agentkv"),
+                        http_sync(server.base_url, checkpoints, name == "agentkv"),
                         on_turn,
                     )
                 )
+                _write_turns(opts.out / f"turns-{name}-{kind.value}.jsonl", steps)
                 summary = summarize(steps)
                 if name == "agentkv":
                     summary["agentkv"] = _learned(server)

@@ -375,3 +375,63 @@ def _rollout_across_a_sync(server: Server, fw: _HttpFramework, tid: str) -> None
     new = fw.generate(server, p3, None, f"ref-{fw.name}-new")  # the new weights, from scratch
     assert t3.sampled == new.sampled
     assert new.sampled != old.sampled, "the weights did not change"
+
+
+def test_the_rollout_bench_drives_a_rollout_across_a_real_weight_sync(rl_server: Server) -> None:
+    """``agentkv bench rollout``'s driver and sync on the real server: each trajectory is one
+    agentkv trajectory of consecutive turns (its one line: the id with ``implicit_pause``), each
+    turn's history is cached, and after the bench's weight sync (OpenRLHF's ``update_weight``
+    through ``/collective_rpc``, a plain reset) the tiers that held step 0's contexts hold
+    nothing and step 1's first turns load nothing from them."""
+    import asyncio
+
+    from agentkv import modelgen
+    from agentkv_bench.rollout import RolloutShape, plan_step, run_steps
+    from agentkv_bench.rollout_run import http_sync
+    from agentkv_bench.rollout_weights import perturbed_checkpoint as trainer_step
+
+    server = rl_server
+    shape = RolloutShape(
+        trajectories=2,
+        group=2,
+        turns=2,
+        steps=2,
+        system_tokens=300,
+        task_tokens=100,
+        observation_tokens=60,
+        output_tokens=4,
+        env_median_s=0.0,
+        seed=41,
+    )
+    weights = trainer_step(
+        modelgen.default_model_dir("tiny"), Path(tempfile.mkdtemp()) / "tiny-rollout", 4101
+    )
+    inner = http_sync(server.base_url, [weights], True, server.headers)
+
+    def tier_blocks() -> int:
+        tiers = server.status()["tiers"]
+        return int(tiers["host"]["blocks"]) + int(tiers["disk"]["blocks"])
+
+    async def sync(k: int) -> tuple[float, int | None]:
+        # The server writes back eagerly: step 0's paused contexts reach a tier first (the
+        # first pause, with nothing learned, goes to disk), so the sync has something to drop.
+        await asyncio.to_thread(wait_until, tier_blocks, "step 0's tier copies")
+        check_turns(k)
+        return await inner(k)
+
+    def check_turns(k: int) -> None:
+        for plan in plan_step(shape, k):
+            turns = server.trajectory(plan.trajectory_id)["turns"]
+            assert [t["turn"] for t in turns] == [1, 2], (plan.trajectory_id, turns)
+            if k == 1:
+                assert turns[0]["tier_hit_tokens"] == 0, turns[0]
+
+    steps = asyncio.run(
+        run_steps(server.base_url, "tiny", shape, True, sync, headers=server.headers)
+    )
+    assert steps[0].tier_blocks_after_sync == 0, steps[0]
+    # The sync ended step 0's trajectories (their KV was computed by the old weights).
+    assert all(server.trajectory_code(p.trajectory_id) == 404 for p in plan_step(shape, 0))
+    check_turns(1)
+    for t in (t for s in steps for t in s.turns if t.turn == 2):
+        assert t.cached_tokens >= 384, t  # the first turn's 400 prompt tokens, whole blocks
