@@ -37,6 +37,11 @@ def main() -> None:
         """The weather of a city."""
         return "sunny"
 
+    @agent.tool_plain  # a second tool: naming all tools would be "required", not one forced
+    def get_time(city: Literal["paris"]) -> str:
+        """The local time of a city."""
+        return "noon"
+
     # The one line: this run's session id.
     settings: Any = {"extra_headers": {"x-session-id": args.session_id}}
     result = agent.run_sync(QUESTION, model_settings=settings)

@@ -8,11 +8,16 @@ Both frameworks build one client per model object and take the per-call options 
 so the per-run line is "one model per run" (not a shared one). Both finish a run with a tool
 call of their own (mini-swe-agent's submit command, smolagents' ``final_answer``), so the
 second turn pauses too, on that tool, and is never resumed (``last_tool``).
+
+The five framework examples (examples/frameworks/) run here too, against the same server.
 """
 
 # No ``from __future__ import annotations``: smolagents reads the tools' type hints.
 import asyncio
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -181,3 +186,37 @@ def test_smolagents(server: Server) -> None:
         return await asyncio.to_thread(run, sid, by_cache_key)
 
     asyncio.run(_two_runs(server, name, both, last_tool="final_answer"))
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "frameworks"
+
+
+@pytest.mark.parametrize(
+    ("example", "tool"),
+    [
+        ("openai_agents_agent.py", "get_weather"),
+        ("langgraph_agent.py", "get_weather"),
+        ("pydantic_ai_agent.py", "get_weather"),
+        ("mini_swe_agent.py", "bash"),
+        ("smolagents_agent.py", "final_answer"),
+    ],
+)
+def test_the_framework_examples_run(server: Server, example: str, tool: str) -> None:
+    """Each example in examples/frameworks/ (docs/frameworks.md) runs against the server as a
+    user runs it: its run is one trajectory of several turns, paused on its tool, and the
+    example prints what the server made of it."""
+    sid = f"fw-example-{os.urandom(4).hex()}"
+    args = ["--base-url", server.base_url + "/v1", "--model", server.model, "--session-id", sid]
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / example), *args, "--api-key", str(server.api_key)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    traj = server.trajectory(sid)
+    turns = [t["turn"] for t in traj["turns"]]
+    assert len(turns) >= 2 and turns == list(range(1, len(turns) + 1)), traj["turns"]
+    assert traj["branches"]["main"]["tool"] == tool, traj["branches"]["main"]
+    assert f"turn {len(turns)}: prompt" in done.stdout and f"last paused on {tool}" in done.stdout
+    server.end(sid)
