@@ -2,11 +2,11 @@
 
 mini-swe-agent passes its model's ``model_kwargs`` to every ``litellm.completion`` call, so the
 one line is the run's model. Its bash commands are not run here (the environment answers
-every command and submits at the first, as a random-weight model writes random commands);
-with a real model use ``LocalEnvironment()``. A random-weight model's commands run past
-``max_tokens``, which mini-swe-agent reports as format errors (3 turns, then
-``RepeatedFormatError``). See docs/frameworks.md. Start the server
-(common.SERVE), then
+every command and submits at the second, as a random-weight model writes random commands);
+with a real model use ``LocalEnvironment()``. A random-weight model's commands often run past
+``max_tokens`` (mini-swe-agent reports a format error and asks again), so the run ends within
+3 turns as Submitted, LimitsExceeded or RepeatedFormatError. See docs/frameworks.md. Start the
+server (common.SERVE), then
 
     python examples/frameworks/mini_swe_agent.py --base-url http://127.0.0.1:8000/v1
 """
@@ -29,10 +29,14 @@ def main() -> None:
     litellm.suppress_debug_info = True  # its cost lookup's banner
 
     class EchoEnvironment(LocalEnvironment):
+        commands = 0
+
         def execute(self, action: dict[str, Any], cwd: str = "", **kw: Any) -> dict[str, Any]:
             print("would run:", action.get("command"))
-            output = {"output": "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\nsunny\n", "returncode": 0}
-            self._check_finished(output)  # mini-swe-agent's own end of a run
+            self.commands += 1
+            done = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n" if self.commands > 1 else ""
+            output = {"output": done + "sunny\n", "returncode": 0, "exception_info": ""}
+            self._check_finished(output)  # mini-swe-agent's own end of a run, at the second
             return output
 
     model = LitellmModel(
