@@ -37,22 +37,25 @@ def _pools(text: str | None) -> dict[str, int] | None:
 
 
 def rollout(
-    trajectories: int = typer.Option(16, "--trajectories", min=1, help="Trajectories per step."),
+    trajectories: int = typer.Option(8, "--trajectories", min=1, help="Trajectories per step."),
     group: int = typer.Option(
-        4, "--group", min=1, help="Samples per prompt (GRPO's group): they share the task tokens."
+        2, "--group", min=1, help="Samples per prompt (GRPO's group): they share the task tokens."
     ),
-    turns: int = typer.Option(6, "--turns", min=1, help="Generations per trajectory."),
+    turns: int = typer.Option(5, "--turns", min=1, help="Generations per trajectory."),
     steps: int = typer.Option(
-        3, "--steps", min=1, help="Rollout steps; a real weight sync runs between two."
+        2, "--steps", min=1, help="Rollout steps; a real weight sync runs between two."
     ),
     system_tokens: int = typer.Option(
-        512, "--system-tokens", min=0, help="The instruction template, the same in every step."
+        1024, "--system-tokens", min=0, help="The instruction template, the same in every step."
     ),
     task_tokens: int = typer.Option(
-        256, "--task-tokens", min=0, help="Each group's task, new in every step."
+        512, "--task-tokens", min=0, help="Each group's task, new in every step."
     ),
     observation_tokens: int = typer.Option(
-        128, "--observation-tokens", min=0, help="What each environment step returns."
+        768,
+        "--observation-tokens",
+        min=0,
+        help="What each environment step returns (a tool's output).",
     ),
     output_tokens: bench.OutputTokens = 32,
     env_median_s: float = typer.Option(

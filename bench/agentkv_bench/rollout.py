@@ -59,13 +59,13 @@ class RolloutShape:
     (``system_tokens``) is the same in every step, the task (``task_tokens``) is new per group
     and step."""
 
-    trajectories: int = 16
-    group: int = 4
-    turns: int = 6
-    steps: int = 3
-    system_tokens: int = 512
-    task_tokens: int = 256
-    observation_tokens: int = 128
+    trajectories: int = 8
+    group: int = 2
+    turns: int = 5
+    steps: int = 2
+    system_tokens: int = 1024
+    task_tokens: int = 512
+    observation_tokens: int = 768
     output_tokens: int = 32
     env_median_s: float = ENV_MEDIAN_S
     env_sigma: float = ENV_SIGMA

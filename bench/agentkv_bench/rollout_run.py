@@ -2,7 +2,7 @@
 pool size, one server up at a time, then report.json and report.md.
 
 Sequence: build (or reuse) the model preset and the trainer's checkpoints (one perturbed copy
-per weight sync, made once and kept under ``--out``); for each pool size (tight, roomy) start
+per weight sync, in the run's temporary folder); for each pool size (tight, roomy) start
 vanilla, run every step, stop it, then the same with agentkv (on alternate pools agentkv goes
 first, so a machine that drifts during the run does not favour one side). Both servers get the
 same vLLM settings, the trainer's worker extension and dev mode (``/collective_rpc`` and
@@ -109,6 +109,11 @@ def _spec(
         ),
         extra_args=("--worker-extension-cls", EXTENSION),
         extra_env={
+            # vLLM's CPU backend keeps one core back for the engine process, and one more when
+            # any KV connector is configured: on 2 cores that is all of them, so it falls back
+            # to none and the agentkv worker would get both cores where vanilla's gets one.
+            # Both get both.
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_SERVER_DEV_MODE": "1",
             "AGENTKV_PROFILE": str(work / "no-profile.json"),
             "AGENTKV_OPERATOR_KEY": OPERATOR_KEY,
@@ -207,13 +212,13 @@ def run_rollout(opts: RolloutOptions, progress: ProgressFn | None = None) -> dic
     say(f"building model preset {opts.preset}")
     model_dir = modelgen.ensure_model(opts.preset)
     shape = opts.shape
+    work = Path(tempfile.mkdtemp(prefix="agentkv-bench-rollout-"))
     say("writing the trainer's checkpoints")
     checkpoints = [
-        perturbed_checkpoint(model_dir, opts.out / "checkpoints" / f"step-{k + 1}", 9000 + k)
+        perturbed_checkpoint(model_dir, work / "checkpoints" / f"step-{k + 1}", 9000 + k)
         for k in range(shape.steps - 1)
     ]
     pools = opts.num_blocks or default_pools(shape)
-    work = Path(tempfile.mkdtemp(prefix="agentkv-bench-rollout-"))
     total = shape.trajectories * shape.turns * shape.steps
     results = []
     for i, (kind, blocks) in enumerate(pools.items()):

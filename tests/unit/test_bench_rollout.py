@@ -91,7 +91,7 @@ def test_the_tight_pool_cannot_keep_every_context_and_the_roomy_one_can() -> Non
     shape = RolloutShape()
     pools = default_pools(shape, block_tokens=128)
     one = context_blocks(shape, 128)
-    assert one == 13  # 512 + 256 + 6 * 32 + 5 * 128 = 1,600 tokens
+    assert one == 38  # 1,024 + 512 + 5 * 32 + 4 * 768 = 4,768 tokens
     assert one < pools[PoolKind.TIGHT] < one * shape.trajectories
     assert pools[PoolKind.ROOMY] >= 2 * one * shape.trajectories
     tiny = default_pools(RolloutShape(trajectories=1, turns=1, system_tokens=1, task_tokens=0))
@@ -255,3 +255,20 @@ def test_a_bad_pool_size_is_a_one_line_error(blocks: str, tmp_path: Path) -> Non
     )
     assert result.exit_code == 2, result.output
     assert "--num-blocks" in result.output
+
+
+def test_both_servers_get_the_same_vllm_settings_and_cores(tmp_path: Path) -> None:
+    """Only the connector differs. vLLM's CPU backend reserves one more core when any KV
+    connector is configured, which on 2 cores gave agentkv's worker both cores and vanilla's
+    one: the bench pins the reservation for both."""
+    opts = rollout_run.RolloutOptions(shape=SHAPE, out=tmp_path)
+    specs = {
+        name: rollout_run._spec(opts, name, PoolKind.TIGHT, 40, "/m", tmp_path)
+        for name in rollout_run.CONFIGS
+    }
+    vanilla, agentkv = specs["vanilla"], specs["agentkv"]
+    assert vanilla.connector_config is None and agentkv.connector_config is not None
+    assert vanilla.extra_env == agentkv.extra_env
+    assert vanilla.extra_env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    for field in ("num_blocks", "kv_space_gib", "max_model_len", "extra_args", "model"):
+        assert getattr(vanilla, field) == getattr(agentkv, field), field
