@@ -1,5 +1,5 @@
 """``agentkv fleet up``: several vLLM + agentkv replicas behind vllm-router, with a shared remote
-tier on Valkey (see agentkv.fleet and the README's "Several replicas").
+tier on Valkey (see agentkv.fleet and docs/reference.md's "Several replicas").
 
 With no sizes it fits the machine (``agentkv.fleet_plan``): on CPU two replicas, each with an
 explicit KV share of the free memory; on CUDA one replica per GPU (``--gpus-per-replica`` for

@@ -202,7 +202,7 @@ WritebackMode = Annotated[
         "--writeback",
         help="forecast (the connector's default): agentkv's offload_host copies wait in vLLM's "
         "cache until the pool forecasts their eviction; eager: copy at the pause (the connector "
-        "before issue 26, what the README's bench run used).",
+        "before issue 26, what the bench run in docs/results.md used).",
     ),
 ]
 GraceS = Annotated[

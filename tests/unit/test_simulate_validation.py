@@ -1,6 +1,6 @@
 """The simulator predicts the committed measured runs within 25% (issue 20's validation).
 
-Measured numbers: tests/unit/fixtures/simulate/bench_agents_small_cpu.json (README's Performance
+Measured numbers: tests/unit/fixtures/simulate/bench_agents_small_cpu.json (docs/results.md's Performance
 table of `agentkv bench agents`; engine: the built-in BENCH_SMALL_CPU calibration) and, when
 committed, the trace bench's report (engine costs fitted to its oracle run).
 """
