@@ -84,7 +84,7 @@ def rollout(
     quick: bool = typer.Option(
         False,
         "--quick",
-        help="A smoke run: 4 trajectories x 3 turns x 2 steps, short prompts (~3 min here).",
+        help="A smoke run: 4 trajectories x 3 turns x 2 steps, short prompts (~5 min here: four server starts).",
     ),
     preset: bench.Preset = "tiny",
     seed: bench.Seed = 0,
